@@ -1,0 +1,26 @@
+"""kvchat's engine: a block-paged KV cache and generation on MLX.
+
+Importing this package first preloads OpenBLAS on Linux (see `engine.blas`),
+which must happen before anything imports `mlx.core`.
+"""
+
+from engine import blas
+
+blas.preload()
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.errors import KVChatError, ModelLoadError, RequestError  # noqa: E402
+from engine.loader import LoadedModel, load_model  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "KVChatError",
+    "LoadedModel",
+    "ModelLoadError",
+    "RequestError",
+    "SamplingParams",
+    "load_model",
+]

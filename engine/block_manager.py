@@ -1,0 +1,159 @@
+"""Block bookkeeping for the paged KV pool: free list, refcounts, block tables.
+
+Pure Python, no MLX: the pool's arrays live in `kv_cache.PagedKVCache`; this
+class decides which physical block holds which tokens of which sequence.
+
+Invariants (checked by `check_invariants`, property-tested in tests):
+- every block is free (ref 0, on the free list) or in use (ref >= 1);
+- ref_counts[b] == number of block-table entries, over live sequences, naming b;
+- a sequence holds exactly ceil(num_tokens / block_size) blocks;
+- a block shared by several sequences is never written: appending into a
+  shared, partially filled last block copies it first (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from engine.errors import OutOfBlocksError
+
+
+@dataclass(slots=True)
+class SlotPlan:
+    """Where the next tokens of a sequence go, and the block copies needed first."""
+
+    slots: list[int]  # flat slot index (block_id * block_size + offset) per new token
+    copies: list[tuple[int, int]]  # (src_block, dst_block) copy-on-write pairs
+
+
+class BlockManager:
+    """Allocates fixed-size blocks to sequences and tracks their reference counts."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_counts = [0] * num_blocks
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.block_tables: dict[int, list[int]] = {}
+        self.num_tokens: dict[int, int] = {}
+
+    # -- queries -----------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_block_ids)
+
+    @property
+    def num_shared_blocks(self) -> int:
+        return sum(1 for r in self.ref_counts if r > 1)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _new_blocks_for(self, seq_id: int, num_new_tokens: int) -> int:
+        """Blocks an append must take from the free list, counting a copy-on-write."""
+        n = self.num_tokens[seq_id]
+        table = self.block_tables[seq_id]
+        extra = self.blocks_needed(n + num_new_tokens) - len(table)
+        cow = n % self.block_size != 0 and self.ref_counts[table[-1]] > 1
+        return extra + (1 if cow and num_new_tokens > 0 else 0)
+
+    # -- check / act pairs ------------------------------------------------------
+    def can_allocate(self, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq_id: int, num_tokens: int = 0) -> SlotPlan:
+        """Register a new sequence and reserve slots for its first ``num_tokens``."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        self.block_tables[seq_id] = []
+        self.num_tokens[seq_id] = 0
+        try:
+            return self.append(seq_id, num_tokens)
+        except OutOfBlocksError:
+            del self.block_tables[seq_id], self.num_tokens[seq_id]
+            raise
+
+    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
+        return self._new_blocks_for(seq_id, num_new_tokens) <= self.num_free_blocks
+
+    def append(self, seq_id: int, num_new_tokens: int) -> SlotPlan:
+        """Reserve slots for ``num_new_tokens`` more tokens of ``seq_id``.
+
+        Returns the slots to write and the copy-on-write block copies that must
+        be done *before* writing (the caller copies the K/V rows).
+        """
+        if not self.can_append(seq_id, num_new_tokens):
+            raise OutOfBlocksError(
+                f"need {self._new_blocks_for(seq_id, num_new_tokens)} blocks, "
+                f"{self.num_free_blocks} free"
+            )
+        table = self.block_tables[seq_id]
+        n = self.num_tokens[seq_id]
+        copies: list[tuple[int, int]] = []
+        if num_new_tokens > 0 and n % self.block_size and self.ref_counts[table[-1]] > 1:
+            src = table[-1]
+            dst = self._take_block()
+            self.ref_counts[src] -= 1
+            table[-1] = dst
+            copies.append((src, dst))
+        while len(table) < self.blocks_needed(n + num_new_tokens):
+            table.append(self._take_block())
+        bs = self.block_size
+        slots = [table[t // bs] * bs + t % bs for t in range(n, n + num_new_tokens)]
+        self.num_tokens[seq_id] = n + num_new_tokens
+        return SlotPlan(slots, copies)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Give ``child_id`` the same blocks as ``parent_id`` by reference."""
+        if child_id in self.block_tables:
+            raise ValueError(f"sequence {child_id} already has blocks")
+        table = list(self.block_tables[parent_id])
+        for b in table:
+            self.ref_counts[b] += 1
+        self.block_tables[child_id] = table
+        self.num_tokens[child_id] = self.num_tokens[parent_id]
+
+    def free(self, seq_id: int) -> int:
+        """Drop ``seq_id``'s block references exactly once; returns blocks freed.
+
+        Freeing an unknown (or already freed) sequence is a no-op, so every
+        release path may call it without double-counting.
+        """
+        table = self.block_tables.pop(seq_id, None)
+        if table is None:
+            return 0
+        del self.num_tokens[seq_id]
+        freed = 0
+        for b in reversed(table):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free_block_ids.append(b)
+                freed += 1
+        return freed
+
+    def _take_block(self) -> int:
+        b = self.free_block_ids.popleft()
+        assert self.ref_counts[b] == 0
+        self.ref_counts[b] = 1
+        return b
+
+    # -- invariants --------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent."""
+        counts = [0] * self.num_blocks
+        for seq_id, table in self.block_tables.items():
+            assert len(table) == self.blocks_needed(self.num_tokens[seq_id]), seq_id
+            for b in table:
+                counts[b] += 1
+        assert counts == self.ref_counts, "refcounts differ from block tables"
+        free = set(self.free_block_ids)
+        assert len(free) == len(self.free_block_ids), "duplicate free block"
+        for b in range(self.num_blocks):
+            assert (b in free) == (self.ref_counts[b] == 0), f"block {b} state"

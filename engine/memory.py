@@ -1,0 +1,93 @@
+"""Memory facts: which backend runs, how much memory the engine may use, KV sizing.
+
+The seed's KV formula: layers x 2 x kv_heads x head_dim x tokens x batch x
+bytes per element (plus scales for a quantized format).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+ENGINE_MEMORY_FRACTION = 0.75  # of physical RAM (CPU) or Metal's working-set limit
+FLOAT_WEIGHT_FRACTION = 0.25  # float32 weights on CPU only while they fit this share
+
+
+def backend() -> str:
+    """"metal", "cuda" or "cpu": chosen by what MLX can run, not by platform."""
+    if mx.metal.is_available():
+        return "metal"
+    if hasattr(mx, "cuda") and mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def engine_memory_limit() -> int:
+    """Bytes the engine may use for weights plus KV on this machine."""
+    if backend() == "metal":
+        info = mx.metal.device_info()
+        return int(info.get("max_recommended_working_set_size", physical_memory()))
+    return int(physical_memory() * ENGINE_MEMORY_FRACTION)
+
+
+def float_weight_budget() -> int:
+    return int(physical_memory() * FLOAT_WEIGHT_FRACTION)
+
+
+def kv_bytes_per_element(kv_bits: int, group_size: int = 64) -> float:
+    """Bytes per stored K/V element: 2 for fp16, bits/8 plus per-group scale+bias else."""
+    if kv_bits == 16:
+        return 2.0
+    if kv_bits == 32:
+        return 4.0
+    return kv_bits / 8 + 2 * 2 / group_size  # fp16 scale and bias per group
+
+
+@dataclass(slots=True)
+class KVEstimate:
+    """What a KV cache of ``tokens`` x ``batch`` costs and how it fits here."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tokens: int
+    batch: int
+    kv_bits: int
+    bytes_per_element: float
+    block_size: int
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.bytes_per_element
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.bytes_per_token * self.tokens * self.batch)
+
+    @property
+    def blocks(self) -> int:
+        """Blocks needed: each sequence rounds up to whole blocks."""
+        return -(-self.tokens // self.block_size) * self.batch
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self.blocks * self.block_size * self.bytes_per_token)
+
+
+def estimate(num_layers: int, num_kv_heads: int, head_dim: int, *, tokens: int,
+             batch: int = 1, kv_bits: int = 16, block_size: int = 16) -> KVEstimate:
+    if tokens < 1 or batch < 1:
+        raise ValueError("tokens and batch must be positive")
+    if kv_bits not in (4, 8, 16, 32):
+        raise ValueError("kv_bits must be 4, 8, 16 or 32")
+    return KVEstimate(num_layers, num_kv_heads, head_dim, tokens, batch, kv_bits,
+                      kv_bytes_per_element(kv_bits), block_size)

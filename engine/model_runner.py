@@ -1,0 +1,110 @@
+"""Runs an mlx-lm model's layers with attention over the paged KV pool.
+
+Why not plug into mlx-lm's cache protocol: `update_and_fetch` returns one dense
+K/V per batch with a single scalar offset, so ragged batches (each sequence at
+its own position, with its own block table) do not fit. We reuse mlx-lm's
+modules instead (projections, norms, RoPE, MLP, embeddings, weight loading and
+sanitizing for every llama-family model and Qwen3) and own only the forward:
+project, RoPE at per-sequence offsets, write K/V into block slots, paged
+attention. That keeps each mlx-lm model file the single source of truth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.kv_cache import KVLayout, PagedKVCache
+from engine.paged_attention import paged_attention
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Inputs of one forward pass: B sequences with L new tokens each."""
+
+    input_ids: mx.array  # (B, L) int32
+    offsets: mx.array  # (B,) int32: position of each sequence's first new token
+    slots: mx.array  # (B * L,) int32: pool slot of every new token, row-major
+    block_tables: mx.array  # (B, max_blocks) int32
+    context_lens: list[int]  # tokens per sequence including the new ones
+
+
+class PagedModel:
+    """Forward pass of a llama-family mlx-lm model over a `PagedKVCache`."""
+
+    def __init__(self, model: nn.Module, model_type: str):
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {model_type!r} is not supported by the paged engine "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        self.model = model
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.tied = getattr(model.args, "tie_word_embeddings", False) or not hasattr(
+            model, "lm_head"
+        )
+        attn = self.layers[0].self_attn
+        self.num_heads = attn.n_heads
+        self.num_kv_heads = attn.n_kv_heads
+        args = model.args
+        self.head_dim = getattr(args, "head_dim", None) or (
+            args.hidden_size // args.num_attention_heads
+        )
+        # A quantized embedding computes in the dtype of its scales.
+        self.dtype = getattr(self.embed_tokens, "scales", self.embed_tokens.weight).dtype
+
+    def kv_layout(self, block_size: int, dtype: mx.Dtype | None = None) -> KVLayout:
+        return KVLayout(
+            num_layers=len(self.layers),
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=block_size,
+            dtype=dtype or self.dtype,
+        )
+
+    def _attention(self, attn, x: mx.array, layer: int, batch: StepBatch, kv: PagedKVCache):
+        B, L, _ = x.shape
+        q = attn.q_proj(x).reshape(B, L, self.num_heads, -1)
+        k = attn.k_proj(x).reshape(B, L, self.num_kv_heads, -1)
+        v = attn.v_proj(x)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        offset = batch.offsets if B > 1 else int(batch.context_lens[0]) - L
+        q = attn.rope(q.transpose(0, 2, 1, 3), offset=offset)
+        k = attn.rope(k.transpose(0, 2, 1, 3), offset=offset)
+        # pool rows are (kv_heads, slot, head_dim); slots run row-major over (B, L)
+        kv.write(
+            layer,
+            batch.slots,
+            k.transpose(1, 0, 2, 3).reshape(self.num_kv_heads, B * L, -1),
+            v.reshape(B * L, self.num_kv_heads, -1).transpose(1, 0, 2),
+        )
+        k_pool, v_pool = kv.block_view(layer)
+        o = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.context_lens, attn.scale)
+        return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def __call__(self, batch: StepBatch, kv: PagedKVCache, *, logits: bool = True):
+        """Run the model; returns (B, vocab) logits of each sequence's last token.
+
+        With ``logits=False`` only K/V are written (prefill chunks whose
+        outputs are not sampled) and None is returned.
+        """
+        h = self.embed_tokens(batch.input_ids)
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), i, batch, kv)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if not logits:
+            return None
+        h = self.norm(h[:, -1:, :])
+        if self.tied:
+            out = self.embed_tokens.as_linear(h)
+        else:
+            out = self.model.lm_head(h)
+        return out[:, -1, :]

@@ -1,0 +1,77 @@
+"""Attention over a block-paged KV pool: the reference path (pure MLX).
+
+Contract shared with the Metal/CUDA kernels (metal_kernels/):
+    paged_attention(queries, k_pool, v_pool, block_tables, context_lens, scale)
+- queries: (B, Hq, L, D), the L newest positions of each sequence;
+- k_pool, v_pool: (Hkv, num_blocks, block_size, D), Hq % Hkv == 0 (GQA).
+  Head-major so that one sequence's gathered blocks are already the
+  contiguous (Hkv, T, D) that attention wants: no transpose copy per step;
+- block_tables: (B, max_blocks) int32, physical block ids; entries past a
+  sequence's last block are padding (any valid id, never read unmasked);
+- context_lens: B host ints, tokens in each sequence *including* the L new ones
+  (already written to the pool); query i of sequence b sits at position
+  context_lens[b] - L + i and sees keys 0..that position (causal);
+- returns (B, Hq, L, D) in the queries' dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+
+def gather_blocks(pool: mx.array, block_tables: mx.array) -> mx.array:
+    """(H, num_blocks, bs, D) pool -> (B, H, max_blocks * bs, D) K or V."""
+    B, nb = block_tables.shape
+    H, _, bs, D = pool.shape
+    if B == 1:
+        return pool[:, block_tables[0]].reshape(1, H, nb * bs, D)
+    return pool[:, block_tables].reshape(H, B, nb * bs, D).transpose(1, 0, 2, 3)
+
+
+def causal_mask(context_lens: Sequence[int], L: int, T: int) -> mx.array:
+    """(B, 1, L, T) boolean mask: query i of seq b sees keys <= its position."""
+    lens = mx.array(list(context_lens), dtype=mx.int32)
+    q_pos = lens[:, None] - L + mx.arange(L, dtype=mx.int32)[None, :]
+    k_pos = mx.arange(T, dtype=mx.int32)
+    return (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
+
+
+def paged_attention_ref(
+    queries: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: Sequence[int],
+    scale: float,
+) -> mx.array:
+    """Gather each sequence's blocks, then `mx.fast.scaled_dot_product_attention`.
+
+    With one sequence the gathered K/V are cut to its exact length so the
+    computation is the one a dense cache does (token-exact with mlx-lm).
+    """
+    B, _, L, _ = queries.shape
+    keys = gather_blocks(k_pool, block_tables).astype(queries.dtype)
+    values = gather_blocks(v_pool, block_tables).astype(queries.dtype)
+    if B == 1:
+        n = int(context_lens[0])
+        keys, values = keys[:, :, :n], values[:, :, :n]
+        mask = "causal" if L > 1 else None
+    else:
+        mask = causal_mask(context_lens, L, keys.shape[2])
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask
+    )
+
+
+def paged_attention(
+    queries: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: Sequence[int],
+    scale: float,
+) -> mx.array:
+    """Paged attention on the best path for this backend (see module docstring)."""
+    return paged_attention_ref(queries, k_pool, v_pool, block_tables, context_lens, scale)

@@ -1,0 +1,39 @@
+"""Sampling parameters; the samplers themselves are mlx-lm's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens and when to stop."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+    def make_sampler(self):
+        from mlx_lm.sample_utils import make_sampler
+
+        return make_sampler(self.temperature, top_p=self.top_p, min_p=self.min_p,
+                            top_k=self.top_k)
+
+    def make_logits_processors(self):
+        from mlx_lm.sample_utils import make_logits_processors
+
+        return make_logits_processors(repetition_penalty=self.repetition_penalty)

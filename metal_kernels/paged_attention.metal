@@ -1,0 +1,97 @@
+// Paged decode attention: one query token per sequence against its block table.
+// Body for mx.fast.metal_kernel (the same text runs on CUDA via cuda_backend.h).
+//   inputs:  queries (B, Hq, 1, D) T; k_pool, v_pool (Hkv, num_blocks, BS, D) KV
+//            (head-major: one head's block is BS * D contiguous values);
+//            block_tables (B, max_blocks) int32; context_lens (B,) int32;
+//            scale (1,) float32
+//   output:  out (B, Hq, 1, D) T
+//   template: T, KV (dtypes), D (head dim, multiple of 32), BS (block size),
+//             NSG (simdgroups per threadgroup)
+//   grid (32 * NSG, Hq, B), threadgroup (32 * NSG, 1, 1): one threadgroup per
+//   (query head, sequence); simdgroup g takes tokens g, g + NSG, ...; lane l
+//   owns dims [l * EPL, (l + 1) * EPL).
+// MLX adds shape parameters when it finds "<input>_shape" in this text, so
+// comments must not spell out other such names.
+  constexpr int EPL = D / PA_SIMD_WIDTH;
+  TG_ARRAY(float, tg_max, NSG);
+  TG_ARRAY(float, tg_sum, NSG);
+  TG_ARRAY(float, tg_out, NSG * D);
+
+  const int lane = int(thread_index_in_simdgroup);
+  const int sg = int(simdgroup_index_in_threadgroup);
+  const int head = int(threadgroup_position_in_grid.y);
+  const int seq = int(threadgroup_position_in_grid.z);
+  const int num_seqs = queries_shape[0];
+  const int num_q_heads = queries_shape[1];
+  const int num_kv_heads = k_pool_shape[0];
+  const int num_blocks = k_pool_shape[1];
+  const int max_blocks = block_tables_shape[1];
+  // Uniform per threadgroup: CUDA rounds the grid up to whole blocks.
+  if (head >= num_q_heads || seq >= num_seqs) {
+    return;
+  }
+  const int kv_head = head / (num_q_heads / num_kv_heads);
+  const int num_tokens = context_lens[seq];
+
+  // This lane's slice of the query, pre-scaled, in fp32.
+  const int64_t q_offset = (int64_t(seq) * num_q_heads + head) * D + lane * EPL;
+  const float softmax_scale = scale[0];
+  float q[EPL];
+  float o[EPL];
+  for (int i = 0; i < EPL; ++i) {
+    q[i] = pa_to_float(queries[q_offset + i]) * softmax_scale;
+    o[i] = 0.0f;
+  }
+
+  // Online softmax over this simdgroup's tokens. The loop bound depends on sg
+  // only, so simd_sum runs in control flow uniform across the simdgroup.
+  float m = PA_FINITE_MIN;
+  float l = 0.0f;
+  const int64_t kv_offset = int64_t(kv_head) * num_blocks * BS * D + lane * EPL;
+  for (int t = sg; t < num_tokens; t += NSG) {
+    const int block = block_tables[seq * max_blocks + t / BS];
+    const int64_t base = kv_offset + (int64_t(block) * BS + t % BS) * D;
+    float s = 0.0f;
+    for (int i = 0; i < EPL; ++i) {
+      s += q[i] * pa_to_float(k_pool[base + i]);
+    }
+    s = simd_sum(s);
+    const float m_new = pa_max(m, s);
+    const float alpha = pa_exp(m - m_new);
+    const float p = pa_exp(s - m_new);
+    l = l * alpha + p;
+    for (int i = 0; i < EPL; ++i) {
+      o[i] = o[i] * alpha + p * pa_to_float(v_pool[base + i]);
+    }
+    m = m_new;
+  }
+
+  // Publish the per-simdgroup partials, then merge them in one pass.
+  if (lane == 0) {
+    tg_max[sg] = m;
+    tg_sum[sg] = l;
+  }
+  for (int i = 0; i < EPL; ++i) {
+    tg_out[sg * D + lane * EPL + i] = o[i];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  float g_max = PA_FINITE_MIN;
+  for (int g = 0; g < NSG; ++g) {
+    g_max = pa_max(g_max, tg_max[g]);
+  }
+  float weight[NSG];
+  float denom = 0.0f;
+  for (int g = 0; g < NSG; ++g) {
+    weight[g] = pa_exp(tg_max[g] - g_max);
+    denom += tg_sum[g] * weight[g];
+  }
+  const float inv_denom = denom > 0.0f ? 1.0f / denom : 0.0f;
+  const int64_t out_offset = (int64_t(seq) * num_q_heads + head) * D;
+  for (int d = sg * PA_SIMD_WIDTH + lane; d < D; d += NSG * PA_SIMD_WIDTH) {
+    float acc = 0.0f;
+    for (int g = 0; g < NSG; ++g) {
+      acc += tg_out[g * D + d] * weight[g];
+    }
+    out[out_offset + d] = pa_from_float<T>(acc * inv_denom);
+  }

@@ -1,0 +1,1 @@
+"""Linux test harness for the GPU kernels: MSL/CUDA-on-CPU emulation, lint, cases."""

@@ -1,0 +1,112 @@
+"""Shape configurations and inputs shared by the kernel tests and the benchmark."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One decode-attention launch: B = len(context_lens) sequences, L = 1."""
+
+    dtype: str
+    head_dim: int
+    block_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    context_lens: tuple[int, ...]
+    num_simdgroups: int = 2
+    kv_dtype: str | None = None  # pool dtype when it differs from the queries'
+    seed: int = 0
+
+    @property
+    def id(self) -> str:
+        kv = f"-kv{self.kv_dtype}" if self.kv_dtype else ""
+        lens = "_".join(map(str, self.context_lens))
+        return (
+            f"{self.dtype}{kv}-D{self.head_dim}-bs{self.block_size}-"
+            f"gqa{self.num_q_heads}x{self.num_kv_heads}-L{lens}-sg{self.num_simdgroups}"
+        )
+
+
+def make_inputs(case: Case) -> dict[str, object]:
+    """Random queries and pools; each sequence's blocks scattered over the pool.
+
+    Block tables carry one spare padding column (a valid id, never read), and
+    the pool has spare blocks, so out-of-table reads show as wrong numbers.
+    """
+    rng = np.random.default_rng(case.seed)
+    bs, D = case.block_size, case.head_dim
+    needed = [math.ceil(n / bs) for n in case.context_lens]
+    max_blocks = max(needed) + 1
+    num_blocks = sum(needed) + 3
+    ids = rng.permutation(num_blocks)
+    table = rng.integers(0, num_blocks, size=(len(needed), max_blocks))
+    start = 0
+    for b, k in enumerate(needed):
+        table[b, :k] = ids[start : start + k]
+        start += k
+    dtype = DTYPES[case.dtype]
+    kv_dtype = DTYPES[case.kv_dtype or case.dtype]
+    B = len(case.context_lens)
+
+    def randn(*shape: int) -> mx.array:
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    return {
+        "queries": randn(B, case.num_q_heads, 1, D).astype(dtype),
+        "k_pool": randn(case.num_kv_heads, num_blocks, bs, D).astype(kv_dtype),
+        "v_pool": randn(case.num_kv_heads, num_blocks, bs, D).astype(kv_dtype),
+        "block_tables": mx.array(table.astype(np.int32)),
+        "context_lens": list(case.context_lens),
+        "scale": 1.0 / math.sqrt(D),
+    }
+
+
+# >= 20 configurations: ragged lengths, partial last blocks, exact multiples,
+# length 1, GQA 1:1 / 3:1 / 8:1, block sizes 8/16/32, D 64/128, all dtypes.
+EMULATED_CASES = [
+    Case("float16", 64, 16, 4, 4, (37, 5, 16)),
+    Case("float16", 64, 8, 6, 2, (1, 23)),
+    Case("float16", 128, 16, 8, 1, (50,)),
+    Case("float16", 128, 32, 3, 1, (64, 33, 7)),
+    Case("float16", 64, 32, 8, 8, (31, 2), num_simdgroups=4),
+    Case("float16", 128, 8, 16, 2, (17, 40), num_simdgroups=1),
+    Case("float16", 64, 16, 2, 2, (3,), num_simdgroups=4),
+    Case("float16", 128, 16, 6, 2, (97,)),
+    Case("bfloat16", 64, 16, 4, 4, (37, 5, 16)),
+    Case("bfloat16", 64, 8, 6, 2, (1, 23)),
+    Case("bfloat16", 128, 16, 8, 1, (50,)),
+    Case("bfloat16", 128, 32, 3, 1, (64, 33, 7)),
+    Case("bfloat16", 64, 32, 8, 8, (31, 2), num_simdgroups=4),
+    Case("bfloat16", 128, 8, 16, 2, (17, 40), num_simdgroups=1),
+    Case("float32", 64, 16, 4, 4, (37, 5, 16)),
+    Case("float32", 64, 8, 6, 2, (1, 23)),
+    Case("float32", 128, 16, 8, 1, (50,)),
+    Case("float32", 128, 32, 3, 1, (64, 33, 7)),
+    Case("float32", 64, 32, 8, 8, (31, 2), num_simdgroups=4),
+    Case("float32", 128, 8, 16, 2, (17, 40), num_simdgroups=1),
+    Case("float32", 64, 16, 2, 2, (3,), num_simdgroups=4),
+    Case("float16", 64, 16, 4, 2, (25, 9), kv_dtype="float32"),
+    Case("float32", 64, 16, 3, 1, (129,), num_simdgroups=8),
+]
+
+# Small cases for the sanitizer builds (TSan is ~10x slower).
+SANITIZER_CASES = [
+    Case("float16", 64, 8, 3, 1, (13, 4)),
+    Case("bfloat16", 128, 16, 2, 2, (20,)),
+    Case("float32", 64, 32, 2, 1, (33, 1), num_simdgroups=4),
+]
+
+CUDA_CASES = [
+    Case("float16", 64, 16, 6, 2, (37, 5)),
+    Case("bfloat16", 128, 32, 8, 1, (50,)),
+    Case("float32", 64, 8, 4, 4, (1, 23, 16), num_simdgroups=4),
+    Case("float32", 128, 16, 3, 1, (40,), num_simdgroups=1),
+]

@@ -1,0 +1,3 @@
+// Emulator stand-in: generated CUDA sources alias this namespace.
+#pragma once
+namespace cooperative_groups {}
