@@ -1,0 +1,108 @@
+"""Reference paged attention vs dense attention over the same K/V."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.paged_attention import paged_attention, paged_attention_ref
+
+
+def dense_attention(q, k, v, scale):
+    """Plain softmax attention in float64 numpy: q (Hq, L, D), k/v (Hkv, T, D), causal."""
+    Hq, L, D = q.shape
+    Hkv, T, _ = k.shape
+    g = Hq // Hkv
+    out = np.zeros((Hq, L, D))
+    for h in range(Hq):
+        s = (q[h] @ k[h // g].T) * scale  # (L, T)
+        for i in range(L):
+            s[i, T - L + i + 1 :] = -np.inf
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[h] = p @ v[h // g]
+    return out
+
+
+def make_case(lens, L, Hq, Hkv, D, bs, num_blocks, seed, dtype=mx.float32):
+    rng = random.Random(seed)
+    nrng = np.random.default_rng(seed)
+    k_pool = nrng.standard_normal((Hkv, num_blocks, bs, D)).astype(np.float32)
+    v_pool = nrng.standard_normal((Hkv, num_blocks, bs, D)).astype(np.float32)
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)  # scattered, non-contiguous blocks
+    max_blocks = max(-(-n // bs) for n in lens)
+    tables, start = [], 0
+    for n in lens:
+        nb = -(-n // bs)
+        own = ids[start : start + nb]
+        start += nb
+        tables.append(own + [ids[0]] * (max_blocks - nb))  # padding: a valid id
+    q = nrng.standard_normal((len(lens), Hq, L, D)).astype(np.float32)
+    return q, k_pool, v_pool, np.array(tables, dtype=np.int32)
+
+
+CASES = [
+    # lens, L, Hq, Hkv, D, bs
+    ([5], 1, 4, 4, 16, 4),
+    ([17, 3, 33], 1, 9, 3, 64, 16),  # GQA 3:1, ragged, partial last blocks
+    ([64, 1], 1, 8, 1, 32, 16),  # GQA 8:1, a one-token sequence
+    ([40], 7, 6, 2, 32, 8),  # chunked prefill: 7 new tokens after 33 cached
+    ([40, 12], 5, 4, 2, 16, 4),  # batched chunk, ragged
+    ([16, 32], 16, 2, 2, 8, 16),  # exact block multiples
+]
+
+
+@pytest.mark.parametrize("lens,L,Hq,Hkv,D,bs", CASES)
+def test_matches_dense_attention(lens, L, Hq, Hkv, D, bs):
+    num_blocks = sum(-(-n // bs) for n in lens) + 3
+    q, kp, vp, tables = make_case(lens, L, Hq, Hkv, D, bs, num_blocks, seed=len(lens) * L)
+    scale = D**-0.5
+    out = paged_attention_ref(mx.array(q), mx.array(kp), mx.array(vp), mx.array(tables),
+                              lens, scale)
+    assert out.shape == (len(lens), Hq, L, D)
+    for b, n in enumerate(lens):
+        nb = -(-n // bs)
+        k = np.concatenate([kp[:, t] for t in tables[b, :nb]], axis=1)[:, :n]
+        v = np.concatenate([vp[:, t] for t in tables[b, :nb]], axis=1)[:, :n]
+        ref = dense_attention(q[b].astype(np.float64), k, v, scale)
+        np.testing.assert_allclose(np.array(out[b]), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_padding_blocks_are_never_read():
+    lens, bs = [9, 2], 4
+    q, kp, vp, tables = make_case(lens, 1, 2, 2, 8, bs, 8, seed=3)
+    out1 = paged_attention_ref(mx.array(q), mx.array(kp), mx.array(vp), mx.array(tables), lens, 1)
+    tables2 = tables.copy()
+    tables2[1, 1:] = 7  # different padding ids
+    kp2, vp2 = kp.copy(), vp.copy()
+    used = {int(t) for b, n in enumerate(lens) for t in tables[b, : -(-n // bs)]}
+    for blk in set(range(8)) - used:
+        kp2[:, blk] = np.nan  # poison every block no sequence owns
+        vp2[:, blk] = np.nan
+    out2 = paged_attention_ref(mx.array(q), mx.array(kp2), mx.array(vp2), mx.array(tables2),
+                               lens, 1)
+    np.testing.assert_array_equal(np.array(out1), np.array(out2))
+
+
+def test_dispatch_uses_reference_on_cpu():
+    lens = [6]
+    q, kp, vp, tables = make_case(lens, 1, 2, 1, 8, 4, 4, seed=1)
+    args = (mx.array(q), mx.array(kp), mx.array(vp), mx.array(tables), lens, 0.3)
+    np.testing.assert_array_equal(np.array(paged_attention(*args)),
+                                  np.array(paged_attention_ref(*args)))
+
+
+def test_float16_pool_with_float32_queries():
+    lens = [21]
+    q, kp, vp, tables = make_case(lens, 1, 4, 2, 16, 8, 4, seed=2)
+    out = paged_attention_ref(mx.array(q), mx.array(kp).astype(mx.float16),
+                              mx.array(vp).astype(mx.float16), mx.array(tables), lens, 0.25)
+    assert out.dtype == mx.float32
+    k = np.concatenate([kp[:, t] for t in tables[0, :3]], axis=1)[:, :21]
+    v = np.concatenate([vp[:, t] for t in tables[0, :3]], axis=1)[:, :21]
+    ref = dense_attention(q[0].astype(np.float64), k, v, 0.25)
+    np.testing.assert_allclose(np.array(out[0]), ref, atol=5e-3)
