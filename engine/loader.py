@@ -92,7 +92,7 @@ def resolve_model_path(spec: str | None) -> Path:
     except Exception as e:  # LocalEntryNotFoundError, HFValidationError, ...
         raise ModelLoadError(
             f"model {spec!r} is not in the local Hugging Face cache "
-            f"(download it first, e.g. `kvchat download {spec}`): {type(e).__name__}"
+            f"(download it first, e.g. `hf download {spec}`): {type(e).__name__}"
         ) from e
 
 
@@ -156,7 +156,8 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     except Exception as e:  # corrupt safetensors, shape mismatch, bad tokenizer...
         raise ModelLoadError(f"cannot load model from {path}: {e}") from e
     fmt = _quant_format(model)
-    if weights == "float32" or (weights == "auto" and choose_float_weights(model, float_budget_bytes)):
+    auto_float = weights == "auto" and choose_float_weights(model, float_budget_bytes)
+    if weights == "float32" or auto_float:
         model = to_float32(model)
         fmt = "float32"
     elif not fmt:

@@ -103,8 +103,5 @@ class PagedModel:
         if not logits:
             return None
         h = self.norm(h[:, -1:, :])
-        if self.tied:
-            out = self.embed_tokens.as_linear(h)
-        else:
-            out = self.model.lm_head(h)
+        out = self.embed_tokens.as_linear(h) if self.tied else self.model.lm_head(h)
         return out[:, -1, :]

@@ -9,9 +9,10 @@ import tempfile
 os.environ.setdefault("KVCHAT_HOME", tempfile.mkdtemp(prefix="kvchat-test-home-"))
 
 import engine  # noqa: E402,F401  (preloads OpenBLAS before mlx.core)
-import pytest  # noqa: E402
 
+# isort: split
 import mlx.core as mx  # noqa: E402
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
