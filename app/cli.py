@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+# transformers' advisory warnings (e.g. "sequence longer than the model max") would
+# precede our own one-line errors; kvchat checks lengths itself.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import engine  # noqa: F401  (preloads OpenBLAS before anything imports mlx.core)
 from engine.errors import KVChatError

@@ -15,6 +15,9 @@ import json
 import os
 import re
 import shutil
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 from engine.errors import ModelLoadError
@@ -174,14 +177,48 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
+def check_header(path: Path) -> None:
+    """Reject files that are not GGUF v2/v3 before any native reader sees them."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")
+    version, num_tensors, num_kv = struct.unpack("<IQQ", head[4:])
+    if version not in (2, 3):
+        raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
+    if num_tensors > size // 16 or num_kv > size // 8:
+        raise ModelLoadError(f"{path}: corrupt GGUF header")
+
+
 def converted_dir(gguf_path: Path, root: Path | None = None) -> Path:
-    """The MLX directory for a GGUF file, converting it once (keyed by content hash)."""
+    """The MLX directory for a GGUF file, converting it once (keyed by content hash).
+
+    The conversion runs in a child process: MLX's native GGUF reader can crash
+    (SIGSEGV) on a corrupt file, and a bad file must never take the app down.
+    """
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
         raise ModelLoadError(f"GGUF file not found: {gguf_path}")
+    check_header(gguf_path)
     digest = file_digest(gguf_path)[:16]
     out = (root or cache_root() / "models") / f"{gguf_path.stem}-{digest}"
     if not (out / "config.json").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        convert(gguf_path, out)
+        proc = subprocess.run(
+            [sys.executable, "-m", "engine.gguf", str(gguf_path), str(out)],
+            capture_output=True, text=True,
+        )
+        if proc.returncode != 0:
+            lines = proc.stderr.strip().splitlines()
+            detail = lines[-1] if lines else f"the GGUF reader died (status {proc.returncode})"
+            raise ModelLoadError(f"cannot convert {gguf_path}: {detail}")
     return out
+
+
+if __name__ == "__main__":
+    try:
+        convert(Path(sys.argv[1]), Path(sys.argv[2]))
+    except ModelLoadError as e:
+        print(e, file=sys.stderr)
+        sys.exit(2)
