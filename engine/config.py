@@ -19,6 +19,8 @@ class EngineConfig:
     """Prompt tokens per prefill step (bounds memory and cancel latency)."""
     max_context: int | None = None
     """Cap on tokens per sequence; None = the model's context length."""
+    fuse_projections: bool = True
+    """Concatenate q/k/v and gate/up weights of float models (fewer, larger matmuls)."""
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size > 1024:

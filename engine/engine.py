@@ -25,6 +25,8 @@ class Engine:
         self.loaded = loaded
         self.config = config = config or EngineConfig()
         self.runner = PagedModel(loaded.model, loaded.model_type)
+        if config.fuse_projections:
+            self.runner.fuse_projections()
         dtype = getattr(mx, config.kv_dtype) if config.kv_dtype else None
         self.layout = self.runner.kv_layout(config.block_size, dtype)
         num_blocks = self.layout.num_blocks_for(config.kv_budget_bytes)

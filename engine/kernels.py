@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ KernelFn = Callable[..., list[mx.array]]
 
 
 def kernel_available() -> str | None:
-    """"metal" or "cuda" when this MLX build can run custom kernels, else None."""
+    """Return "metal" or "cuda" when this MLX build can run custom kernels, else None."""
     if mx.metal.is_available():
         return "metal"
     if mx.cuda.is_available():
@@ -224,8 +225,6 @@ def generated_metal_source(
 
 def _capture_stdout_fd(action: Callable[[], object]) -> str:
     """Run `action` with file descriptor 1 redirected to a temp file; return what it wrote."""
-    import sys
-
     sys.stdout.flush()
     saved = os.dup(1)
     with tempfile.TemporaryFile(mode="w+b") as sink:

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from engine import kernels
+
 
 def gather_blocks(pool: mx.array, block_tables: mx.array) -> mx.array:
     """(H, num_blocks, bs, D) pool -> (B, H, max_blocks * bs, D) K or V."""
@@ -73,5 +75,17 @@ def paged_attention(
     context_lens: Sequence[int],
     scale: float,
 ) -> mx.array:
-    """Paged attention on the best path for this backend (see module docstring)."""
+    """Paged attention on the best path for this backend (see module docstring).
+
+    Decode (one query per sequence) runs the Metal or CUDA kernel where MLX has
+    that backend; prefill and the CPU backend use the reference.
+    """
+    if (
+        queries.shape[2] == 1
+        and kernels.kernel_available() is not None
+        and kernels.supports(queries, k_pool)
+    ):
+        return kernels.paged_decode_attention(
+            queries, k_pool, v_pool, block_tables, context_lens, scale
+        )
     return paged_attention_ref(queries, k_pool, v_pool, block_tables, context_lens, scale)

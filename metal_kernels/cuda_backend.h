@@ -17,9 +17,7 @@
 #define threadgroup_position_in_grid (blockIdx)
 
 namespace mem_flags {
-constexpr int mem_none = 0;
-constexpr int mem_device = 1;
-constexpr int mem_threadgroup = 2;
+enum : int { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
 }  // namespace mem_flags
 
 PA_FN void threadgroup_barrier(int) {

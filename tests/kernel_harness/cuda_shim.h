@@ -79,7 +79,7 @@ inline float __bfloat162float(__nv_bfloat16 b) { return float(b); }
 inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
 inline float __expf(float x) { return std::exp(x); }
-using std::expf;
+// expf comes from <cmath> (global namespace).
 
 namespace cuda::std {
 using ::std::array;

@@ -1,0 +1,529 @@
+"""`kvchat bench`: prefill and decode speed of kvchat next to mlx-lm as shipped.
+
+Both sides get the same raw token ids (no chat template), decode greedily with
+EOS ignored, and are timed by the same code (``time_stream``):
+
+- prefill tok/s = prompt tokens / time to first token
+- decode tok/s  = (generated tokens - 1) / (first token -> last token)
+- inter-token latency (ITL) P50/P95 over the decode steps
+
+kvchat runs in this process (float32 weights + OpenBLAS on CPU). mlx-lm runs the
+way a user runs it: its own model code and ``generate_step``, the shipped
+quantized weights, no OpenBLAS preload. That needs a fresh interpreter (the
+preload is process-wide), so it runs as ``python -m app.bench --mlx-lm-worker``,
+which must never import ``engine``.
+
+This module imports only the standard library at top level, for the worker's sake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+WORKER_FLAG = "--mlx-lm-worker"
+WARMUP_PROMPT_TOKENS = 8
+WARMUP_GEN_TOKENS = 3
+
+
+# -- shared by both sides ------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of a non-empty list."""
+    xs = sorted(values)
+    if not xs:
+        return 0.0
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def time_stream(prompt_tokens: int, make_tokens) -> dict:
+    """Time one generation: ``make_tokens()`` returns an iterator of token ids.
+
+    The clock starts before the iterator is created, so request setup counts
+    toward time to first token on both sides alike.
+    """
+    tic = time.perf_counter()
+    stamps: list[float] = []
+    tokens: list[int] = []
+    for token in make_tokens():
+        stamps.append(time.perf_counter())
+        tokens.append(int(token))
+    if not stamps:
+        raise RuntimeError("the generation produced no token")
+    ttft = stamps[0] - tic
+    decode_s = stamps[-1] - stamps[0]
+    itl = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return {
+        "prompt_tokens": prompt_tokens,
+        "generated_tokens": len(tokens),
+        "ttft_s": ttft,
+        "decode_s": decode_s,
+        "prefill_tps": prompt_tokens / ttft if ttft > 0 else 0.0,
+        "decode_tps": (len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
+        "itl_s": itl,
+        "tokens": tokens,
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Median over repeats; ITL percentiles over all repeats' steps pooled."""
+    itl = [x for r in runs for x in r["itl_s"]]
+    return {
+        "prompt_tokens": runs[0]["prompt_tokens"],
+        "generated_tokens": runs[0]["generated_tokens"],
+        "repeats": len(runs),
+        "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+        "decode_s": statistics.median(r["decode_s"] for r in runs),
+        "prefill_tps": statistics.median(r["prefill_tps"] for r in runs),
+        "decode_tps": statistics.median(r["decode_tps"] for r in runs),
+        "itl_p50_ms": 1000 * percentile(itl, 50),
+        "itl_p95_ms": 1000 * percentile(itl, 95),
+        "prefill_tps_runs": [r["prefill_tps"] for r in runs],
+        "decode_tps_runs": [r["decode_tps"] for r in runs],
+        "tokens": runs[0]["tokens"],
+    }
+
+
+def blas_libraries(only_under: str | None = None) -> list[str]:
+    """BLAS/LAPACK libraries mapped into this process (Linux), by file name."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "blas" in line.lower()}
+    except OSError:
+        return []
+    if only_under:
+        paths = {p for p in paths if only_under in p}
+    return sorted(os.path.basename(p) for p in paths)
+
+
+def _log(prefix: str, msg: str) -> None:
+    print(f"[{prefix}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- the mlx-lm worker (separate process, never imports engine) ------------------------
+
+
+def _quant_format(model) -> str:
+    bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits")})
+    return "/".join(f"q{b}" for b in bits)
+
+
+def worker_main(job_file: str) -> int:
+    """Run mlx-lm's generate_step over the job's prompts; print one JSON object."""
+    # Anything a library prints must not corrupt the JSON on stdout.
+    out, sys.stdout = sys.stdout, sys.stderr
+    job = json.loads(Path(job_file).read_text())
+    if "engine" in sys.modules or "engine.blas" in sys.modules:
+        raise RuntimeError("the mlx-lm worker must not import kvchat's engine")
+
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    _log("mlx-lm", f"loading {job['model_path']} (shipped weights)")
+    model, tokenizer = load(job["model_path"])
+    gen = job["gen_tokens"]
+
+    def run(ids: list[int], n: int) -> dict:
+        def tokens():
+            # As stream_generate does, minus its EOS stop: detokenize each token.
+            detok = tokenizer.detokenizer
+            detok.reset()
+            for token, _ in generate_step(mx.array(ids), model, max_tokens=n):
+                detok.add_token(token)
+                yield token
+
+        return time_stream(len(ids), tokens)
+
+    _log("mlx-lm", "warm-up")
+    run(job["warmup_ids"], WARMUP_GEN_TOKENS)
+    results = {}
+    rate = None  # prefill tok/s seen so far, for a time estimate
+    for length, ids in job["prompts"]:
+        eta = f", expect ~{length / rate:.0f}s prefill" if rate else ""
+        runs = []
+        for i in range(job["repeats"]):
+            _log("mlx-lm", f"length {length} run {i + 1}/{job['repeats']}{eta}")
+            runs.append(run(ids, gen))
+        s = summarize(runs)
+        rate = s["prefill_tps"]
+        _log("mlx-lm", f"length {length}: prefill {s['prefill_tps']:.1f} tok/s, "
+                       f"decode {s['decode_tps']:.1f} tok/s")
+        results[str(length)] = s
+    import mlx_lm
+
+    info = {
+        "mlx_lm_version": getattr(mlx_lm, "__version__", "?"),
+        "mlx_version": mx.__version__,
+        "device": str(mx.default_device().type).rsplit(".", 1)[-1],
+        "weight_format": _quant_format(model) or str(
+            model.model.embed_tokens.weight.dtype).removeprefix("mlx.core."),
+        "blas_preloaded": None,
+        "blas_libraries": blas_libraries("mlx"),
+        "results": results,
+    }
+    out.write(json.dumps(info) + "\n")
+    out.flush()
+    return 0
+
+
+# -- the kvchat side and the report ---------------------------------------------------
+
+
+def parse_lengths(text: str) -> list[int]:
+    """'128,1024' -> [128, 1024] (positive, de-duplicated, in order)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from e
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"lengths must be positive integers: {text!r}")
+    return list(dict.fromkeys(values))
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
+    return value
+
+
+def add_parser(sub) -> None:
+    """Register the ``bench`` subcommand on the CLI's subparsers object."""
+    from app.cli import add_engine_args
+
+    p = sub.add_parser(
+        "bench",
+        help="prefill/decode speed of kvchat vs mlx-lm (a benchmark, not a test)",
+        description=__doc__.splitlines()[0],
+    )
+    add_engine_args(p)
+    p.add_argument("--lengths", type=parse_lengths, default=parse_lengths("128,1024,4096"),
+                   help="prompt lengths in tokens, comma-separated (128,1024,4096)")
+    p.add_argument("--gen-tokens", type=_positive, default=64,
+                   help="tokens decoded per run, EOS ignored (64; at least 2)")
+    p.add_argument("--repeats", type=_positive, default=1,
+                   help="runs per length; the median is reported (1)")
+    p.add_argument("--mlx-lm-max-prompt", type=int, default=1024,
+                   help="skip mlx-lm for longer prompts: its CPU prefill with shipped "
+                        "quantized weights is slow (1024)")
+    p.add_argument("--no-mlx-lm", action="store_true", help="run kvchat only")
+    p.add_argument("--json", metavar="FILE", default=None, help="write all results to FILE")
+    p.set_defaults(func=run)
+
+
+def prompt_text() -> str:
+    """A long, deterministic natural text: the source of two stdlib modules."""
+    import inspect
+    import textwrap
+
+    return inspect.getsource(argparse) + inspect.getsource(textwrap)
+
+
+def prompt_ids(tokenizer, lengths: list[int]) -> dict[int, list[int]]:
+    """Token ids of exactly each length, all cut from one tokenized text."""
+    need = max(lengths)
+    lines = prompt_text().splitlines(keepends=True)
+    ids: list[int] = []
+    # Encode a few lines at a time (never past the model's max length, which would
+    # make transformers warn) and only as far as needed; repeat the text if short.
+    while len(ids) < need:
+        for start in range(0, len(lines), 40):
+            ids += tokenizer.encode("".join(lines[start:start + 40]))
+            if len(ids) >= need:
+                break
+    return {n: ids[:n] for n in lengths}
+
+
+def _machine() -> dict:
+    import importlib.metadata
+
+    from engine import memory
+
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       cpu)
+    except OSError:
+        pass
+
+    def version(pkg: str) -> str | None:
+        try:
+            return importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "backend": memory.backend(),
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+    }
+
+
+def run_mlx_lm(model_path: Path, prompts: dict[int, list[int]], warmup: list[int],
+               gen_tokens: int, repeats: int) -> dict:
+    """Run the mlx-lm worker in a fresh interpreter without the OpenBLAS preload."""
+    root = Path(__file__).resolve().parent.parent  # the directory holding `app`
+    env = dict(os.environ, KVCHAT_BLAS="none")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    job = {"model_path": str(model_path), "gen_tokens": gen_tokens, "repeats": repeats,
+           "warmup_ids": warmup, "prompts": [[n, ids] for n, ids in prompts.items()]}
+    with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
+        job_file = Path(tmp) / "job.json"
+        job_file.write_text(json.dumps(job))
+        # stderr is inherited so the worker's progress shows up live.
+        proc = subprocess.run([sys.executable, "-m", "app.bench", WORKER_FLAG, str(job_file)],
+                              stdout=subprocess.PIPE, env=env, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the mlx-lm worker exited with status {proc.returncode} "
+                           "(its error is above)")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    return json.loads(lines[-1])
+
+
+def _agree(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _public(summary: dict | None) -> dict | None:
+    # Token ids are kept only as the agreement count; they would bloat the JSON.
+    if summary is None:
+        return None
+    return {k: v for k, v in summary.items() if k != "tokens"}
+
+
+def run(args) -> int:
+    """Run the benchmark; print the table (stdout) and progress (stderr)."""
+    import engine
+    from app.cli import build_engine
+    from engine import SamplingParams
+    from engine.errors import KVChatError
+
+    if args.gen_tokens < 2:
+        raise KVChatError("--gen-tokens must be at least 2 to measure decode")
+    _log("kvchat", "loading the model")
+    eng = build_engine(args)
+    loaded = eng.loaded
+    lengths = list(args.lengths)
+    notes: list[str] = []
+    fits = [n for n in lengths if n + args.gen_tokens <= eng.max_context]
+    for n in lengths:
+        if n not in fits:
+            notes.append(f"length {n} skipped for both: {n} + {args.gen_tokens} tokens exceed "
+                         f"the context of {eng.max_context}")
+    prompts = prompt_ids(eng.tokenizer, fits + [WARMUP_PROMPT_TOKENS])
+    warmup = prompts[WARMUP_PROMPT_TOKENS]
+    machine = _machine()
+
+    def kvchat_run(ids: list[int], n: int) -> dict:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        return time_stream(len(ids), lambda: (e.token for e in eng.generate(ids, params)
+                                              if e.token is not None))
+
+    _log("kvchat", "warm-up")
+    kvchat_run(warmup, WARMUP_GEN_TOKENS)
+    kv_results: dict[int, dict] = {}
+    for n in fits:
+        runs = []
+        for i in range(args.repeats):
+            _log("kvchat", f"length {n} run {i + 1}/{args.repeats}")
+            runs.append(kvchat_run(prompts[n], args.gen_tokens))
+        kv_results[n] = s = summarize(runs)
+        _log("kvchat", f"length {n}: prefill {s['prefill_tps']:.1f} tok/s, "
+                       f"decode {s['decode_tps']:.1f} tok/s")
+
+    mlx_info: dict | None = None
+    mlx_lengths = [] if args.no_mlx_lm else [n for n in fits if n <= args.mlx_lm_max_prompt]
+    status = 0
+    if args.no_mlx_lm:
+        notes.append("mlx-lm not run (--no-mlx-lm)")
+    elif mlx_lengths:
+        _log("mlx-lm", f"starting a separate process for lengths {mlx_lengths} "
+                       "(shipped weights, no OpenBLAS; this is the slow part)")
+        try:
+            mlx_info = run_mlx_lm(loaded.path, {n: prompts[n] for n in mlx_lengths}, warmup,
+                                  args.gen_tokens, args.repeats)
+        except (RuntimeError, OSError, ValueError) as e:
+            notes.append(f"mlx-lm failed: {e}")
+            status = 1
+    mlx_results = {int(k): v for k, v in (mlx_info or {}).get("results", {}).items()}
+    if not args.no_mlx_lm:
+        slow = [n for n in fits if n > args.mlx_lm_max_prompt]
+        if slow:
+            notes.append(_skip_note(slow, args.mlx_lm_max_prompt, mlx_results, machine))
+
+    for n in fits:
+        if n in mlx_results:
+            for side, s in (("kvchat", kv_results[n]), ("mlx-lm", mlx_results[n])):
+                if s["generated_tokens"] != args.gen_tokens:
+                    notes.append(f"length {n}: {side} decoded {s['generated_tokens']} tokens, "
+                                 f"not {args.gen_tokens}")
+
+    results = []
+    for n in fits:
+        kv, ml = kv_results[n], mlx_results.get(n)
+        row = {
+            "length": n,
+            "kvchat": _public(kv),
+            "mlx_lm": _public(ml),
+            "mlx_lm_skipped": None if ml else _skip_reason(n, args),
+            "prefill_ratio": kv["prefill_tps"] / ml["prefill_tps"] if ml else None,
+            "decode_ratio": kv["decode_tps"] / ml["decode_tps"] if ml else None,
+            "greedy_agree_tokens": _agree(kv["tokens"], ml["tokens"]) if ml else None,
+        }
+        results.append(row)
+
+    report = {
+        "machine": machine,
+        "model": {
+            "name": loaded.name,
+            "path": str(loaded.path),
+            "model_type": loaded.model_type,
+            "fingerprint": loaded.fingerprint,
+        },
+        "settings": {
+            "lengths": lengths, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+            "mlx_lm_max_prompt": args.mlx_lm_max_prompt, "greedy": True, "ignore_eos": True,
+            "prompt": "raw token ids cut from stdlib argparse+textwrap source, no chat template",
+        },
+        "kvchat": {
+            "weight_format": loaded.weight_format,
+            "device": machine["backend"],
+            "blas": engine.blas.loaded_path,
+            "gemv_shim": engine.blas.gemv_shim,
+            "block_size": eng.config.block_size,
+            "prefill_chunk": eng.config.prefill_chunk,
+            # getattr: the engine's options evolve; the report should not break on them.
+            "fuse_projections": getattr(eng.config, "fuse_projections", None),
+        },
+        "mlx_lm": None if mlx_info is None else {
+            k: v for k, v in mlx_info.items() if k != "results"},
+        "results": results,
+        "notes": notes,
+    }
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        _log("kvchat", f"wrote {args.json}")
+    return status
+
+
+def _skip_reason(n: int, args) -> str:
+    if args.no_mlx_lm:
+        return "--no-mlx-lm"
+    if n > args.mlx_lm_max_prompt:
+        return f"longer than --mlx-lm-max-prompt {args.mlx_lm_max_prompt}"
+    return "mlx-lm failed"
+
+
+def _skip_note(slow: list[int], limit: int, mlx_results: dict[int, dict], machine: dict) -> str:
+    lengths = ", ".join(str(n) for n in slow)
+    note = f"mlx-lm skipped for length(s) {lengths}: longer than --mlx-lm-max-prompt {limit}"
+    if mlx_results:
+        n = max(mlx_results)
+        rate = mlx_results[n]["prefill_tps"]
+        note += (f"; mlx-lm as shipped prefilled {rate:.1f} tok/s here at {n} tokens, so "
+                 f"{max(slow)} tokens would take ~{max(slow) / rate / 60:.0f} min")
+    elif machine["backend"] == "cpu":
+        note += ("; mlx-lm as shipped (quantized weights, MLX's reference BLAS) prefills "
+                 "slowly on CPU: ~5-10 tok/s for the 135M default model, so 1000+ tokens "
+                 "take minutes")
+    return note + " (raise --mlx-lm-max-prompt to run them anyway)"
+
+
+def _fmt(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def print_report(report: dict) -> None:
+    """Print the header, the table and the notes to stdout."""
+    m, kv, ml = report["machine"], report["kvchat"], report["mlx_lm"]
+    st = report["settings"]
+    print(f"kvchat bench: model {report['model']['name']} ({report['model']['model_type']}, "
+          f"{report['model']['path']})")
+    print(f"machine: {m['cpu']}, {m['cpu_count']} cpus, {m['machine']}, backend {m['backend']}, "
+          f"python {m['python']}, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}")
+    shim = "on" if kv["gemv_shim"] else "off"
+    print(f"kvchat: {kv['weight_format']} weights on {kv['device']}, "
+          f"BLAS {kv['blas'] or 'none preloaded (MLX linked BLAS)'} (GEMV shim {shim}), "
+          f"in-process, paged KV (block {kv['block_size']}), prefill chunk {kv['prefill_chunk']}")
+    if ml:
+        libs = ", ".join(ml["blas_libraries"]) or "?"
+        print(f"mlx-lm {ml['mlx_lm_version']}: {ml['weight_format']} weights as shipped on "
+              f"{ml['device']}, no BLAS preload (MLX links {libs}), separate process, "
+              f"generate_step")
+    else:
+        print("mlx-lm: not run")
+    print(f"runs: greedy, EOS ignored, {st['gen_tokens']} decode tokens, "
+          f"median of {st['repeats']} run(s); prefill tok/s = prompt / TTFT, "
+          f"decode tok/s = (gen - 1) / (last - first token); ratio = kvchat / mlx-lm")
+    print()
+    header = ["length", "kvchat prefill", "mlx-lm prefill", "ratio", "kvchat decode",
+              "mlx-lm decode", "ratio", "kvchat ITL p50/p95 ms", "mlx-lm ITL p50/p95 ms",
+              "agree"]
+    rows = [header, ["", "tok/s", "tok/s", "", "tok/s", "tok/s", "", "", "", "tokens"]]
+    for r in report["results"]:
+        k, x = r["kvchat"], r["mlx_lm"]
+        skipped = None if x is not None else (
+            "failed" if r["mlx_lm_skipped"] == "mlx-lm failed" else "skipped")
+        rows.append([
+            str(r["length"]),
+            _fmt(k["prefill_tps"]),
+            skipped or _fmt(x["prefill_tps"]),
+            _fmt(r["prefill_ratio"], ".2f", "x"),
+            _fmt(k["decode_tps"]),
+            skipped or _fmt(x["decode_tps"]),
+            _fmt(r["decode_ratio"], ".2f", "x"),
+            f"{k['itl_p50_ms']:.1f} / {k['itl_p95_ms']:.1f}",
+            skipped or f"{x['itl_p50_ms']:.1f} / {x['itl_p95_ms']:.1f}",
+            "-" if r["greedy_agree_tokens"] is None
+            else f"{r['greedy_agree_tokens']}/{k['generated_tokens']}",
+        ])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for j, row in enumerate(rows):
+        print(" | ".join(c.rjust(w) if j > 1 or i else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+        if j == 1:
+            print("-+-".join("-" * w for w in widths))
+    print()
+    print("notes:")
+    for note in report["notes"]:
+        print(f"  - {note}")
+    print("  - agree = leading greedy tokens identical on both sides (weights differ in format)")
+
+
+def _main(argv: Iterable[str]) -> int:
+    argv = list(argv)
+    if len(argv) == 2 and argv[0] == WORKER_FLAG:
+        return worker_main(argv[1])
+    print(f"usage: python -m app.bench {WORKER_FLAG} JOB.json  (internal; run `kvchat bench`)",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

