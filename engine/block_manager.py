@@ -131,7 +131,9 @@ class BlockManager:
             return 0
         del self.num_tokens[seq_id]
         freed = 0
-        for b in reversed(table):
+        # In table order, so a later sequence tends to get an ascending run of
+        # ids again (the reference attention reads such a run without a gather).
+        for b in table:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free_block_ids.append(b)

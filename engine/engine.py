@@ -15,6 +15,7 @@ from engine.generation import GenerationEvent, RequestStats, StopMatcher
 from engine.kv_cache import PagedKVCache
 from engine.loader import LoadedModel
 from engine.model_runner import PagedModel, StepBatch
+from engine.paged_attention import contiguous_run
 from engine.sampling import SamplingParams
 
 
@@ -83,12 +84,14 @@ class Engine:
         self.kv.copy_blocks(plan.copies)
         ids = mx.array(token_ids, dtype=mx.int32) if isinstance(token_ids, list) else token_ids
         n = self.blocks.num_tokens[seq_id]
+        table = self.blocks.block_tables[seq_id]
         batch = StepBatch(
             input_ids=ids.reshape(1, L),
             offsets=mx.array([n - L], dtype=mx.int32),
             slots=mx.array(plan.slots, dtype=mx.int32),
-            block_tables=mx.array([self.blocks.block_tables[seq_id]], dtype=mx.int32),
+            block_tables=mx.array([table], dtype=mx.int32),
             context_lens=[n],
+            block_run=contiguous_run(table),
         )
         return self.runner(batch, self.kv, logits=logits)
 

@@ -212,7 +212,7 @@ def converted_dir(gguf_path: Path, root: Path | None = None) -> Path:
         if proc.returncode != 0:
             lines = proc.stderr.strip().splitlines()
             detail = lines[-1] if lines else f"the GGUF reader died (status {proc.returncode})"
-            raise ModelLoadError(f"cannot convert {gguf_path}: {detail}")
+            raise ModelLoadError(f"cannot convert GGUF file {gguf_path}: {detail}")
     return out
 
 

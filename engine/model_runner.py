@@ -32,6 +32,7 @@ class StepBatch:
     slots: mx.array  # (B * L,) int32: pool slot of every new token, row-major
     block_tables: mx.array  # (B, max_blocks) int32
     context_lens: list[int]  # tokens per sequence including the new ones
+    block_run: int | None = None  # B == 1 and the blocks are a contiguous run from here
 
 
 @dataclass(slots=True)
@@ -156,7 +157,8 @@ class PagedModel:
             v.reshape(B * L, self.num_kv_heads, -1).transpose(1, 0, 2),
         )
         k_pool, v_pool = kv.block_view(layer)
-        o = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.context_lens, attn.scale)
+        o = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.context_lens, attn.scale,
+                            block_run=batch.block_run)
         return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def __call__(self, batch: StepBatch, kv: PagedKVCache, *, logits: bool = True):

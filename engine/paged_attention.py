@@ -12,6 +12,9 @@ Contract shared with the Metal/CUDA kernels (metal_kernels/):
   (already written to the pool); query i of sequence b sits at position
   context_lens[b] - L + i and sees keys 0..that position (causal);
 - returns (B, Hq, L, D) in the queries' dtype.
+Optional ``block_run=s`` (reference path, B == 1): the caller knows the
+sequence's blocks are the contiguous run s, s+1, ...; K/V are then read as a
+view of the pool instead of gathered (the gather copies every step on CPU).
 """
 
 from __future__ import annotations
@@ -40,6 +43,14 @@ def causal_mask(context_lens: Sequence[int], L: int, T: int) -> mx.array:
     return (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
 
 
+def contiguous_run(block_table: Sequence[int]) -> int | None:
+    """The first block id if ``block_table`` is s, s+1, s+2, ...; else None."""
+    if not block_table:
+        return None
+    s = block_table[0]
+    return s if all(b == s + i for i, b in enumerate(block_table)) else None
+
+
 def paged_attention_ref(
     queries: mx.array,
     k_pool: mx.array,
@@ -47,6 +58,8 @@ def paged_attention_ref(
     block_tables: mx.array,
     context_lens: Sequence[int],
     scale: float,
+    *,
+    block_run: int | None = None,
 ) -> mx.array:
     """Gather each sequence's blocks, then `mx.fast.scaled_dot_product_attention`.
 
@@ -54,6 +67,15 @@ def paged_attention_ref(
     computation is the one a dense cache does (token-exact with mlx-lm).
     """
     B, _, L, _ = queries.shape
+    if B == 1 and block_run is not None:
+        H, _, bs, D = k_pool.shape
+        n = int(context_lens[0])
+        start, stop = block_run * bs, block_run * bs + n
+        keys = k_pool.reshape(H, -1, D)[None, :, start:stop].astype(queries.dtype)
+        values = v_pool.reshape(H, -1, D)[None, :, start:stop].astype(queries.dtype)
+        mask = "causal" if L > 1 else None
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                    mask=mask)
     keys = gather_blocks(k_pool, block_tables).astype(queries.dtype)
     values = gather_blocks(v_pool, block_tables).astype(queries.dtype)
     if B == 1:
@@ -74,6 +96,8 @@ def paged_attention(
     block_tables: mx.array,
     context_lens: Sequence[int],
     scale: float,
+    *,
+    block_run: int | None = None,
 ) -> mx.array:
     """Paged attention on the best path for this backend (see module docstring).
 
@@ -88,4 +112,5 @@ def paged_attention(
         return kernels.paged_decode_attention(
             queries, k_pool, v_pool, block_tables, context_lens, scale
         )
-    return paged_attention_ref(queries, k_pool, v_pool, block_tables, context_lens, scale)
+    return paged_attention_ref(queries, k_pool, v_pool, block_tables, context_lens, scale,
+                               block_run=block_run)

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,10 +68,14 @@ def test_corrupt_model_directory(tmp_path):
                           "cannot load model")
 
 
-def test_corrupt_gguf(tmp_path):
+@pytest.mark.parametrize("header", [b"GGUF" + os.urandom(20),  # caught by the header check
+                                    b"GGUF" + (3).to_bytes(4, "little") + bytes(16)])  # reader
+def test_corrupt_gguf(tmp_path, header):
     bad = tmp_path / "broken.gguf"
-    bad.write_bytes(b"GGUF" + os.urandom(200))
+    bad.write_bytes(header + os.urandom(200))
     assert_one_line_error(kvchat("generate", "--prompt", "hi", "--model", str(bad)), "GGUF")
+    models = Path(ENV["KVCHAT_HOME"]) / "models"
+    assert not any("broken" in p.name for p in models.glob("*"))  # nothing half-written
 
 
 def test_prompt_longer_than_context(tmp_path):
@@ -89,3 +94,38 @@ def test_estimate_matches_formula():
     assert out["engine_memory_limit_bytes"] > 0
     q8 = json.loads(kvchat("estimate", "--tokens", "100", "--kv-bits", "8", "--json").stdout)
     assert q8["bytes_per_token"] == pytest.approx(30 * 2 * 3 * 64 * (1 + 4 / 64))
+
+
+def test_hub_repo_id_from_local_cache(tmp_path, default_model):
+    """A repo id resolves through the Hugging Face cache layout, offline."""
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    config = dict(model_type="qwen3", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                  rope_theta=1e6, max_position_embeddings=512, tie_word_embeddings=True,
+                  vocab_size=default_model.config["vocab_size"], eos_token_id=2)
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    repo = tmp_path / "hub" / "models--kvchat-test--tiny-qwen3"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    mx.save_safetensors(str(snap / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (snap / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model.path / name, snap / name)
+    env = dict(ENV, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "app", "generate", "--model",
+                           "kvchat-test/tiny-qwen3", "--prompt", "hello", "--raw", "--json",
+                           "--max-tokens", "3"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["model"]["path"] == str(snap)
+    assert out["kv"]["bytes_per_token"] == 1 * 2 * 1 * 16 * 4

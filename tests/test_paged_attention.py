@@ -106,3 +106,21 @@ def test_float16_pool_with_float32_queries():
     v = np.concatenate([vp[:, t] for t in tables[0, :3]], axis=1)[:, :21]
     ref = dense_attention(q[0].astype(np.float64), k, v, 0.25)
     np.testing.assert_allclose(np.array(out[0]), ref, atol=5e-3)
+
+
+@pytest.mark.parametrize("L", [1, 5])
+def test_contiguous_run_view_equals_gather(L):
+    from engine.paged_attention import contiguous_run
+
+    bs, n, run = 4, 11, 2
+    nrng = np.random.default_rng(5)
+    kp = mx.array(nrng.standard_normal((2, 8, bs, 16)).astype(np.float32))
+    vp = mx.array(nrng.standard_normal((2, 8, bs, 16)).astype(np.float32))
+    q = mx.array(nrng.standard_normal((1, 4, L, 16)).astype(np.float32))
+    table = [run, run + 1, run + 2]
+    assert contiguous_run(table) == run
+    assert contiguous_run([3, 5]) is None and contiguous_run([]) is None
+    tables = mx.array([table], dtype=mx.int32)
+    gathered = paged_attention_ref(q, kp, vp, tables, [n], 0.25)
+    viewed = paged_attention_ref(q, kp, vp, tables, [n], 0.25, block_run=run)
+    np.testing.assert_array_equal(np.array(gathered), np.array(viewed))
