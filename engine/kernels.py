@@ -56,29 +56,20 @@ def supports(queries: mx.array, k_pool: mx.array) -> bool:
 def make_paged_decode_kernel(backend: str, *, body: str | None = None, name: str = KERNEL_NAME):
     """Construct (not compile) the kernel; `body` overrides the source (test mutants)."""
     source = read_source("paged_attention.metal") if body is None else body
-    header = kernel_header(backend)
-    if backend == "metal":
-        return mx.fast.metal_kernel(
-            name=name,
-            input_names=INPUT_NAMES,
-            output_names=OUTPUT_NAMES,
-            source=source,
-            header=header,
-            ensure_row_contiguous=True,
-        )
-    if backend == "cuda":
-        # Construction raises on builds without the CUDA back-end: check first.
-        if not mx.cuda.is_available():
-            raise RuntimeError("CUDA back-end not available")
-        return mx.fast.cuda_kernel(
-            name=name,
-            input_names=INPUT_NAMES,
-            output_names=OUTPUT_NAMES,
-            source=source,
-            header=header,
-            ensure_row_contiguous=True,
-        )
-    raise ValueError(f"unknown kernel backend {backend!r}")
+    if backend not in ("metal", "cuda"):
+        raise ValueError(f"unknown kernel backend {backend!r}")
+    # Construction raises on builds without the CUDA back-end: check first.
+    if backend == "cuda" and not mx.cuda.is_available():
+        raise RuntimeError("CUDA back-end not available")
+    factory = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+    return factory(
+        name=name,
+        input_names=INPUT_NAMES,
+        output_names=OUTPUT_NAMES,
+        source=source,
+        header=kernel_header(backend),
+        ensure_row_contiguous=True,
+    )
 
 
 @functools.cache
