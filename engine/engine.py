@@ -171,8 +171,10 @@ class Engine:
                 if finish is not None:
                     detok.finalize()
                     if finish == "length" or token in eos:
-                        more, _ = stop.feed(detok.last_segment)
-                        text += more + stop.flush()
+                        # bytes the detokenizer held back may still complete a stop string
+                        more, hit = stop.feed(detok.last_segment)
+                        text += more if hit else more + stop.flush()
+                        finish = "stop" if hit else finish
                     break
                 yield GenerationEvent(seq_id, token, text)
                 y = next_y

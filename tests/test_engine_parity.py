@@ -133,3 +133,17 @@ def test_tiny_models_match_mlx_lm(tmp_path, default_model, kind, block_size, chu
         ref = mlx_lm_greedy(loaded.model, ids, 20, chunk, set())
         assert ours == ref[: len(ours)] and len(ours) == 20
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+@pytest.mark.slow
+def test_shipped_quantized_weights_match_mlx_lm():
+    """`--weights shipped`: the GGUF's own Q4/Q8 weights, as mlx-lm runs them (fp16 KV)."""
+    loaded = load_model(weights="shipped")
+    assert loaded.weight_format == "q4/q8"
+    engine = Engine(loaded, EngineConfig(kv_budget_bytes=64 << 20))
+    assert engine.layout.bytes_per_token == 23_040  # DESIGN.md's fp16 figure
+    eos = set(loaded.tokenizer.eos_token_ids)
+    for text in PROMPTS[:3]:
+        ids = engine.encode_prompt(text)
+        ours, _ = engine_greedy(engine, ids, 12)
+        assert ours == mlx_lm_greedy(loaded.model, ids, 12, 512, eos)
