@@ -127,6 +127,10 @@ def cmd_estimate(args) -> int:
         "block_size": est.block_size, "blocks": est.blocks, "block_bytes": est.block_bytes,
         "backend": memory.backend(), "engine_memory_limit_bytes": limit,
         "fits": est.block_bytes <= limit, "share_of_limit": est.block_bytes / limit,
+        "kv_budget_bytes": args.kv_budget,
+        "kv_budget_blocks": int(args.kv_budget // (est.block_size * est.bytes_per_token)),
+        "fits_kv_budget": est.block_bytes <= args.kv_budget,
+        "context_length": config.get("max_position_embeddings"),
     }
     if args.json:
         print(json.dumps(out))
@@ -141,6 +145,12 @@ def cmd_estimate(args) -> int:
     verdict = "fits" if out["fits"] else "does NOT fit"
     print(f"  {verdict} in the {limit / mib:,.0f} MiB the engine may use here "
           f"({memory.backend()}; {100 * out['share_of_limit']:.1f}% of it)")
+    pool = "fits" if out["fits_kv_budget"] else "does NOT fit"
+    print(f"  {pool} in a KV pool of {args.kv_budget / mib:,.0f} MiB (--kv-budget): "
+          f"{out['kv_budget_blocks']} blocks of this format, {est.blocks} needed")
+    ctx = out["context_length"]
+    if ctx and est.tokens > ctx:
+        print(f"  note: {est.tokens} tokens exceed the model's context of {ctx}")
     return 0
 
 
@@ -176,6 +186,8 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch", type=int, default=1)
     e.add_argument("--kv-bits", type=int, choices=[16, 8, 4], default=16)
     e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--kv-budget", type=parse_size, default=parse_size("1G"),
+                   help="KV pool size to compare with (1G, the engine's default)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=cmd_estimate)
 

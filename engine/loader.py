@@ -10,10 +10,9 @@ Weight format per backend (measured on 2-core x86_64, see DESIGN.md):
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -44,8 +43,7 @@ class LoadedModel:
     weight_format: str  # "float32", "float16", "bfloat16" or "q4", "q8", "q4/q8", ...
     fingerprint: str  # content hash of weights + config
     tokenizer_fingerprint: str
-    weight_bytes: int = 0
-    extra: dict = field(default_factory=dict)
+    weight_bytes: int = 0  # bytes of the weights as loaded (float32 on the CPU fast path)
 
     @property
     def context_length(self) -> int:
@@ -139,6 +137,8 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     from mlx_lm.utils import load_model as mlx_load_model
     from mlx_lm.utils import load_tokenizer
 
+    if weights not in ("auto", "float32", "shipped"):
+        raise ValueError(f"weights must be auto, float32 or shipped, not {weights!r}")
     path = resolve_model_path(spec)
     try:
         config = json.loads((path / "config.json").read_text())
@@ -177,9 +177,3 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
         weight_bytes=nbytes,
     )
 
-
-def installed_version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None

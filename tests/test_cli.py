@@ -92,6 +92,8 @@ def test_estimate_matches_formula():
     assert out["total_bytes"] == 23_040 * 8192 * 2
     assert out["blocks"] == 2 * 8192 // 16
     assert out["engine_memory_limit_bytes"] > 0
+    assert out["kv_budget_blocks"] == (1 << 30) // (16 * 23_040)
+    assert out["fits_kv_budget"] is True  # 360 MiB of blocks in a 1 GiB pool
     q8 = json.loads(kvchat("estimate", "--tokens", "100", "--kv-bits", "8", "--json").stdout)
     assert q8["bytes_per_token"] == pytest.approx(30 * 2 * 3 * 64 * (1 + 4 / 64))
 
