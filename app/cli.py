@@ -208,10 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(["generate", *(argv or [])])
     try:
         return args.func(args)
-    except KVChatError as e:
-        print(f"kvchat: error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as e:
+    except (KVChatError, ValueError, OSError) as e:
         print(f"kvchat: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -72,13 +72,13 @@ def fuse_layer(layer) -> FusedLayer | None:
     attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight = mx.split(w_qkv, [nq, nq + nk])
     if b_qkv is not None:
         attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias = mx.split(b_qkv, [nq, nq + nk])
-    w_gate_up = None
+    w_gate_up, n_ff = None, 0
     ffn = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
     if all(ffn) and _plain(*ffn) and "bias" not in ffn[0] and "bias" not in ffn[1]:
         w_gate_up = mx.concatenate([ffn[0].weight, ffn[1].weight])
         n_ff = ffn[0].weight.shape[0]
         mlp.gate_proj.weight, mlp.up_proj.weight = mx.split(w_gate_up, [n_ff])
-    return FusedLayer(w_qkv, b_qkv, (nq, nq + nk), w_gate_up, mlp.gate_proj.weight.shape[0])
+    return FusedLayer(w_qkv, b_qkv, (nq, nq + nk), w_gate_up, n_ff)
 
 
 class PagedModel:
