@@ -21,6 +21,18 @@ class EngineConfig:
     """Cap on tokens per sequence; None = the model's context length."""
     fuse_projections: bool = True
     """Concatenate q/k/v and gate/up weights of float models (fewer, larger matmuls)."""
+    max_running: int = 16
+    """Sequences running (prefilling or decoding) at once; all decodes share one forward."""
+    max_step_tokens: int | None = None
+    """Prompt tokens prefilled per step over all requests; None = prefill_chunk."""
+    watermark: float = 0.01
+    """Fraction of the pool kept free at admission so running sequences can grow."""
+    preempt_mode: str = "recompute"
+    """How a preempted sequence gives its blocks back: "recompute" or "swap" (to host)."""
+    swap_budget_bytes: int = 1 << 30
+    """Host memory for swapped-out K/V; beyond it, preemption falls back to recompute."""
+    overflow: str = "truncate"
+    """A request whose output cannot fit: "truncate" its max tokens (and say so) or "reject"."""
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size > 1024:
@@ -29,5 +41,13 @@ class EngineConfig:
             raise ValueError("kv_budget_bytes must be positive")
         if self.prefill_chunk < 1:
             raise ValueError("prefill_chunk must be positive")
+        if self.max_running < 1:
+            raise ValueError("max_running must be positive")
+        if not 0 <= self.watermark < 1:
+            raise ValueError("watermark must be in [0, 1)")
+        if self.preempt_mode not in ("recompute", "swap"):
+            raise ValueError("preempt_mode must be recompute or swap")
+        if self.overflow not in ("truncate", "reject"):
+            raise ValueError("overflow must be truncate or reject")
         if self.kv_dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError("kv_dtype must be float32, float16 or bfloat16")

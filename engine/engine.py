@@ -1,8 +1,16 @@
-"""The engine: a model, its paged KV pool, and streaming generation over it."""
+"""The engine: a model, its paged KV pool, and continuous batching over it.
+
+Callers `submit` requests (any thread) and iterate the returned handle for
+events; `cancel`, `metrics` and `block_map` are thread-safe. Steps run either
+on the engine's own thread (`start`) or, without it, in whichever consumer
+thread is waiting for an event. Every way a request ends goes through
+`_finish`, which drops its block references exactly once.
+"""
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Iterator
 
@@ -10,13 +18,18 @@ import mlx.core as mx
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.errors import RequestError
-from engine.generation import GenerationEvent, RequestStats, StopMatcher
+from engine.errors import EngineStoppedError, RequestError, RequestTooLargeError
+from engine.executor import StepExecutor
+from engine.generation import GenerationEvent, StopMatcher
 from engine.kv_cache import PagedKVCache
 from engine.loader import LoadedModel
+from engine.metrics import EngineMetrics, MetricsRecorder
 from engine.model_runner import PagedModel, StepBatch
 from engine.paged_attention import contiguous_run
+from engine.request import Priority, Request, RequestHandle, RequestState
 from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.swap import HostSwap
 
 
 class Engine:
@@ -39,7 +52,25 @@ class Engine:
         self.kv = PagedKVCache(self.layout, num_blocks)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.max_context = min(config.max_context or loaded.context_length, loaded.context_length)
+        self.recorder = MetricsRecorder()
+        self.swap = HostSwap(self.kv, self.blocks, config.swap_budget_bytes)
+        sched = SchedulerConfig(
+            max_running=config.max_running,
+            max_prefill_tokens=config.max_step_tokens or config.prefill_chunk,
+            prefill_chunk=config.prefill_chunk,
+            watermark_blocks=max(1, int(config.watermark * num_blocks)),
+        )
+        self.scheduler = Scheduler(self.blocks, sched, self)
+        self.executor = StepExecutor(self)
         self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards the inbox, cancels and the request table
+        self._step_lock = threading.RLock()  # one step at a time
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Request] = []
+        self._cancels: dict[int, float] = {}
+        self._requests: dict[int, Request] = {}
+        self._thread: threading.Thread | None = None
+        self._stopped = False
 
     @property
     def tokenizer(self):
@@ -58,25 +89,313 @@ class Engine:
         messages += (history or []) + [{"role": "user", "content": prompt}]
         return list(tok.apply_chat_template(messages, add_generation_prompt=True))
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Validate a request; return the max new tokens it may produce."""
+    def check_request(self, prompt_ids: list[int], params: SamplingParams,
+                      ) -> tuple[int, str | None]:
+        """Validate a request: (max new tokens it may produce, a notice if reduced).
+
+        Raises `RequestTooLargeError` for a request that can never fit.
+        """
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("the prompt is empty")
         if n >= self.max_context:
-            raise RequestError(
+            raise RequestTooLargeError(
                 f"the prompt has {n} tokens; the context holds {self.max_context}"
             )
-        max_new = min(params.max_tokens, self.max_context - n)
-        need = self.blocks.blocks_needed(n + max_new)
-        if need > self.blocks.num_blocks:
-            raise RequestError(
-                f"{n} prompt + {max_new} new tokens need {need} KV blocks; "
-                f"the pool has {self.blocks.num_blocks} (raise the KV budget)"
+        pool_tokens = self.blocks.num_blocks * self.blocks.block_size
+        if n >= pool_tokens:
+            raise RequestTooLargeError(
+                f"the prompt has {n} tokens; the KV pool holds {pool_tokens} "
+                f"({self.blocks.num_blocks} blocks; raise the KV budget)"
             )
-        return max_new
+        fits = min(self.max_context, pool_tokens) - n
+        if params.max_tokens <= fits:
+            return params.max_tokens, None
+        if self.config.overflow == "reject":
+            raise RequestTooLargeError(
+                f"{n} prompt + {params.max_tokens} new tokens exceed the "
+                f"{'context' if self.max_context <= pool_tokens else 'KV pool'} "
+                f"({min(self.max_context, pool_tokens)} tokens)"
+            )
+        return fits, f"max_tokens reduced from {params.max_tokens} to {fits} to fit"
 
-    # -- forward -------------------------------------------------------------------
+    # -- requests --------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+               priority: Priority = Priority.INTERACTIVE, timeout_s: float | None = None,
+               tenant: str = "local", permission_version: int = 0) -> RequestHandle:
+        """Queue a request; iterate the returned handle for its events.
+
+        Raises at once (and counts a rejection) if the request can never fit.
+        """
+        params = params or SamplingParams()
+        try:
+            if self._stopped:
+                raise EngineStoppedError("the engine has shut down")
+            max_new, notice = self.check_request(list(prompt_ids), params)
+        except RequestError:
+            self.recorder.rejections += 1
+            raise
+        now = time.perf_counter()
+        req = Request(next(self._ids), list(prompt_ids), params, max_new,
+                      priority=Priority(priority), tenant=tenant,
+                      permission_version=permission_version, arrival=now,
+                      deadline=now + timeout_s if timeout_s is not None else None)
+        req.notice = notice
+        s = req.stats
+        s.prompt_tokens, s.block_size = len(prompt_ids), self.layout.block_size
+        s.bytes_per_token = self.layout.bytes_per_token
+        with self._wake:
+            self._requests[req.request_id] = req
+            self._inbox.append(req)
+            self._wake.notify()
+        return RequestHandle(self, req)
+
+    def cancel(self, request_id: int) -> bool:
+        """Cancel a request; it ends within one step. False if unknown or already done."""
+        with self._wake:
+            req = self._requests.get(request_id)
+            if req is None or req.finished:
+                return False
+            self._cancels.setdefault(request_id, time.perf_counter())
+            self._wake.notify()
+            threaded = self._thread is not None and self._thread.is_alive()
+        if not threaded:  # nobody else will step soon: release now
+            with self._step_lock:
+                self._apply_cancels()
+        return True
+
+    def _apply_cancels(self) -> None:
+        with self._lock:
+            cancels, self._cancels = self._cancels, {}
+        for rid, at in cancels.items():
+            req = self._requests.get(rid)
+            if req is not None:
+                req.cancel_at = at
+                self._finish(req, "cancelled")
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                 **kwargs) -> Iterator[GenerationEvent]:
+        """Stream one request's events (submit + iterate)."""
+        yield from self.submit(prompt_ids, params, **kwargs)
+
+    def generate_text(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                      **kwargs):
+        """Run a request to the end; returns (text, token ids, finish reason, stats)."""
+        text, tokens, final = [], [], None
+        for event in self.generate(prompt_ids, params, **kwargs):
+            text.append(event.text)
+            if event.token is not None:
+                tokens.append(event.token)
+            final = event
+        if final.finish_reason == "error":
+            raise RequestError(final.error or "the request failed")
+        return "".join(text), tokens, final.finish_reason, final.stats
+
+    def _next_event(self, req: Request) -> GenerationEvent:
+        """The request's next event; drives steps itself when no engine thread runs."""
+        while True:
+            try:
+                return req.events.get_nowait()
+            except Exception:  # noqa: BLE001 - queue.Empty
+                pass
+            thread = self._thread
+            if thread is not None and thread.is_alive():
+                try:
+                    return req.events.get(timeout=0.5)
+                except Exception:  # noqa: BLE001
+                    continue
+            if req.finished and req.events.empty():
+                raise RuntimeError("request finished without a final event")
+            self.step()
+
+    # -- the step loop -----------------------------------------------------------------
+    def start(self) -> None:
+        """Run steps on a background thread until `shutdown` (idempotent)."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._thread = threading.Thread(target=self._loop, name="kvchat-engine",
+                                            daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._stopped or self._inbox or self._cancels
+                           or self.scheduler.has_work):
+                    self._wake.wait()
+                if self._stopped:
+                    return
+            self.step()
+
+    def step(self) -> None:
+        """One engine step: take in requests and cancels, plan, run, release."""
+        with self._step_lock:
+            with self._lock:
+                inbox, self._inbox = self._inbox, []
+            for req in inbox:
+                if not req.finished:
+                    self.scheduler.add(req)
+            self._apply_cancels()
+            now = time.perf_counter()
+            for req in list(self._requests.values()):
+                if req.deadline is not None and now > req.deadline:
+                    self._finish(req, "timeout")
+            plan = self.scheduler.schedule()
+            self.recorder.preemptions += len(plan.preempted)
+            self.executor.run(plan)
+            self.recorder.steps += 1
+            self.recorder.peak_blocks = max(self.recorder.peak_blocks,
+                                            self.blocks.num_used_blocks)
+
+    # -- scheduler hooks --------------------------------------------------------------
+    def blocks_to_admit(self, req: Request) -> int:
+        return self.blocks.blocks_needed(req.total_len)
+
+    def admit(self, req: Request) -> None:
+        self.blocks.allocate(req.request_id)
+        if req.stats.queue_s == 0.0:
+            req.stats.queue_s = time.perf_counter() - req.arrival
+        if req.sampler is None:
+            p = req.params
+            if p.seed is not None:
+                mx.random.seed(p.seed)
+            req.sampler = p.make_sampler()
+            req.processors = p.make_logits_processors()
+            req.detok = self.tokenizer.detokenizer
+            req.stop = StopMatcher(p.stop)
+
+    def preempt(self, req: Request) -> None:
+        """Give back a running request's blocks: swap them to host, or recompute later."""
+        req.stats.preemptions += 1
+        if self.config.preempt_mode == "swap" and self.swap.can_swap_out(req):
+            self.swap.swap_out(req)
+            req.state = RequestState.SWAPPED
+        else:
+            self.blocks.free(req.request_id)
+            req.num_computed = 0
+            req.state = RequestState.WAITING
+
+    def swap_in(self, req: Request) -> None:
+        self.swap.swap_in(req)
+        req.state = RequestState.RUNNING
+
+    # -- tokens and endings -----------------------------------------------------------------
+    def _accept_token(self, req: Request, token: int, now: float) -> None:
+        """Record a sampled token; emit it, or finish the request."""
+        s = req.stats
+        req.output_ids.append(token)
+        if s.generation_tokens == 0:
+            s.ttft_s = now - req.arrival
+            s.prefill_s = s.ttft_s - s.queue_s
+            self.recorder.observe("ttft_s", s.ttft_s)
+            self.recorder.observe("prefill_tps", s.prefill_tps)
+        else:
+            itl = now - req.last_token_at
+            s.inter_token_s.append(itl)
+            s.decode_s = now - req.arrival - s.ttft_s
+            self.recorder.observe("itl_s", itl)
+        req.last_token_at = now
+        s.generation_tokens += 1
+        s.blocks_used = max(s.blocks_used, len(self.blocks.block_tables[req.request_id]))
+        eos = () if req.params.ignore_eos else self.tokenizer.eos_token_ids
+        finish = None
+        if token in eos:
+            finish, text = "stop", ""
+        else:
+            req.detok.add_token(token)
+            text, hit = req.stop.feed(req.detok.last_segment)
+            if hit:
+                finish = "stop"
+            elif s.generation_tokens >= req.max_new:
+                finish = "length"
+        if finish is None:
+            req.events.put(GenerationEvent(req.request_id, token, text))
+            return
+        req.detok.finalize()
+        if finish == "length" or token in eos:
+            # bytes the detokenizer held back may still complete a stop string
+            more, hit = req.stop.feed(req.detok.last_segment)
+            text += more if hit else more + req.stop.flush()
+            finish = "stop" if hit else finish
+        self._finish(req, finish, token=token, text=text)
+
+    def _finish(self, req: Request, reason: str, *, error: str | None = None,
+                token: int | None = None, text: str = "") -> None:
+        """End a request: drop its block references exactly once, emit the final event."""
+        if req.finished:
+            return
+        decided = req.cancel_at or time.perf_counter()
+        self.scheduler.remove(req)
+        self.swap.drop(req)
+        s = req.stats
+        s.bytes_used = s.blocks_used * self.layout.bytes_per_block
+        s.blocks_released = self.blocks.free(req.request_id)
+        s.release_latency_ms = (time.perf_counter() - decided) * 1e3
+        req.state, req.finish_reason, req.error = RequestState.FINISHED, reason, error
+        rec = self.recorder
+        rec.release(s.release_latency_ms)
+        rec.count_finish(reason)
+        if s.generation_tokens > 1 and s.decode_s > 0:
+            rec.observe("decode_tps", s.decode_tps)
+        with self._lock:
+            self._requests.pop(req.request_id, None)
+        req.events.put(GenerationEvent(req.request_id, token, text, finish_reason=reason,
+                                       stats=s, error=error))
+
+    def shutdown(self) -> None:
+        """Finish every request ("shutdown"), release all blocks, stop the thread."""
+        with self._wake:
+            self._stopped = True
+            self._wake.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._step_lock:
+            with self._lock:
+                pending = list(self._requests.values())
+                self._inbox.clear()
+            for req in pending:
+                self._finish(req, "shutdown")
+
+    # -- observation -------------------------------------------------------------------------
+    def metrics(self) -> EngineMetrics:
+        """A snapshot of the pool, the prefix cache, the queues and the latencies."""
+        b, rec = self.blocks, self.recorder
+        bpb = self.layout.bytes_per_block
+        sched = self.scheduler
+        return EngineMetrics(
+            used_bytes=b.num_used_blocks * bpb,
+            peak_bytes=rec.peak_blocks * bpb,
+            hit_rate=rec.cached_tokens / rec.prompt_tokens if rec.prompt_tokens else 0.0,
+            active_sequences=len(b.block_tables),
+            evictions=rec.evictions,
+            release_latency_ms=rec.release_latency_ms,
+            budget_bytes=b.num_blocks * bpb,
+            bytes_per_block=bpb,
+            blocks_total=b.num_blocks,
+            blocks_free=b.num_free_blocks,
+            blocks_used=b.num_used_blocks,
+            blocks_cached=0,
+            blocks_shared=b.num_shared_blocks,
+            cached_tokens_total=rec.cached_tokens,
+            prompt_tokens_total=rec.prompt_tokens,
+            waiting=len(sched.waiting) + len(self._inbox),
+            running=len(sched.running),
+            swapped=len(sched.swapped),
+            preemptions=rec.preemptions,
+            rejections=rec.rejections,
+            finished=dict(rec.finished),
+            steps=rec.steps,
+            latency=rec.percentiles(),
+        )
+
+    def block_map(self) -> str:
+        """One character per block: "." free, "#" in use, "S" shared, "c" cached."""
+        return "".join("." if r == 0 else "#" if r == 1 else "S"
+                       for r in list(self.blocks.ref_counts))
+
+    # -- a single sequence's forward (tests, tools) ------------------------------------------
     def _forward(self, seq_id: int, token_ids: list[int] | mx.array, *, logits: bool):
         """Append ``token_ids`` to sequence ``seq_id`` and run the model over them."""
         L = len(token_ids) if isinstance(token_ids, list) else token_ids.size
@@ -94,102 +413,3 @@ class Engine:
             block_run=contiguous_run(table),
         )
         return self.runner(batch, self.kv, logits=logits)
-
-    # -- generation ----------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                 ) -> Iterator[GenerationEvent]:
-        """Stream the generation for one request, token by token.
-
-        The request's blocks are released on every way out: finish, stop
-        string, error, and the consumer closing the generator (disconnect).
-        """
-        params = params or SamplingParams()
-        max_new = self.check_request(prompt_ids, params)
-        seq_id = next(self._ids)
-        stats = RequestStats(prompt_tokens=len(prompt_ids), block_size=self.layout.block_size,
-                             bytes_per_token=self.layout.bytes_per_token)
-        sampler = params.make_sampler()
-        processors = params.make_logits_processors()
-        if params.seed is not None:
-            mx.random.seed(params.seed)
-        detok = self.tokenizer.detokenizer
-        detok.reset()
-        stop = StopMatcher(params.stop)
-        eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
-        history = mx.array(prompt_ids, dtype=mx.int32)
-        tic = time.perf_counter()
-        self.blocks.allocate(seq_id)
-        try:
-            chunk = self.config.prefill_chunk
-            # prefill: all but the last prompt token, in chunks (as mlx-lm does)
-            for start in range(0, len(prompt_ids) - 1, chunk):
-                end = min(start + chunk, len(prompt_ids) - 1)
-                self._forward(seq_id, prompt_ids[start:end], logits=False)
-                mx.eval(self.kv.keys, self.kv.values)
-            stats.prefill_s = time.perf_counter() - tic
-
-            def sample(y: mx.array) -> mx.array:
-                nonlocal history
-                logits = self._forward(seq_id, y, logits=True)
-                if processors:
-                    history = mx.concatenate([history, y])
-                    for proc in processors:
-                        logits = proc(history, logits)
-                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                return sampler(logprobs)
-
-            # Pipelined as in mlx-lm: the next step's graph is built and queued
-            # before waiting on this token, hiding Python time behind compute.
-            y = sample(mx.array(prompt_ids[-1:], dtype=mx.int32))
-            mx.async_eval(y)
-            last = tic
-            finish = None
-            while finish is None:
-                stats.blocks_used = len(self.blocks.block_tables[seq_id])
-                next_y = None
-                if stats.generation_tokens + 1 < max_new:
-                    next_y = sample(y)
-                    mx.async_eval(next_y)
-                token = y.item()
-                now = time.perf_counter()
-                if stats.generation_tokens == 0:
-                    stats.ttft_s = now - tic
-                else:
-                    stats.inter_token_s.append(now - last)
-                    stats.decode_s = now - tic - stats.ttft_s
-                last = now
-                stats.generation_tokens += 1
-                if token in eos:
-                    finish, text = "stop", ""
-                else:
-                    detok.add_token(token)
-                    text, hit = stop.feed(detok.last_segment)
-                    if hit:
-                        finish = "stop"
-                    elif stats.generation_tokens >= max_new:
-                        finish = "length"
-                if finish is not None:
-                    detok.finalize()
-                    if finish == "length" or token in eos:
-                        # bytes the detokenizer held back may still complete a stop string
-                        more, hit = stop.feed(detok.last_segment)
-                        text += more if hit else more + stop.flush()
-                        finish = "stop" if hit else finish
-                    break
-                yield GenerationEvent(seq_id, token, text)
-                y = next_y
-            stats.bytes_used = stats.blocks_used * self.layout.bytes_per_block
-            stats.blocks_released = self.blocks.free(seq_id)
-            yield GenerationEvent(seq_id, token, text, finish_reason=finish, stats=stats)
-        finally:
-            self.blocks.free(seq_id)  # no-op when already released above
-
-    def generate_text(self, prompt_ids: list[int], params: SamplingParams | None = None):
-        """Run a request to the end; returns (text, token ids, finish reason, stats)."""
-        text, tokens, final = [], [], None
-        for event in self.generate(prompt_ids, params):
-            text.append(event.text)
-            if event.token is not None:
-                tokens.append(event.token)
-            final = event
-        return "".join(text), tokens, final.finish_reason, final.stats

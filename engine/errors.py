@@ -15,3 +15,11 @@ class RequestError(KVChatError):
 
 class OutOfBlocksError(KVChatError):
     """The KV pool has no free block for an allocation."""
+
+
+class RequestTooLargeError(RequestError):
+    """A request that can never fit: beyond the context or the whole KV pool."""
+
+
+class EngineStoppedError(KVChatError):
+    """The engine has shut down and takes no more requests."""

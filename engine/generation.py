@@ -11,9 +11,14 @@ class RequestStats:
 
     prompt_tokens: int = 0
     generation_tokens: int = 0
-    ttft_s: float = 0.0  # request start -> first token sampled (includes prefill)
+    ttft_s: float = 0.0  # submit -> first token sampled (includes queueing and prefill)
     prefill_s: float = 0.0
     decode_s: float = 0.0  # first token -> last token
+    queue_s: float = 0.0  # submit -> first admitted (waiting for blocks or a slot)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    cache_source: str = "none"  # "none", "memory" or "disk"
+    preemptions: int = 0
+    release_latency_ms: float = 0.0  # finish/cancel decided -> blocks back in the pool
     block_size: int = 0
     blocks_used: int = 0  # blocks the sequence held at its largest
     bytes_per_token: int = 0
@@ -23,7 +28,8 @@ class RequestStats:
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.ttft_s if self.ttft_s > 0 else 0.0
+        busy = self.ttft_s - self.queue_s
+        return (self.prompt_tokens - self.cached_tokens) / busy if busy > 0 else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -53,9 +59,10 @@ class GenerationEvent:
     request_id: int
     token: int | None  # None on a final event that carries no new token
     text: str  # text delta (may be empty while the detokenizer or a stop string holds it)
-    finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+    finish_reason: str | None = None  # stop, length, cancelled, timeout, error, shutdown
     stats: RequestStats | None = None  # set on the final event
     error: str | None = None
+    prefill: tuple[int, int] | None = None  # (done, total) prompt tokens, on progress events
 
 
 class StopMatcher:

@@ -1,0 +1,122 @@
+"""Engine metrics: the seed's CacheMetrics plus scheduler counters and latency percentiles.
+
+Prefill and decode are kept apart (time to first token, prefill tok/s,
+inter-token latency, decode tok/s), each summarised as P50/P95/P99 over a
+bounded window of recent samples, never as one average. A snapshot is plain
+data and cheap enough to poll several times a second.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+LATENCY_KEYS = ("ttft_s", "prefill_tps", "itl_s", "decode_tps", "release_ms")
+
+
+@dataclass(frozen=True, slots=True)
+class Percentiles:
+    """P50/P95/P99 (nearest rank) of a sample window; zeros when empty."""
+
+    p50: float = 0.0
+    p95: float = 0.0
+    p99: float = 0.0
+    count: int = 0
+
+    @classmethod
+    def of(cls, samples) -> Percentiles:
+        xs = sorted(samples)
+        if not xs:
+            return cls()
+
+        def rank(q: float) -> float:
+            return xs[max(0, math.ceil(q * len(xs)) - 1)]
+
+        return cls(rank(0.50), rank(0.95), rank(0.99), len(xs))
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """One snapshot of the engine: pool, prefix cache, scheduler and latencies."""
+
+    # the seed's CacheMetrics
+    used_bytes: int = 0
+    peak_bytes: int = 0
+    hit_rate: float = 0.0  # prompt tokens served from the prefix cache / prompt tokens
+    active_sequences: int = 0
+    evictions: int = 0
+    release_latency_ms: float = 0.0  # the last release (cancel/finish -> blocks back)
+    # pool
+    budget_bytes: int = 0
+    bytes_per_block: int = 0
+    blocks_total: int = 0
+    blocks_free: int = 0
+    blocks_used: int = 0
+    blocks_cached: int = 0
+    blocks_shared: int = 0
+    # prefix cache
+    cached_tokens_total: int = 0
+    prompt_tokens_total: int = 0
+    disk_hits: int = 0
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    # scheduler
+    waiting: int = 0
+    running: int = 0
+    swapped: int = 0
+    preemptions: int = 0
+    rejections: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    steps: int = 0
+    latency: dict[str, Percentiles] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class MetricsRecorder:
+    """Counters and latency windows the engine updates as it runs (thread-safe)."""
+
+    def __init__(self, window: int = 2048):
+        self._lock = threading.Lock()
+        self._windows = {k: deque(maxlen=window) for k in LATENCY_KEYS}
+        self.peak_blocks = 0
+        self.preemptions = 0
+        self.rejections = 0
+        self.evictions = 0
+        self.cached_tokens = 0
+        self.prompt_tokens = 0
+        self.disk_hits = 0
+        self.release_latency_ms = 0.0
+        self.steps = 0
+        self.finished: dict[str, int] = {}
+
+    def observe(self, key: str, value: float) -> None:
+        with self._lock:
+            self._windows[key].append(value)
+
+    def observe_many(self, key: str, values) -> None:
+        with self._lock:
+            self._windows[key].extend(values)
+
+    def count_finish(self, reason: str) -> None:
+        with self._lock:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    def release(self, latency_ms: float) -> None:
+        with self._lock:
+            self.release_latency_ms = latency_ms
+            self._windows["release_ms"].append(latency_ms)
+
+    def percentiles(self) -> dict[str, Percentiles]:
+        with self._lock:
+            windows = {k: list(w) for k, w in self._windows.items()}
+        return {k: Percentiles.of(v) for k, v in windows.items()}
+
+    def reset_latencies(self) -> None:
+        """Forget latency samples (a benchmark phase starts afresh)."""
+        with self._lock:
+            for w in self._windows.values():
+                w.clear()
