@@ -128,7 +128,9 @@ class DiskPrefixStore:
         with self._lock:
             self._enforce_budget_locked()
 
-    def get(self, salt: CacheSalt, block_hash: bytes, token_ids: Sequence[int]):
+    def get(
+        self, salt: CacheSalt, block_hash: bytes, token_ids: Sequence[int]
+    ) -> list[np.ndarray] | None:
         """The block's arrays (``list[np.ndarray]``, uint16 for bfloat16), or None on a miss.
 
         Verifies magic, format version, checksum, header, the whole salt (model, tokenizer,
@@ -156,8 +158,8 @@ class DiskPrefixStore:
             entry = self._index.get(block_hash)
             if entry is None:  # another process wrote it after our scan
                 self._add_locked(block_hash, _Entry(st.st_size, now, header))
-            entry = self._index[block_hash]
-            entry.last_used = now
+            else:
+                entry.last_used = now
             with contextlib.suppress(OSError):
                 os.utime(path, (now, now))  # persists LRU order across restarts
         return arrays

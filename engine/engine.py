@@ -63,7 +63,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, sched, self)
         self.executor = StepExecutor(self)
         self._ids = itertools.count()
-        self._lock = threading.Lock()  # guards the inbox, cancels and the request table
+        self._lock = threading.RLock()  # guards the inbox, cancels and the request table
         self._step_lock = threading.RLock()  # one step at a time
         self._wake = threading.Condition(self._lock)
         self._inbox: list[Request] = []
@@ -71,6 +71,7 @@ class Engine:
         self._requests: dict[int, Request] = {}
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._in_step = False  # a cancel from inside a step waits for the next one
 
     @property
     def tokenizer(self):
@@ -159,7 +160,7 @@ class Engine:
             self._cancels.setdefault(request_id, time.perf_counter())
             self._wake.notify()
             threaded = self._thread is not None and self._thread.is_alive()
-        if not threaded:  # nobody else will step soon: release now
+        if not threaded and not self._in_step:  # nobody else will step soon: release now
             with self._step_lock:
                 self._apply_cancels()
         return True
@@ -231,22 +232,29 @@ class Engine:
     def step(self) -> None:
         """One engine step: take in requests and cancels, plan, run, release."""
         with self._step_lock:
-            with self._lock:
-                inbox, self._inbox = self._inbox, []
-            for req in inbox:
-                if not req.finished:
-                    self.scheduler.add(req)
-            self._apply_cancels()
-            now = time.perf_counter()
-            for req in list(self._requests.values()):
-                if req.deadline is not None and now > req.deadline:
-                    self._finish(req, "timeout")
-            plan = self.scheduler.schedule()
-            self.recorder.preemptions += len(plan.preempted)
-            self.executor.run(plan)
-            self.recorder.steps += 1
-            self.recorder.peak_blocks = max(self.recorder.peak_blocks,
-                                            self.blocks.num_used_blocks)
+            self._in_step = True
+            try:
+                self._step()
+            finally:
+                self._in_step = False
+
+    def _step(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for req in inbox:
+            if not req.finished:
+                self.scheduler.add(req)
+        self._apply_cancels()
+        now = time.perf_counter()
+        for req in list(self._requests.values()):
+            if req.deadline is not None and now > req.deadline:
+                self._finish(req, "timeout")
+        plan = self.scheduler.schedule()
+        self.recorder.preemptions += len(plan.preempted)
+        self.executor.run(plan)
+        self.recorder.steps += 1
+        self.recorder.peak_blocks = max(self.recorder.peak_blocks,
+                                        self.blocks.num_used_blocks)
 
     # -- scheduler hooks --------------------------------------------------------------
     def blocks_to_admit(self, req: Request) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import queue
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -84,14 +85,16 @@ class RequestHandle:
     """What `Engine.submit` returns: iterate it for the request's events.
 
     Iterating is safe from any thread. Leaving the loop early (break, an
-    exception, the generator being closed or collected) cancels the request,
-    so a consumer that goes away never leaks blocks.
+    exception, the generator being closed or collected) or dropping the handle
+    cancels the request, so a consumer that goes away never leaks blocks.
     """
 
     def __init__(self, engine: Engine, request: Request):
         self._engine = engine
         self._request = request
         self.request_id = request.request_id
+        # a handle dropped without being read to the end is a consumer gone away
+        weakref.finalize(self, engine.cancel, request.request_id)
 
     @property
     def notice(self) -> str | None:

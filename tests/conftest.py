@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import tempfile
 
 # Keep tests off the user's cache; set before engine computes any path.
@@ -13,6 +15,7 @@ import engine  # noqa: E402,F401  (preloads OpenBLAS before mlx.core)
 # isort: split
 import mlx.core as mx  # noqa: E402
 import pytest  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +40,54 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "metal" in item.keywords:
             item.add_marker(skip)
+
+
+# -- tiny random-weight models of other architectures ------------------------------
+
+TINY = {
+    "qwen3": dict(model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                  rope_theta=1e6, max_position_embeddings=2048, tie_word_embeddings=True),
+    "qwen2": dict(model_type="qwen2", hidden_size=64, num_hidden_layers=2, intermediate_size=96,
+                  num_attention_heads=4, num_key_value_heads=1, rms_norm_eps=1e-6,
+                  rope_theta=1e6, max_position_embeddings=2048, tie_word_embeddings=False),
+    "llama": dict(model_type="llama", hidden_size=48, num_hidden_layers=3, intermediate_size=64,
+                  num_attention_heads=6, num_key_value_heads=3, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False,
+                  rope_traditional=False),
+}
+
+
+def build_tiny_model(tmp_path, default_model, kind: str):
+    """Random weights for a real mlx-lm architecture, saved as a model directory."""
+    from mlx_lm.utils import _get_classes
+
+    config = dict(TINY[kind], vocab_size=default_model.config["vocab_size"],
+                  eos_token_id=default_model.config["eos_token_id"])
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(len(kind))
+    model = model_cls(args_cls.from_dict(config))
+    # scale up the random init so logits are peaked and greedy is meaningful
+    params = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    path = tmp_path / kind
+    path.mkdir()
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    (path / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model.path / name, path / name)
+    return path
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path, default_model):
+    """Factory: a tiny random-weight model directory of the given architecture."""
+    return lambda kind: build_tiny_model(tmp_path, default_model, kind)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, default_model):
+    """A loaded tiny qwen3 (2 layers, 64 wide): fast steps for scheduler stress tests."""
+    from engine import load_model
+
+    return load_model(str(build_tiny_model(tmp_path_factory.mktemp("tiny"), default_model,
+                                           "qwen3")))
