@@ -1,0 +1,177 @@
+"""Continuous batching on the real default model: batched == alone, preemption, every ending."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.errors import EngineStoppedError, RequestTooLargeError
+from engine.request import Priority
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is.",
+    "List three prime numbers greater than 100.",
+    "Why is the sky blue?",
+    "Give me a recipe for pancakes.",
+]
+GEN = 40  # outputs outgrow their prompts: growth, not admission, fills the pool
+
+
+def params(n=GEN):
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def collect(handle):
+    tokens, final = [], None
+    for event in handle:
+        if event.token is not None:
+            tokens.append(event.token)
+        final = event
+    return tokens, final
+
+
+@pytest.fixture(scope="module")
+def alone(default_model):
+    """Greedy tokens of each prompt run alone on a roomy pool (the reference)."""
+    engine = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20))
+    ids = [engine.encode_prompt(p) for p in PROMPTS]
+    return ids, [engine.generate_text(i, params())[1] for i in ids]
+
+
+def pool_of(default_model, blocks: int, **kw) -> Engine:
+    probe = Engine(default_model, EngineConfig(kv_budget_bytes=1 << 20))
+    return Engine(default_model, EngineConfig(
+        kv_budget_bytes=blocks * probe.layout.bytes_per_block, **kw))
+
+
+def test_batched_equals_alone(default_model, alone):
+    ids, ref = alone
+    engine = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8))
+    handles = [engine.submit(i, params()) for i in ids]
+    outs = [collect(h)[0] for h in handles]
+    assert outs == ref
+    m = engine.metrics()
+    # all six decoded together: far fewer steps than tokens
+    assert m.steps < len(ids) * GEN / 2
+    assert m.blocks_used == 0 and m.finished == {"length": len(ids)}
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_three_times_oversubscribed_pool(default_model, alone, mode):
+    ids, ref = alone
+    need = sum(-(-(len(i) + GEN) // 16) for i in ids)
+    engine = pool_of(default_model, need // 3, max_running=6, preempt_mode=mode)
+    handles = [engine.submit(i, params()) for i in ids]
+    outs = [collect(h)[0] for h in handles]
+    m = engine.metrics()
+    assert m.preemptions > 0, "no pressure"
+    assert outs == ref  # preempted requests resume with identical greedy output
+    assert m.blocks_free == m.blocks_total
+    assert m.peak_bytes <= m.budget_bytes
+
+
+def test_interactive_preempts_background(default_model, alone):
+    ids, ref = alone
+    engine = pool_of(default_model, 12, max_running=8)
+    bg = [engine.submit(i, params(), priority=Priority.BACKGROUND) for i in ids[:3]]
+    for _ in range(4):
+        engine.step()  # the background requests fill the pool
+    fg = engine.submit(ids[3], params(), priority=Priority.INTERACTIVE)
+    tokens, final = collect(fg)
+    assert tokens == ref[3]
+    assert any(not h._request.finished for h in bg), "interactive did not go first"
+    assert [collect(h)[0] for h in bg] == ref[:3]
+    assert engine.metrics().preemptions > 0
+
+
+def test_never_fits_is_rejected_at_once(default_model):
+    engine = pool_of(default_model, 4)  # 64 tokens
+    with pytest.raises(RequestTooLargeError, match="KV pool"):
+        engine.submit(list(range(100, 180)), params())
+    strict = pool_of(default_model, 4, overflow="reject")
+    with pytest.raises(RequestTooLargeError, match="exceed"):
+        strict.submit(list(range(100, 140)), params(40))
+    # the default policy admits it with a smaller output, and says so
+    h = engine.submit(list(range(100, 140)), params(40))
+    assert h.notice == "max_tokens reduced from 40 to 24 to fit"
+    tokens, final = collect(h)
+    assert len(tokens) == 24 and final.finish_reason == "length"
+    assert engine.metrics().rejections == 1 and strict.metrics().rejections == 1
+
+
+def test_cancel_mid_prefill_releases_within_a_step(default_model):
+    engine = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20, prefill_chunk=64))
+    ids = engine.encode_prompt("word " * 600)
+    it = iter(engine.submit(ids, params()))
+    first = next(it)
+    assert first.prefill == (64, len(ids)) and first.token is None
+    steps = engine.metrics().steps
+    assert engine.blocks.num_used_blocks == 4
+    engine.cancel(first.request_id)
+    final = next(it)
+    assert final.finish_reason == "cancelled" and final.stats.blocks_released == 4
+    assert engine.metrics().steps == steps  # no further step was needed
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert final.stats.release_latency_ms < 1000
+
+
+def test_timeout_error_and_shutdown_release_blocks(default_model, alone):
+    ids, ref = alone
+    engine = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20))
+    doomed = engine.submit(ids[0], params())
+
+    def fault(req, phase):
+        if req.request_id == doomed.request_id and phase == "token" and req.output_ids:
+            raise ValueError("boom")
+
+    engine.executor.fault_hook = fault
+    late = engine.submit(ids[1], params(), timeout_s=0.0)
+    fine = engine.submit(ids[2], params())
+    final = collect(doomed)[1]
+    assert final.finish_reason == "error" and "ValueError: boom" in final.error
+    assert collect(late)[1].finish_reason == "timeout"
+    assert collect(fine)[0] == ref[2]  # the error stayed with its own request
+    engine.executor.fault_hook = None
+    pending = [engine.submit(i, params()) for i in ids[3:]]
+    engine.step()
+    engine.step()
+    assert engine.blocks.num_used_blocks > 0
+    engine.shutdown()
+    assert [collect(h)[1].finish_reason for h in pending] == ["shutdown"] * 3
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    with pytest.raises(EngineStoppedError):
+        engine.submit(ids[0], params())
+
+
+def test_engine_thread_serves_concurrent_consumers(default_model, alone):
+    ids, ref = alone
+    engine = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20))
+    engine.start()
+    results: dict[int, list] = {}
+
+    def consume(k):
+        results[k] = collect(engine.submit(ids[k], params()))[0]
+
+    threads = [threading.Thread(target=consume, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    # a fourth consumer walks away after two tokens: its request is cancelled
+    gone = engine.submit(ids[3], params())
+    for n, _ in enumerate(gone):
+        if n == 2:
+            break
+    for t in threads:
+        t.join(timeout=120)
+    assert [results[k] for k in range(3)] == ref[:3]
+    m = engine.metrics()
+    assert m.finished.get("cancelled") == 1
+    lat = m.latency
+    assert lat["ttft_s"].count == 4 and lat["itl_s"].count > 0
+    assert lat["itl_s"].p50 <= lat["itl_s"].p95 <= lat["itl_s"].p99
+    engine.shutdown()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.block_map() == "." * engine.blocks.num_blocks
