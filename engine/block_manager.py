@@ -4,7 +4,8 @@ Pure Python, no MLX: the pool's arrays live in `kv_cache.PagedKVCache`; this
 class decides which physical block holds which tokens of which sequence.
 
 Invariants (checked by `check_invariants`, property-tested in tests):
-- every block is free (ref 0, on the free list) or in use (ref >= 1);
+- every block is exactly one of: free (ref 0, on the free list); cached (ref 0,
+  hashed, evictable in LRU order); in use (ref >= 1, maybe hashed);
 - ref_counts[b] == number of block-table entries, over live sequences, naming b;
 - a sequence holds exactly ceil(num_tokens / block_size) blocks;
 - a block shared by several sequences is never written: appending into a
@@ -13,7 +14,8 @@ Invariants (checked by `check_invariants`, property-tested in tests):
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.errors import OutOfBlocksError
@@ -39,15 +41,27 @@ class BlockManager:
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.block_tables: dict[int, list[int]] = {}
         self.num_tokens: dict[int, int] = {}
+        # prefix cache: full blocks registered under their chained hash
+        self.block_hash: dict[int, bytes] = {}
+        self.block_tokens: dict[int, tuple[int, ...]] = {}
+        self.hash_to_block: dict[bytes, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0, LRU first
+        self.evictions = 0
 
     # -- queries -----------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks an allocation can take: free ones plus cached ones it may evict."""
+        return len(self.free_block_ids) + len(self.evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Unreferenced blocks kept for their prefix (evictable)."""
+        return len(self.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_block_ids)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_shared_blocks(self) -> int:
@@ -136,15 +150,68 @@ class BlockManager:
         for b in table:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self.free_block_ids.append(b)
+                if b in self.block_hash:
+                    self.evictable[b] = None  # most recently used last
+                else:
+                    self.free_block_ids.append(b)
                 freed += 1
         return freed
 
     def _take_block(self) -> int:
-        b = self.free_block_ids.popleft()
+        if self.free_block_ids:
+            b = self.free_block_ids.popleft()
+        else:  # evict the least recently used cached block
+            b, _ = self.evictable.popitem(last=False)
+            self._unhash(b)
+            self.evictions += 1
         assert self.ref_counts[b] == 0
         self.ref_counts[b] = 1
         return b
+
+    # -- prefix cache -----------------------------------------------------------------
+    def lookup(self, hashes: Sequence[bytes], token_blocks: Sequence[Sequence[int]]) -> list[int]:
+        """Block ids caching the longest prefix of ``hashes``; tokens are compared on every hit."""
+        found = []
+        for h, tokens in zip(hashes, token_blocks, strict=False):
+            b = self.hash_to_block.get(h)
+            if b is None or self.block_tokens[b] != tuple(tokens):
+                break
+            found.append(b)
+        return found
+
+    def allocate_cached(self, seq_id: int, cached: Sequence[int]) -> None:
+        """Start ``seq_id`` on cached full blocks, by reference (their K/V is reused)."""
+        if seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        for b in cached:
+            if self.ref_counts[b] == 0:
+                del self.evictable[b]
+            self.ref_counts[b] += 1
+        self.block_tables[seq_id] = list(cached)
+        self.num_tokens[seq_id] = len(cached) * self.block_size
+
+    def register(self, block_id: int, block_hash: bytes, tokens: Sequence[int]) -> bool:
+        """Name a full, computed block by its chained hash so later prompts can reuse it."""
+        if block_hash in self.hash_to_block or block_id in self.block_hash:
+            return False  # an identical block is cached already (or this one is)
+        assert self.ref_counts[block_id] > 0 and len(tokens) == self.block_size
+        self.block_hash[block_id] = block_hash
+        self.block_tokens[block_id] = tuple(tokens)
+        self.hash_to_block[block_hash] = block_id
+        return True
+
+    def drop_cached(self) -> int:
+        """Forget every unreferenced cached block (they become free); returns how many."""
+        n = len(self.evictable)
+        while self.evictable:
+            b, _ = self.evictable.popitem(last=False)
+            self._unhash(b)
+            self.free_block_ids.append(b)
+        return n
+
+    def _unhash(self, b: int) -> None:
+        h = self.block_hash.pop(b)
+        del self.block_tokens[b], self.hash_to_block[h]
 
     # -- invariants --------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -157,5 +224,10 @@ class BlockManager:
         assert counts == self.ref_counts, "refcounts differ from block tables"
         free = set(self.free_block_ids)
         assert len(free) == len(self.free_block_ids), "duplicate free block"
+        assert not free & set(self.evictable), "a block both free and cached"
         for b in range(self.num_blocks):
-            assert (b in free) == (self.ref_counts[b] == 0), f"block {b} state"
+            idle = b in free or b in self.evictable
+            assert idle == (self.ref_counts[b] == 0), f"block {b} state"
+            assert (b in self.evictable) <= (b in self.block_hash), f"cached block {b} unhashed"
+            assert (b in free) <= (b not in self.block_hash), f"free block {b} hashed"
+        assert {self.hash_to_block[h] for h in self.block_hash.values()} == set(self.block_hash)

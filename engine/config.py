@@ -31,6 +31,16 @@ class EngineConfig:
     """How a preempted sequence gives its blocks back: "recompute" or "swap" (to host)."""
     swap_budget_bytes: int = 1 << 30
     """Host memory for swapped-out K/V; beyond it, preemption falls back to recompute."""
+    prefix_cache: bool = True
+    """Reuse the K/V of full blocks shared with earlier prompts (same tenant and salt)."""
+    disk_cache: bool = False
+    """Persist prompt prefix blocks to disk and restore them (also after a restart)."""
+    disk_cache_dir: str | None = None
+    """The disk store's directory; None = ~/.cache/kvchat/prefix (or $KVCHAT_HOME/prefix)."""
+    disk_budget_bytes: int = 2 << 30
+    """Bytes the disk store may hold; least recently used entries go first."""
+    disk_ttl_s: float = 24 * 3600
+    """Lifetime of a disk entry; cached K/V is user data and never outlives it."""
     overflow: str = "truncate"
     """A request whose output cannot fit: "truncate" its max tokens (and say so) or "reject"."""
 

@@ -26,6 +26,7 @@ from engine.loader import LoadedModel
 from engine.metrics import EngineMetrics, MetricsRecorder
 from engine.model_runner import PagedModel, StepBatch
 from engine.paged_attention import contiguous_run
+from engine.prefix_cache import PrefixCache
 from engine.request import Priority, Request, RequestHandle, RequestState
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -54,6 +55,7 @@ class Engine:
         self.max_context = min(config.max_context or loaded.context_length, loaded.context_length)
         self.recorder = MetricsRecorder()
         self.swap = HostSwap(self.kv, self.blocks, config.swap_budget_bytes)
+        self.prefix = PrefixCache(loaded, self.kv, self.blocks, config)
         sched = SchedulerConfig(
             max_running=config.max_running,
             max_prefill_tokens=config.max_step_tokens or config.prefill_chunk,
@@ -258,12 +260,17 @@ class Engine:
 
     # -- scheduler hooks --------------------------------------------------------------
     def blocks_to_admit(self, req: Request) -> int:
-        return self.blocks.blocks_needed(req.total_len)
+        """Free blocks the request needs: cached prefix blocks in use elsewhere cost none."""
+        shared = sum(1 for b in self.prefix.ram_hits(req) if self.blocks.ref_counts[b] > 0)
+        return self.blocks.blocks_needed(req.total_len) - shared
 
     def admit(self, req: Request) -> None:
-        self.blocks.allocate(req.request_id)
-        if req.stats.queue_s == 0.0:
+        cached, source = self.prefix.admit(req)
+        if req.stats.queue_s == 0.0:  # first admission (not a resume after preemption)
             req.stats.queue_s = time.perf_counter() - req.arrival
+            req.stats.cached_tokens, req.stats.cache_source = cached, source
+            self.recorder.cached_tokens += cached
+            self.recorder.prompt_tokens += len(req.prompt_ids)
         if req.sampler is None:
             p = req.params
             if p.seed is not None:
@@ -281,7 +288,7 @@ class Engine:
             req.state = RequestState.SWAPPED
         else:
             self.blocks.free(req.request_id)
-            req.num_computed = 0
+            req.num_computed = req.registered = 0
             req.state = RequestState.WAITING
 
     def swap_in(self, req: Request) -> None:
@@ -365,6 +372,7 @@ class Engine:
                 self._inbox.clear()
             for req in pending:
                 self._finish(req, "shutdown")
+        self.prefix.close()  # drains the disk writer
 
     # -- observation -------------------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
@@ -377,17 +385,19 @@ class Engine:
             peak_bytes=rec.peak_blocks * bpb,
             hit_rate=rec.cached_tokens / rec.prompt_tokens if rec.prompt_tokens else 0.0,
             active_sequences=len(b.block_tables),
-            evictions=rec.evictions,
+            evictions=b.evictions,
             release_latency_ms=rec.release_latency_ms,
             budget_bytes=b.num_blocks * bpb,
             bytes_per_block=bpb,
             blocks_total=b.num_blocks,
             blocks_free=b.num_free_blocks,
             blocks_used=b.num_used_blocks,
-            blocks_cached=0,
+            blocks_cached=b.num_cached_blocks,
             blocks_shared=b.num_shared_blocks,
             cached_tokens_total=rec.cached_tokens,
             prompt_tokens_total=rec.prompt_tokens,
+            disk_hits=self.prefix.disk_hits,
+            **self._disk_metrics(),
             waiting=len(sched.waiting) + len(self._inbox),
             running=len(sched.running),
             swapped=len(sched.swapped),
@@ -398,10 +408,18 @@ class Engine:
             latency=rec.percentiles(),
         )
 
+    def _disk_metrics(self) -> dict:
+        store = self.prefix.store
+        if store is None:
+            return {}
+        st = store.stats()
+        return {"disk_entries": st.entries, "disk_bytes": st.bytes}
+
     def block_map(self) -> str:
         """One character per block: "." free, "#" in use, "S" shared, "c" cached."""
-        return "".join("." if r == 0 else "#" if r == 1 else "S"
-                       for r in list(self.blocks.ref_counts))
+        cached = set(self.blocks.evictable)
+        return "".join("c" if b in cached else "." if r == 0 else "#" if r == 1 else "S"
+                       for b, r in enumerate(list(self.blocks.ref_counts)))
 
     # -- a single sequence's forward (tests, tools) ------------------------------------------
     def _forward(self, seq_id: int, token_ids: list[int] | mx.array, *, logits: bool):

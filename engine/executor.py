@@ -44,6 +44,7 @@ class StepExecutor:
                 eng.runner(self._batch([req], ids[None], [slots.slots]), eng.kv, logits=False)
                 mx.eval(eng.kv.keys, eng.kv.values)
                 req.num_computed += n
+                eng.prefix.on_computed(req)
                 if req.stats.preemptions == 0:
                     done = req.num_computed
                     req.events.put(GenerationEvent(req.request_id, None, "",
@@ -104,6 +105,7 @@ class StepExecutor:
             req.num_computed += 1
             try:
                 self._fault(req, "token")
+                eng.prefix.on_computed(req)
                 eng._accept_token(req, int(token), now)
             except Exception as e:  # noqa: BLE001
                 eng._finish(req, "error", error=f"{type(e).__name__}: {e}")

@@ -60,6 +60,9 @@ class Request:
     detok: Any = None
     stop: StopMatcher | None = None
     swap: Any = None  # host copy of the K/V while SWAPPED
+    salt: Any = None  # prefix-cache salt (model, tokenizer, ..., tenant, permission version)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained, per full block
+    registered: int = 0  # leading blocks already named in the prefix cache
     pending: Any = None  # lazily computed next token (mx.array) not yet read back
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 

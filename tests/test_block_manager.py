@@ -12,7 +12,11 @@ from engine.errors import OutOfBlocksError
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / free sequences against a shadow model."""
+    """Random allocate / append / fork / free / prefix reuse against a shadow model.
+
+    Cached blocks are reused by reference and evicted under pressure; the
+    shadow contents prove a cached or shared block is never overwritten.
+    """
 
     @initialize(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 16]))
     def setup(self, num_blocks, block_size):
@@ -23,6 +27,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}
         self.slot_values: dict[int, int] = {}
         self.counter = 0
+        self.prefixes: set[tuple[int, ...]] = set()
 
     def _write(self, seq, plan, n):
         for src, dst in plan.copies:  # copy-on-write happens before the write
@@ -79,6 +84,38 @@ class PoolMachine(RuleBasedStateMachine):
         if twice:  # every release path may call free; the second is a no-op
             assert self.bm.free(seq) == 0
         del self.tokens[seq]
+
+    @staticmethod
+    def _key(values) -> bytes:  # stands in for the chained hash: names the whole prefix
+        return repr(tuple(values)).encode()
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def register_full_blocks(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        bs, values = self.bm.block_size, self.tokens[seq]
+        for i in range(len(values) // bs):
+            block = self.bm.block_tables[seq][i]
+            self.bm.register(block, self._key(values[: (i + 1) * bs]), values[i * bs:(i + 1) * bs])
+            self.prefixes.add(tuple(values[: (i + 1) * bs]))
+
+    @precondition(lambda self: self.prefixes)
+    @rule(data=st.data())
+    def reuse_cached_prefix(self, data):
+        values = data.draw(st.sampled_from(sorted(self.prefixes)))
+        bs = self.bm.block_size
+        n = len(values) // bs
+        keys = [self._key(values[: (i + 1) * bs]) for i in range(n)]
+        hit = self.bm.lookup(keys, [values[i * bs:(i + 1) * bs] for i in range(n)])
+        seq = self.next_id
+        self.next_id += 1
+        self.bm.allocate_cached(seq, hit)
+        self.tokens[seq] = list(values[: len(hit) * bs])  # must read back the cached values
+
+    @rule()
+    def drop_cached(self):
+        cached = self.bm.num_cached_blocks
+        assert self.bm.drop_cached() == cached and self.bm.num_cached_blocks == 0
 
     @invariant()
     def bookkeeping_is_consistent(self):
@@ -145,4 +182,21 @@ def test_free_releases_exactly_once():
     assert bm.free(1) == 3
     assert bm.free(1) == 0
     assert bm.num_free_blocks == 4
+    bm.check_invariants()
+
+
+def test_cached_blocks_are_evicted_lru_and_counted():
+    bm = BlockManager(4, 2)
+    for seq, toks in ((1, [1, 2, 3, 4]), (2, [5, 6])):
+        bm.allocate(seq, len(toks))
+        for i in range(len(toks) // 2):
+            bm.register(bm.block_tables[seq][i], bytes([seq, i]), toks[2 * i:2 * i + 2])
+    bm.free(1)  # its two blocks become cached (LRU order: block of [1,2] first)
+    bm.free(2)
+    assert bm.num_cached_blocks == 3 and bm.num_free_blocks == 4 and bm.num_used_blocks == 0
+    assert bm.lookup([bytes([1, 0]), bytes([1, 1])], [[1, 2], [3, 4]]) == [0, 1]
+    assert bm.lookup([bytes([1, 0])], [[9, 9]]) == []  # same key, other tokens: a miss
+    bm.allocate(3, 4)  # one free block, then evicts the least recently used cached one
+    assert bm.evictions == 1 and bm.lookup([bytes([1, 0])], [[1, 2]]) == []
+    assert bm.lookup([bytes([2, 0])], [[5, 6]]) == [2]
     bm.check_invariants()

@@ -174,4 +174,6 @@ def test_engine_thread_serves_concurrent_consumers(default_model, alone):
     assert lat["itl_s"].p50 <= lat["itl_s"].p95 <= lat["itl_s"].p99
     engine.shutdown()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    assert engine.block_map() == "." * engine.blocks.num_blocks
+    # nothing in use: every block is free or kept as evictable prefix cache
+    assert set(engine.block_map()) <= {".", "c"}
+    assert engine.block_map().count("c") == engine.blocks.num_cached_blocks > 0

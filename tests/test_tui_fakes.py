@@ -1,0 +1,189 @@
+"""A scripted engine for TUI tests, and tests of the turn logic that drives it.
+
+`FakeEngine` speaks the engine's API (encode_prompt, start, submit -> iterable handle,
+cancel, metrics, block_map, shutdown) with fixed events and fixed metrics, so UI tests
+and snapshots are fast and deterministic. The real engine is used in test_tui.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from app.tui.generation import (
+    PrefillProgress,
+    TextReceived,
+    Turn,
+    TurnFinished,
+    TurnRejected,
+    TurnStarted,
+    stats_line,
+    stream_turn,
+)
+from engine import SamplingParams
+from engine.errors import RequestError, RequestTooLargeError
+from engine.generation import GenerationEvent
+from engine.metrics import EngineMetrics, Percentiles
+
+FIXED_METRICS = EngineMetrics(
+    used_bytes=6 * 737_280, peak_bytes=9 * 737_280, hit_rate=0.42, active_sequences=1,
+    evictions=3, release_latency_ms=0.37, budget_bytes=96 * 737_280, bytes_per_block=737_280,
+    blocks_total=96, blocks_free=84, blocks_used=6, blocks_cached=6, blocks_shared=2,
+    cached_tokens_total=320, prompt_tokens_total=760, waiting=0, running=1, preemptions=1,
+    rejections=2,
+    latency={"ttft_s": Percentiles(0.21, 0.48, 0.5, 12),
+             "itl_s": Percentiles(0.055, 0.07, 0.09, 300)},
+)
+FIXED_BLOCK_MAP = "SS####cccccc" + "." * 84
+
+
+def fixed_stats(prompt_tokens: int, generated: int, released: int = 4):
+    return SimpleNamespace(prompt_tokens=prompt_tokens, generation_tokens=generated,
+                           ttft_s=0.25, prefill_tps=480.0, decode_tps=18.5,
+                           cached_tokens=min(16, prompt_tokens),
+                           blocks_used=released, blocks_released=released)
+
+
+class FakeHandle:
+    """What `FakeEngine.submit` returns: an iterable of events with a request id."""
+
+    def __init__(self, request_id, events):
+        self.request_id, self.notice, self._events = request_id, None, events
+
+    def __iter__(self):
+        return iter(self._events)
+
+
+class FakeEngine:
+    """Streams ``reply`` word by word (``delay`` s apart); cancel ends it at the next event."""
+
+    def __init__(self, reply: str = "The capital of France is **Paris**.", *, delay: float = 0.0,
+                 max_prompt_tokens: int = 4096, prefill_events: int = 0):
+        self.reply, self.delay = reply, delay
+        self.max_prompt_tokens = max_prompt_tokens
+        self.prefill_events = prefill_events
+        self.loaded = SimpleNamespace(weight_format="fake", name="fake")
+        self.started = self.stopped = False
+        self.cancelled: set[int] = set()
+        self.submitted: list[list[int]] = []
+        self.histories: list[list[dict]] = []
+        self._next_id = 0
+        self._lock = threading.Lock()
+
+    def encode_prompt(self, prompt, *, system=None, raw=False, history=None):
+        if not prompt or not prompt.strip():
+            raise RequestError("the prompt is empty")
+        self.histories.append(list(history or []))
+        words = sum(len(m["content"].split()) for m in history or []) + len(prompt.split())
+        return list(range(words + (len(system.split()) if system else 0)))
+
+    def start(self):
+        self.started = True
+
+    def shutdown(self):
+        self.stopped = True
+
+    def submit(self, ids, params=None, *, priority=None, timeout_s=None):
+        if len(ids) > self.max_prompt_tokens:
+            raise RequestTooLargeError(
+                f"the prompt has {len(ids)} tokens; the context holds {self.max_prompt_tokens}")
+        with self._lock:
+            rid, self._next_id = self._next_id, self._next_id + 1
+        self.submitted.append(ids)
+        return FakeHandle(rid, self._events(rid, len(ids), params))
+
+    def _events(self, rid, n, params):
+        for i in range(self.prefill_events):
+            yield GenerationEvent(rid, None, "", prefill=(i * n // self.prefill_events, n))
+        words = self.reply.split(" ")
+        limit = params.max_tokens if params else len(words)
+        for i, word in enumerate(words[:limit]):
+            if self.delay:
+                time.sleep(self.delay)
+            if rid in self.cancelled:
+                yield GenerationEvent(rid, None, "", finish_reason="cancelled",
+                                      stats=fixed_stats(n, i))
+                return
+            yield GenerationEvent(rid, i, word if i == 0 else " " + word)
+        reason = "length" if limit < len(words) else "stop"
+        yield GenerationEvent(rid, None, "", finish_reason=reason,
+                              stats=fixed_stats(n, min(limit, len(words))))
+
+    def cancel(self, rid):
+        self.cancelled.add(rid)
+        return True
+
+    def metrics(self):
+        return FIXED_METRICS
+
+    def block_map(self):
+        return FIXED_BLOCK_MAP
+
+
+def run_turn(engine, prompt, history=(), max_tokens=64):
+    posted = []
+    turn = Turn(prompt, engine, "", list(history))
+    stream_turn(turn, SamplingParams(max_tokens=max_tokens), posted.append)
+    return turn, posted
+
+
+def test_stream_turn_posts_start_text_and_finish():
+    engine = FakeEngine("one two three", prefill_events=2)
+    turn, posted = run_turn(engine, "hello there")
+    kinds = [type(m) for m in posted]
+    assert kinds[0] is TurnStarted and kinds[-1] is TurnFinished
+    assert PrefillProgress in kinds
+    assert "".join(m.text for m in posted if isinstance(m, TextReceived)) == "one two three"
+    assert posted[-1].finish_reason == "stop" and turn.request_id == 0
+
+
+def test_stream_turn_batches_fast_deltas():
+    engine = FakeEngine(" ".join(["w"] * 200))
+    _, posted = run_turn(engine, "go", max_tokens=200)
+    texts = [m for m in posted if isinstance(m, TextReceived)]
+    assert len(texts) < 20  # 200 instant tokens arrive in a few batches, not 200 updates
+    assert "".join(m.text for m in texts) == " ".join(["w"] * 200)
+
+
+def test_stream_turn_rejects_what_can_never_fit():
+    engine = FakeEngine(max_prompt_tokens=10)
+    _, posted = run_turn(engine, "word " * 50)
+    assert len(posted) == 1 and isinstance(posted[0], TurnRejected)
+    assert "the context holds 10" in posted[0].error
+
+
+def test_stream_turn_drops_oldest_history_to_fit():
+    engine = FakeEngine(max_prompt_tokens=12)
+    history = [{"role": "user", "content": "a " * 5}, {"role": "assistant", "content": "b " * 5},
+               {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    turn, posted = run_turn(engine, "short question", history)
+    assert isinstance(posted[-1], TurnFinished)
+    assert turn.dropped_turns == 1
+    assert engine.histories[-1] == history[2:]
+
+
+def test_cancel_before_the_request_id_is_known():
+    engine = FakeEngine("a b c d")
+    turn = Turn("hi", engine)
+    turn.cancel_requested = True
+    posted = []
+    stream_turn(turn, SamplingParams(), posted.append)
+    assert posted[-1].finish_reason == "cancelled"
+
+
+@pytest.mark.parametrize(("reason", "expected"), [
+    ("stop", "3 tokens · 18.5 tok/s · TTFT 0.25 s · prefill 480 tok/s · "
+             "16/40 prompt tokens cached"),
+    ("length", "max tokens reached"),
+    ("cancelled", "cancelled — 4 blocks released"),
+    ("shutdown", "the model was unloaded — 4 blocks released"),
+])
+def test_stats_line(reason, expected):
+    assert expected in stats_line(reason, fixed_stats(40, 3))
+
+
+def test_stats_line_error():
+    assert stats_line("error", None, "boom") == "error: boom"
