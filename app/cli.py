@@ -38,13 +38,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bytes for the KV pool, e.g. 512M, 2G (1G)")
     p.add_argument("--weights", choices=["auto", "float32", "shipped"], default="auto",
                    help="weight format: auto picks float32 on CPU, shipped on GPU")
+    p.add_argument("--cache-dir", default=None,
+                   help="disk prefix cache directory (default ~/.cache/kvchat/prefix)")
+    p.add_argument("--no-disk-cache", action="store_true",
+                   help="keep prefix blocks in RAM only (nothing written to disk)")
 
 
 def build_engine(args):
     from engine import Engine, EngineConfig, load_model
 
     loaded = load_model(args.model, weights=args.weights)
-    config = EngineConfig(block_size=args.block_size, kv_budget_bytes=args.kv_budget)
+    config = EngineConfig(block_size=args.block_size, kv_budget_bytes=args.kv_budget,
+                          disk_cache=not getattr(args, "no_disk_cache", False),
+                          disk_cache_dir=getattr(args, "cache_dir", None))
     return Engine(loaded, config)
 
 
@@ -64,16 +70,21 @@ def cmd_generate(args) -> int:
                             top_p=args.top_p, stop=args.stop or [])
     eng = build_engine(args)
     ids = eng.encode_prompt(prompt, system=args.system, raw=args.raw)
-    eng.check_request(ids, params)
+    _, notice = eng.check_request(ids, params)
+    if notice:
+        print(f"kvchat: note: {notice}", file=sys.stderr)
     text, tokens, final = [], [], None
-    for event in eng.generate(ids, params):
-        if not args.json:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+    try:
+        events = list(_stream(eng, ids, params, args))
+    finally:
+        eng.shutdown()  # releases the pool and drains the disk writer
+    for event in events:
         text.append(event.text)
         if event.token is not None:
             tokens.append(event.token)
         final = event
+    if final.finish_reason == "error":
+        raise KVChatError(f"generation failed: {final.error}")
     stats = final.stats
     if args.json:
         out = {
@@ -85,6 +96,8 @@ def cmd_generate(args) -> int:
             "ttft_s": stats.ttft_s,
             "prefill_tps": stats.prefill_tps,
             "decode_tps": stats.decode_tps,
+            "cached_tokens": stats.cached_tokens,
+            "cache_source": stats.cache_source,
             "kv": stats.kv_dict(),
             "model": {
                 "name": eng.loaded.name,
@@ -96,15 +109,41 @@ def cmd_generate(args) -> int:
         }
         print(json.dumps(out))
     else:
-        sys.stdout.write("\n")
         print(
             f"[{stats.prompt_tokens} prompt tokens, {stats.prefill_tps:.1f} tok/s prefill | "
             f"{stats.generation_tokens} tokens, {stats.decode_tps:.1f} tok/s decode | "
-            f"TTFT {stats.ttft_s:.2f}s | KV {stats.blocks_used} blocks, "
+            f"TTFT {stats.ttft_s:.2f}s | cached {stats.cached_tokens} ({stats.cache_source}) | "
+            f"KV {stats.blocks_used} blocks, "
             f"{stats.bytes_used / 2**20:.1f} MiB | {final.finish_reason}]",
             file=sys.stderr,
         )
     return 0
+
+
+def _stream(eng, ids, params, args):
+    """The request's events, echoing text as it streams unless --json."""
+    for event in eng.generate(ids, params, tenant=args.tenant,
+                              permission_version=args.permission_version):
+        if not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        yield event
+    if not args.json:
+        sys.stdout.write("\n")
+
+
+def cmd_chat(args) -> int:
+    from functools import partial
+
+    from app.tui import run
+    from app.tui.app import default_engine_factory
+
+    factory = partial(default_engine_factory, weights=args.weights,
+                      block_size=args.block_size, kv_budget_bytes=args.kv_budget,
+                      disk_cache=not getattr(args, "no_disk_cache", False),
+                      disk_cache_dir=getattr(args, "cache_dir", None))
+    return run(model=args.model, engine_factory=factory, max_tokens=args.max_tokens,
+               temperature=args.temp)
 
 
 def cmd_estimate(args) -> int:
@@ -177,8 +216,17 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--tenant", default="local", help="prefix-cache scope (default: local)")
+    g.add_argument("--permission-version", type=int, default=0,
+                   help="bump to make this tenant's older cached blocks unreachable")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    ch = sub.add_parser("chat", help="the terminal chat (the default command)")
+    ch.add_argument("--max-tokens", type=int, default=512, help="max tokens per answer (512)")
+    ch.add_argument("--temp", type=float, default=0.0, help="0 = greedy")
+    add_engine_args(ch)
+    ch.set_defaults(func=cmd_chat)
 
     e = sub.add_parser("estimate", help="KV-cache memory for a context size")
     e.add_argument("--model", default=None)
@@ -195,9 +243,10 @@ def make_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default=None)
     c.set_defaults(func=cmd_convert)
 
-    from app import bench
+    from app import bench, cache_cli
 
     bench.add_parser(sub)
+    cache_cli.add_parser(sub)
     return parser
 
 
@@ -205,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        args = parser.parse_args(["generate", *(argv or [])])
+        args = parser.parse_args(["chat", *(argv or [])])
     try:
         return args.func(args)
     except (KVChatError, ValueError, OSError) as e:
