@@ -229,7 +229,17 @@ class Engine:
                     self._wake.wait()
                 if self._stopped:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - a bug in a step must not strand requests
+                self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
+
+    def _fail_all(self, error: str) -> None:
+        with self._step_lock:
+            with self._lock:
+                live = list(self._requests.values())
+            for req in live:
+                self._finish(req, "error", error=error)
 
     def step(self) -> None:
         """One engine step: take in requests and cancels, plan, run, release."""
@@ -248,9 +258,12 @@ class Engine:
                 self.scheduler.add(req)
         self._apply_cancels()
         now = time.perf_counter()
-        for req in list(self._requests.values()):
+        with self._lock:
+            live = list(self._requests.values())
+        for req in live:
             if req.deadline is not None and now > req.deadline:
                 self._finish(req, "timeout")
+        self.prefix.maybe_sweep()
         plan = self.scheduler.schedule()
         self.recorder.preemptions += len(plan.preempted)
         self.executor.run(plan)

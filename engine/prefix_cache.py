@@ -11,6 +11,7 @@ and prompt blocks are persisted by the store's background writer.
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,6 +24,8 @@ from engine.kv_cache import PagedKVCache
 from engine.loader import LoadedModel
 from engine.prefix_key import CacheSalt, chain_hash
 from engine.request import Request
+
+SWEEP_EVERY_S = 60.0  # expired entries leave the disk while the app runs, not only at start
 
 
 def salt_base(loaded: LoadedModel, kv: PagedKVCache) -> dict:
@@ -56,6 +59,7 @@ class PrefixCache:
             self.store = DiskPrefixStore(root, budget_bytes=config.disk_budget_bytes,
                                          default_ttl_s=config.disk_ttl_s, max_pending=256)
         self.disk_hits = 0
+        self._next_sweep = time.monotonic() + SWEEP_EVERY_S
 
     def salt(self, req: Request) -> CacheSalt:
         return CacheSalt(**self.base, tenant=req.tenant,
@@ -155,6 +159,13 @@ class PrefixCache:
                 parent = hashes[i - 1] if i else req.salt.digest()
                 self.store.put_async(req.salt, hashes[i], parent, tokens, arrays)
         req.registered = full
+
+    def maybe_sweep(self) -> int:
+        """Delete expired disk entries (and enforce the budget) once a minute."""
+        if self.store is None or time.monotonic() < self._next_sweep:
+            return 0
+        self._next_sweep = time.monotonic() + SWEEP_EVERY_S
+        return self.store.sweep()
 
     def close(self) -> None:
         if self.store is not None:

@@ -177,3 +177,24 @@ def test_engine_thread_serves_concurrent_consumers(default_model, alone):
     # nothing in use: every block is free or kept as evictable prefix cache
     assert set(engine.block_map()) <= {".", "c"}
     assert engine.block_map().count("c") == engine.blocks.num_cached_blocks > 0
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny_model):
+    engine = Engine(tiny_model, EngineConfig(block_size=4, kv_budget_bytes=1 << 20))
+    engine.start()
+    real = engine.scheduler.schedule
+    calls = []
+
+    def broken():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("scheduler bug")
+        return real()
+
+    engine.scheduler.schedule = broken
+    tokens, final = collect(engine.submit(list(range(100, 120)), params(4)))
+    assert final.finish_reason == "error" and "scheduler bug" in final.error
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    tokens, final = collect(engine.submit(list(range(100, 120)), params(4)))
+    assert final.finish_reason == "length" and len(tokens) == 4
+    engine.shutdown()
