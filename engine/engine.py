@@ -23,7 +23,7 @@ from engine.executor import StepExecutor
 from engine.generation import GenerationEvent, StopMatcher
 from engine.kv_cache import PagedKVCache
 from engine.loader import LoadedModel
-from engine.metrics import EngineMetrics, MetricsRecorder
+from engine.metrics import EngineMetrics, MetricsRecorder, snapshot
 from engine.model_runner import PagedModel, StepBatch
 from engine.paged_attention import contiguous_run
 from engine.prefix_cache import PrefixCache
@@ -309,45 +309,6 @@ class Engine:
         req.state = RequestState.RUNNING
 
     # -- tokens and endings -----------------------------------------------------------------
-    def _accept_token(self, req: Request, token: int, now: float) -> None:
-        """Record a sampled token; emit it, or finish the request."""
-        s = req.stats
-        req.output_ids.append(token)
-        if s.generation_tokens == 0:
-            s.ttft_s = now - req.arrival
-            s.prefill_s = s.ttft_s - s.queue_s
-            self.recorder.observe("ttft_s", s.ttft_s)
-            self.recorder.observe("prefill_tps", s.prefill_tps)
-        else:
-            itl = now - req.last_token_at
-            s.inter_token_s.append(itl)
-            s.decode_s = now - req.arrival - s.ttft_s
-            self.recorder.observe("itl_s", itl)
-        req.last_token_at = now
-        s.generation_tokens += 1
-        s.blocks_used = max(s.blocks_used, len(self.blocks.block_tables[req.request_id]))
-        eos = () if req.params.ignore_eos else self.tokenizer.eos_token_ids
-        finish = None
-        if token in eos:
-            finish, text = "stop", ""
-        else:
-            req.detok.add_token(token)
-            text, hit = req.stop.feed(req.detok.last_segment)
-            if hit:
-                finish = "stop"
-            elif s.generation_tokens >= req.max_new:
-                finish = "length"
-        if finish is None:
-            req.events.put(GenerationEvent(req.request_id, token, text))
-            return
-        req.detok.finalize()
-        if finish == "length" or token in eos:
-            # bytes the detokenizer held back may still complete a stop string
-            more, hit = req.stop.feed(req.detok.last_segment)
-            text += more if hit else more + req.stop.flush()
-            finish = "stop" if hit else finish
-        self._finish(req, finish, token=token, text=text)
-
     def _finish(self, req: Request, reason: str, *, error: str | None = None,
                 token: int | None = None, text: str = "") -> None:
         """End a request: drop its block references exactly once, emit the final event."""
@@ -390,43 +351,7 @@ class Engine:
     # -- observation -------------------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
         """A snapshot of the pool, the prefix cache, the queues and the latencies."""
-        b, rec = self.blocks, self.recorder
-        bpb = self.layout.bytes_per_block
-        sched = self.scheduler
-        return EngineMetrics(
-            used_bytes=b.num_used_blocks * bpb,
-            peak_bytes=rec.peak_blocks * bpb,
-            hit_rate=rec.cached_tokens / rec.prompt_tokens if rec.prompt_tokens else 0.0,
-            active_sequences=len(b.block_tables),
-            evictions=b.evictions,
-            release_latency_ms=rec.release_latency_ms,
-            budget_bytes=b.num_blocks * bpb,
-            bytes_per_block=bpb,
-            blocks_total=b.num_blocks,
-            blocks_free=b.num_free_blocks,
-            blocks_used=b.num_used_blocks,
-            blocks_cached=b.num_cached_blocks,
-            blocks_shared=b.num_shared_blocks,
-            cached_tokens_total=rec.cached_tokens,
-            prompt_tokens_total=rec.prompt_tokens,
-            disk_hits=self.prefix.disk_hits,
-            **self._disk_metrics(),
-            waiting=len(sched.waiting) + len(self._inbox),
-            running=len(sched.running),
-            swapped=len(sched.swapped),
-            preemptions=rec.preemptions,
-            rejections=rec.rejections,
-            finished=dict(rec.finished),
-            steps=rec.steps,
-            latency=rec.percentiles(),
-        )
-
-    def _disk_metrics(self) -> dict:
-        store = self.prefix.store
-        if store is None:
-            return {}
-        st = store.stats()
-        return {"disk_entries": st.entries, "disk_bytes": st.bytes}
+        return snapshot(self)
 
     def block_map(self) -> str:
         """One character per block: "." free, "#" in use, "S" shared, "c" cached."""

@@ -106,7 +106,7 @@ class StepExecutor:
             try:
                 self._fault(req, "token")
                 eng.prefix.on_computed(req)
-                eng._accept_token(req, int(token), now)
+                self.accept_token(req, int(token), now)
             except Exception as e:  # noqa: BLE001
                 eng._finish(req, "error", error=f"{type(e).__name__}: {e}")
 
@@ -127,3 +127,43 @@ class StepExecutor:
                 eng._finish(req, "error", error=f"{type(e).__name__}: {e}")
                 out.append(None)
         return out
+
+    def accept_token(self, req: Request, token: int, now: float) -> None:
+        """Record a sampled token; emit it, or finish the request."""
+        eng = self.engine
+        s = req.stats
+        req.output_ids.append(token)
+        if s.generation_tokens == 0:
+            s.ttft_s = now - req.arrival
+            s.prefill_s = s.ttft_s - s.queue_s
+            eng.recorder.observe("ttft_s", s.ttft_s)
+            eng.recorder.observe("prefill_tps", s.prefill_tps)
+        else:
+            itl = now - req.last_token_at
+            s.inter_token_s.append(itl)
+            s.decode_s = now - req.arrival - s.ttft_s
+            eng.recorder.observe("itl_s", itl)
+        req.last_token_at = now
+        s.generation_tokens += 1
+        s.blocks_used = max(s.blocks_used, len(eng.blocks.block_tables[req.request_id]))
+        eos = () if req.params.ignore_eos else eng.tokenizer.eos_token_ids
+        finish = None
+        if token in eos:
+            finish, text = "stop", ""
+        else:
+            req.detok.add_token(token)
+            text, hit = req.stop.feed(req.detok.last_segment)
+            if hit:
+                finish = "stop"
+            elif s.generation_tokens >= req.max_new:
+                finish = "length"
+        if finish is None:
+            req.events.put(GenerationEvent(req.request_id, token, text))
+            return
+        req.detok.finalize()
+        if finish == "length" or token in eos:
+            # bytes the detokenizer held back may still complete a stop string
+            more, hit = req.stop.feed(req.detok.last_segment)
+            text += more if hit else more + req.stop.flush()
+            finish = "stop" if hit else finish
+        eng._finish(req, finish, token=token, text=text)

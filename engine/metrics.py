@@ -120,3 +120,44 @@ class MetricsRecorder:
         with self._lock:
             for w in self._windows.values():
                 w.clear()
+
+
+def snapshot(engine) -> EngineMetrics:
+    """The engine's metrics now: cheap (no MLX work), safe from any thread."""
+    b, rec = engine.blocks, engine.recorder
+    bpb = engine.layout.bytes_per_block
+    sched = engine.scheduler
+    return EngineMetrics(
+        used_bytes=b.num_used_blocks * bpb,
+        peak_bytes=rec.peak_blocks * bpb,
+        hit_rate=rec.cached_tokens / rec.prompt_tokens if rec.prompt_tokens else 0.0,
+        active_sequences=len(b.block_tables),
+        evictions=b.evictions,
+        release_latency_ms=rec.release_latency_ms,
+        budget_bytes=b.num_blocks * bpb,
+        bytes_per_block=bpb,
+        blocks_total=b.num_blocks,
+        blocks_free=b.num_free_blocks,
+        blocks_used=b.num_used_blocks,
+        blocks_cached=b.num_cached_blocks,
+        blocks_shared=b.num_shared_blocks,
+        cached_tokens_total=rec.cached_tokens,
+        prompt_tokens_total=rec.prompt_tokens,
+        disk_hits=engine.prefix.disk_hits,
+        **_disk_metrics(engine.prefix.store),
+        waiting=len(sched.waiting) + len(engine._inbox),
+        running=len(sched.running),
+        swapped=len(sched.swapped),
+        preemptions=rec.preemptions,
+        rejections=rec.rejections,
+        finished=dict(rec.finished),
+        steps=rec.steps,
+        latency=rec.percentiles(),
+    )
+
+
+def _disk_metrics(store) -> dict:
+    if store is None:
+        return {}
+    st = store.stats()
+    return {"disk_entries": st.entries, "disk_bytes": st.bytes}
