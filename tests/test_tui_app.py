@@ -77,23 +77,15 @@ async def test_send_streams_and_saves(store):
         assert "tok/s" in str(answer.query_one(".stats").render())
         assert app.chat.query_one(PromptInput).text == ""
         assert app.chat.query_one(CachePanel).last_turn == (6, 6)  # the fake: one token a word
+        await ask(pilot, app, "second")
+        assert app.engine.histories[-1] == [
+            {"role": "user", "content": "What is the capital?\nBe brief"},
+            {"role": "assistant", "content": "The capital of France is **Paris**."}]
     [saved] = store.list()
     conv = store.load(saved.id)
-    assert [m.role for m in conv.messages] == ["user", "assistant"]
+    assert [m.role for m in conv.messages] == ["user", "assistant"] * 2
     assert conv.messages[1].meta["finish_reason"] == "stop"
     assert app.engines[0].stopped  # quitting shut the engine down
-
-
-async def test_second_turn_sends_the_history(store):
-    engine = FakeEngine()
-    app = make_app(store, engine)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.engine is not None)
-        await ask(pilot, app, "first")
-        await ask(pilot, app, "second")
-    assert engine.histories[-1] == [
-        {"role": "user", "content": "first"},
-        {"role": "assistant", "content": "The capital of France is **Paris**."}]
 
 
 async def test_escape_cancels_and_shows_released_blocks(store):
@@ -130,21 +122,15 @@ async def test_ctrl_c_cancels_first_then_quits(store):
     assert len(store.list()) == 1  # the chat was saved
 
 
-async def test_empty_prompt_is_refused(store):
-    app = make_app(store)
+async def test_empty_and_too_long_prompts_keep_the_chat(store):
+    engine = FakeEngine(max_prompt_tokens=50)
+    app = make_app(store, engine)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine is not None)
         await pilot.press("space", "enter")
         await pilot.pause()
         assert not boxes(app) and not app.chat.generating
         assert any("empty" in n.message for n in app._notifications)
-
-
-async def test_too_long_prompt_keeps_the_chat(store):
-    engine = FakeEngine(max_prompt_tokens=50)
-    app = make_app(store, engine)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.engine is not None)
         await ask(pilot, app, "hello")
         await ask(pilot, app, "word " * 5000)
         await pilot.pause()
@@ -208,7 +194,7 @@ async def test_new_chat_and_system_prompt(store):
     assert store.load(second_id).system_prompt == "Answer in French"
 
 
-async def test_toggles_theme_and_cache_panel(store):
+async def test_theme_cache_panel_and_palette(store):
     app = make_app(store)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine is not None)
@@ -219,17 +205,12 @@ async def test_toggles_theme_and_cache_panel(store):
         dark = app.current_theme.dark
         await pilot.press("ctrl+t")
         assert app.current_theme.dark is not dark
-
-
-async def test_palette_lists_and_runs_app_commands(store):
-    app = make_app(store)
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.engine is not None)
+        # the command palette lists the app's commands and runs them
         await pilot.press("ctrl+p")
         await pilot.press(*"cache panel")
         await pilot.pause(0.3)
         await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.chat.query_one(CachePanel).display)
+        await wait_for(pilot, lambda: panel.display)
 
 
 async def test_model_that_fails_to_load_keeps_the_chat(store, tmp_path):

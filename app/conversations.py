@@ -1,0 +1,167 @@
+"""Saved chats: one JSON file per conversation under the kvchat cache directory.
+
+Files live in ``cache_root()/"conversations"`` (directory 0700, files 0600) and
+are written atomically (temp file, fsync, rename), so a crash mid-save never
+leaves a half-written chat. A corrupt or foreign file is skipped by `list` and
+reported by `load`; it never takes the app down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from engine.errors import KVChatError
+from engine.paths import cache_root, private_dir
+
+FORMAT_VERSION = 1
+TITLE_CHARS = 60
+_ID_RE = re.compile(r"^[0-9]{8}-[0-9]{6}-[0-9a-f]{6}$")
+
+
+class ConversationError(KVChatError):
+    """A conversation is missing, unreadable or not one of ours."""
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    """One turn of a chat. ``meta`` holds what the UI shows under an answer."""
+
+    role: str  # "user" or "assistant"
+    content: str
+    meta: dict = field(default_factory=dict)  # finish_reason, stats line, ...
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A chat: its messages, the system prompt it runs under and the model it used."""
+
+    id: str
+    title: str = ""
+    system_prompt: str = ""
+    model: str | None = None
+    messages: list[ChatMessage] = field(default_factory=list)
+    created: float = field(default_factory=time.time)
+    updated: float = field(default_factory=time.time)
+
+    def add(self, role: str, content: str, **meta) -> ChatMessage:
+        message = ChatMessage(role, content, dict(meta))
+        self.messages.append(message)
+        if not self.title and role == "user":
+            self.title = make_title(content)
+        self.updated = time.time()
+        return message
+
+    def history(self) -> list[dict]:
+        """The turns as chat-template messages (role and content only)."""
+        return [{"role": m.role, "content": m.content} for m in self.messages if m.content]
+
+    def to_dict(self) -> dict:
+        return {"version": FORMAT_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Conversation:
+        if data.get("version") != FORMAT_VERSION:
+            raise ConversationError(f"unknown conversation format {data.get('version')!r}")
+        messages = [ChatMessage(m["role"], m["content"], dict(m.get("meta") or {}))
+                    for m in data.get("messages", [])]
+        return cls(id=data["id"], title=data.get("title", ""),
+                   system_prompt=data.get("system_prompt", ""), model=data.get("model"),
+                   messages=messages, created=float(data.get("created", 0.0)),
+                   updated=float(data.get("updated", 0.0)))
+
+
+@dataclass(slots=True)
+class ConversationSummary:
+    """What the conversation list shows, without the messages."""
+
+    id: str
+    title: str
+    model: str | None
+    num_messages: int
+    updated: float
+
+
+def make_title(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1] + "…"
+
+
+def new_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+class ConversationStore:
+    """New, list, load, save and delete conversations in one directory."""
+
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root is not None else cache_root() / "conversations"
+
+    def _path(self, conversation_id: str) -> Path:
+        if not _ID_RE.match(conversation_id):
+            raise ConversationError(f"not a conversation id: {conversation_id!r}")
+        return self.root / f"{conversation_id}.json"
+
+    def new(self, *, system_prompt: str = "", model: str | None = None) -> Conversation:
+        """A fresh conversation; it is written on the first `save`."""
+        return Conversation(id=new_id(), system_prompt=system_prompt, model=model)
+
+    def save(self, conversation: Conversation) -> Path:
+        """Write atomically: temp file in the same directory, fsync, rename."""
+        private_dir(self.root)
+        path = self._path(conversation.id)
+        data = json.dumps(conversation.to_dict(), ensure_ascii=False, indent=1)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return path
+
+    def load(self, conversation_id: str) -> Conversation:
+        path = self._path(conversation_id)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return Conversation.from_dict(data)
+        except FileNotFoundError as e:
+            raise ConversationError(f"no saved conversation {conversation_id}") from e
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConversationError(f"cannot read conversation {conversation_id}: {e}") from e
+
+    def list(self) -> list[ConversationSummary]:
+        """Saved conversations, most recently updated first; unreadable files are skipped."""
+        if not self.root.is_dir():
+            return []
+        out = []
+        for path in self.root.glob("*.json"):
+            if not _ID_RE.match(path.stem):
+                continue
+            try:
+                conv = self.load(path.stem)
+            except ConversationError:
+                continue
+            out.append(ConversationSummary(conv.id, conv.title or "(untitled)", conv.model,
+                                           len(conv.messages), conv.updated))
+        out.sort(key=lambda s: s.updated, reverse=True)
+        return out
+
+    def delete(self, conversation_id: str) -> bool:
+        try:
+            self._path(conversation_id).unlink()
+        except FileNotFoundError:
+            return False
+        return True

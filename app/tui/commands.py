@@ -1,0 +1,39 @@
+"""The command palette's kvchat commands (Ctrl+P)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+
+# (title, help, action name on ChatApp)
+COMMANDS = [
+    ("New chat", "Start a new conversation (ctrl+n)", "new_chat"),
+    ("Conversations", "Open or delete a saved conversation (F4)", "conversations"),
+    ("Models", "Load, download or delete a model (F3)", "models"),
+    ("Toggle cache panel", "Show or hide the live KV-cache panel (F2)", "toggle_cache"),
+    ("Edit system prompt", "Set this conversation's system prompt (F5)", "system_prompt"),
+    ("Toggle light/dark theme", "Switch between the light and the dark theme (ctrl+t)",
+     "toggle_theme"),
+    ("Cancel answer", "Stop the answer being written (Esc)", "cancel_generation"),
+    ("Quit kvchat", "Save the chat and quit (ctrl+q)", "quit"),
+]
+
+
+class KVChatCommands(Provider):
+    """kvchat's own actions, searchable by title."""
+
+    def _run(self, action: str) -> None:
+        self.app.call_later(self.app.run_action, action)
+
+    async def discover(self) -> Hits:
+        for title, help_text, action in COMMANDS:
+            yield DiscoveryHit(title, partial(self._run, action), help=help_text)
+
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for title, help_text, action in COMMANDS:
+            score = matcher.match(title)
+            if score > 0:
+                yield Hit(score, matcher.highlight(title), partial(self._run, action),
+                          help=help_text)

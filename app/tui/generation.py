@@ -1,0 +1,152 @@
+"""One chat turn on the engine, run in a thread worker; the UI hears of it only by messages.
+
+`stream_turn` submits the prompt, reads the request's events (a blocking iterator) and
+posts `TextReceived` in batches of about 20 a second, `PrefillProgress` while a long
+prompt is prefilled, and one `TurnFinished` or `TurnRejected` at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from textual.message import Message
+
+from engine import SamplingParams
+from engine.errors import KVChatError, RequestError
+from engine.request import Priority
+
+FLUSH_S = 0.05  # text deltas are batched to ~20 UI updates a second
+PREFILL_REPORT_S = 0.1
+
+
+@dataclass(eq=False)
+class Turn:
+    """A running turn: what was asked, and the request id once the engine took it."""
+
+    prompt: str
+    engine: object  # the engine the turn runs on (a model switch installs another)
+    system: str = ""
+    history: list[dict] = field(default_factory=list)
+    request_id: int | None = None
+    cancel_requested: bool = False
+    dropped_turns: int = 0  # oldest history turns left out so the prompt fits
+
+
+@dataclass
+class TurnStarted(Message):
+    """The engine accepted the request (``notice``: e.g. max tokens reduced to fit)."""
+
+    turn: Turn
+    notice: str | None = None
+
+
+@dataclass
+class PrefillProgress(Message):
+    """Prompt tokens prefilled so far, out of ``total``."""
+
+    turn: Turn
+    done: int
+    total: int
+
+
+@dataclass
+class TextReceived(Message):
+    """A batch of answer text (the deltas of ~50 ms)."""
+
+    turn: Turn
+    text: str
+
+
+@dataclass
+class TurnFinished(Message):
+    """The final event: finish reason, stats, error text."""
+
+    turn: Turn
+    finish_reason: str
+    stats: object | None
+    error: str | None = None
+
+
+@dataclass
+class TurnRejected(Message):
+    """The engine refused the prompt before generating (empty, too long, engine stopped)."""
+
+    turn: Turn
+    error: str
+
+
+def submit_fitting(engine, turn: Turn, params: SamplingParams):
+    """Submit the turn; if it is too long with its history, drop the oldest turns and retry."""
+    history = list(turn.history)
+    while True:
+        try:
+            ids = engine.encode_prompt(turn.prompt, system=turn.system or None, history=history)
+            return engine.submit(ids, params, priority=Priority.INTERACTIVE)
+        except RequestError:
+            if not history:
+                raise
+            history = history[2:]  # one user + assistant pair
+            turn.dropped_turns += 1
+
+
+def stream_turn(turn: Turn, params: SamplingParams, post: Callable[[Message], object],
+                is_cancelled: Callable[[], bool] = lambda: False) -> None:
+    """Run one turn to its end on ``turn.engine``, posting messages; engine errors end it."""
+    engine = turn.engine
+    try:
+        handle = submit_fitting(engine, turn, params)
+    except (KVChatError, ValueError) as e:
+        post(TurnRejected(turn, str(e)))
+        return
+    turn.request_id = handle.request_id
+    post(TurnStarted(turn, getattr(handle, "notice", None)))
+    if turn.cancel_requested:  # Esc pressed before the engine had an id for us
+        engine.cancel(handle.request_id)
+    pending: list[str] = []
+    last_flush = last_prefill = 0.0
+    for event in handle:
+        now = time.monotonic()
+        if event.prefill is not None and now - last_prefill >= PREFILL_REPORT_S:
+            last_prefill = now
+            post(PrefillProgress(turn, *event.prefill))
+        if event.text:
+            pending.append(event.text)
+        if pending and (event.finish_reason is not None or now - last_flush >= FLUSH_S):
+            post(TextReceived(turn, "".join(pending)))
+            pending.clear()
+            last_flush = now
+        if event.finish_reason is not None:
+            post(TurnFinished(turn, event.finish_reason, event.stats, event.error))
+            return
+        if is_cancelled() and not turn.cancel_requested:
+            turn.cancel_requested = True
+            engine.cancel(handle.request_id)
+    post(TurnFinished(turn, "error", None, "the engine ended the stream without a final event"))
+
+
+def stats_line(finish_reason: str, stats, error: str | None = None) -> str:
+    """The line under an answer: speed, TTFT and cache use, or why it stopped."""
+    if finish_reason == "error":
+        return f"error: {error or 'generation failed'}"
+    released = getattr(stats, "blocks_released", 0) if stats is not None else 0
+    if finish_reason == "cancelled":
+        return f"cancelled — {released} blocks released"
+    if finish_reason == "shutdown":
+        return f"stopped: the model was unloaded — {released} blocks released"
+    if stats is None:
+        return finish_reason
+    parts = [
+        f"{stats.generation_tokens} tokens",
+        f"{stats.decode_tps:.1f} tok/s",
+        f"TTFT {stats.ttft_s:.2f} s",
+        f"prefill {stats.prefill_tps:.0f} tok/s",
+    ]
+    cached = getattr(stats, "cached_tokens", 0)
+    parts.append(f"{cached}/{stats.prompt_tokens} prompt tokens cached")
+    if finish_reason == "length":
+        parts.append("max tokens reached")
+    elif finish_reason == "timeout":
+        parts.append("timed out")
+    return " · ".join(parts)

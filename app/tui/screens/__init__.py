@@ -1,0 +1,1 @@
+"""The app's screens: chat, models, conversations, and small modals."""

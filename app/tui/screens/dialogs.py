@@ -1,0 +1,63 @@
+"""Small modals: a yes/no confirmation and the system prompt editor."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Static, TextArea
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """Ask a yes/no question; dismisses with True on yes."""
+
+    BINDINGS = [Binding("escape", "dismiss(False)", "No"), Binding("y", "dismiss(True)", "Yes")]
+
+    def __init__(self, question: str):
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog"):
+            yield Static(self.question, classes="question")
+            with Horizontal(classes="buttons"):
+                yield Button("Yes", variant="error", id="yes")
+                yield Button("No", variant="primary", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+
+class SystemPromptScreen(ModalScreen[str | None]):
+    """Edit the conversation's system prompt; dismisses with the new text or None."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"),
+                Binding("ctrl+s", "save", "Save", priority=True)]
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog -wide"):
+            yield Static("System prompt (applies to this conversation)", classes="question")
+            yield TextArea(self.text, id="system-text", soft_wrap=True)
+            with Horizontal(classes="buttons"):
+                yield Button("Save (ctrl+s)", variant="primary", id="save")
+                yield Button("Cancel (esc)", id="cancel")
+
+    def on_mount(self) -> None:
+        self.query_one(TextArea).focus()
+
+    def action_save(self) -> None:
+        self.dismiss(self.query_one(TextArea).text.strip())
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "save":
+            self.action_save()
+        else:
+            self.dismiss(None)

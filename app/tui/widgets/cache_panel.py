@@ -1,0 +1,98 @@
+"""The cache panel: the KV pool, prefix cache, scheduler and latencies, live from the engine."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.reactive import reactive
+from textual.widgets import Static
+
+from app.tui.widgets.block_map import BlockMap
+
+REFRESH_S = 0.25  # 4 updates a second
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def metrics_table(m, last_turn: tuple[int, int] | None) -> Table:
+    """The panel's numbers as a two-column grid (label, value)."""
+    t = Table.grid(padding=(0, 1))
+    t.add_column(style="dim", no_wrap=True)
+    t.add_column(no_wrap=True)
+    total = m.blocks_total or 1
+    free = m.blocks_total - m.blocks_used - m.blocks_cached  # cached blocks are evictable
+    t.add_row("blocks", f"{m.blocks_used} used · {m.blocks_cached} cached · {free} free")
+    t.add_row("", f"{m.blocks_shared} shared · {m.blocks_total} total "
+                  f"({100 * m.blocks_used / total:.0f}% used)")
+    t.add_row("memory", f"{fmt_bytes(m.used_bytes)} / {fmt_bytes(m.budget_bytes)}")
+    t.add_row("peak", fmt_bytes(m.peak_bytes))
+    t.add_row("hit rate", f"{100 * m.hit_rate:.0f}% · {m.cached_tokens_total:,} tok cached")
+    if last_turn is not None:
+        cached, prompt = last_turn
+        share = f" ({100 * cached / prompt:.0f}%)" if prompt else ""
+        t.add_row("last turn", f"{cached:,}/{prompt:,} prompt tok cached{share}")
+    t.add_row("sequences", f"{m.active_sequences} active · {m.waiting} waiting")
+    t.add_row("evictions", f"{m.evictions} · preempted {m.preemptions} · "
+                           f"rejected {getattr(m, 'rejections', 0)}")
+    t.add_row("release", f"{m.release_latency_ms:.2f} ms (last)")
+    latency = getattr(m, "latency", {}) or {}
+    for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL")):
+        p = latency.get(key)
+        if p is not None and p.count:
+            t.add_row(label, f"p50 {fmt_seconds(p.p50)} · p95 {fmt_seconds(p.p95)}")
+        else:
+            t.add_row(label, "–")
+    return t
+
+
+class CachePanel(Vertical):
+    """Live KV-cache view; polls ``app.engine.metrics()`` and ``block_map()`` while shown."""
+
+    DEFAULT_CSS = """
+    CachePanel { width: 44; border-left: vkey $primary 50%; padding: 0 1; }
+    CachePanel > .title { text-style: bold; color: $primary; }
+    CachePanel > #cache-stats { height: auto; }
+    CachePanel > BlockMap { margin-top: 1; }
+    """
+
+    last_turn: reactive[tuple[int, int] | None] = reactive(None)
+    """(cached prompt tokens, prompt tokens) of the last finished turn."""
+
+    def compose(self) -> ComposeResult:
+        yield Static("KV cache", classes="title")
+        yield Static(id="cache-stats")
+        yield BlockMap(id="block-map")
+
+    def on_mount(self) -> None:
+        self.poll()
+        self.set_interval(REFRESH_S, self.poll)
+
+    def watch_last_turn(self) -> None:
+        self.poll()
+
+    def poll(self) -> None:
+        """Read a snapshot from the app's engine (cheap and thread-safe) and redraw."""
+        if not self.display or not self.is_mounted:
+            return
+        engine = getattr(self.app, "engine", None)
+        stats = self.query_one("#cache-stats", Static)
+        if engine is None:
+            stats.update(Text("no model loaded", style="dim"))
+            self.query_one(BlockMap).update("")
+            return
+        m = engine.metrics()
+        stats.update(Group(metrics_table(m, self.last_turn)))
+        self.query_one(BlockMap).update(engine.block_map())

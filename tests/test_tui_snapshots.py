@@ -1,0 +1,88 @@
+"""SVG snapshots of the chat with the cache panel, on a scripted engine with fixed metrics.
+
+Nothing in these screens depends on timing: the fake engine's stats and metrics are
+constants, and the conversation is saved with fixed content. Update the SVGs with
+`pytest tests/test_tui_snapshots.py --snapshot-update` after a deliberate change.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_models_hub import add_hub_repo
+from test_tui_app import wait_for
+from test_tui_fakes import FakeEngine
+
+from app.conversations import ConversationStore
+from app.tui.app import ChatApp
+from app.tui.screens.models import ModelsScreen
+from app.tui.widgets.prompt_input import PromptInput
+
+TERMINAL = (120, 36)
+ANSWER = """Paged attention stores the KV cache in **fixed-size blocks**:
+
+1. a block table maps each sequence to its blocks;
+2. shared prefixes point at the same blocks (copy-on-write);
+3. a cancelled request gives its blocks back at once.
+
+```python
+blocks_needed = -(-num_tokens // block_size)
+```"""
+
+
+@pytest.fixture
+def saved_chat(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    store = ConversationStore(tmp_path / "conversations")
+    conv = store.new(system_prompt="Be brief.")
+    conv.add("user", "How does paged attention use the KV cache?")
+    conv.add("assistant", ANSWER, finish_reason="stop",
+             stats="61 tokens · 18.5 tok/s · TTFT 0.25 s · prefill 480 tok/s · "
+                   "16/40 prompt tokens cached")
+    store.save(conv)
+    return store, conv.id
+
+
+def make_app(store, conversation_id=None, **kwargs) -> ChatApp:
+    return ChatApp(engine_factory=lambda spec: FakeEngine(**kwargs), store=store,
+                   conversation_id=conversation_id, remember=False)
+
+
+async def settle(pilot) -> None:
+    app = pilot.app
+    await wait_for(pilot, lambda: app.engine is not None and not app.model_loading)
+    app.chat.query_one(PromptInput).cursor_blink = False
+    app.clear_notifications()
+    await pilot.pause()
+
+
+def test_chat_with_cache_panel(snap_compare, saved_chat):
+    store, cid = saved_chat
+    assert snap_compare(make_app(store, cid), terminal_size=TERMINAL, run_before=settle)
+
+
+def test_streamed_answer_light_theme(snap_compare, saved_chat):
+    store, _ = saved_chat
+
+    async def run_before(pilot):
+        await settle(pilot)
+        pilot.app.theme = "textual-light"
+        pilot.app.chat.query_one(PromptInput).text = "Which city is the capital of France?"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not pilot.app.chat.generating)
+        await pilot.pause()
+
+    assert snap_compare(make_app(store), terminal_size=TERMINAL, run_before=run_before)
+
+
+def test_models_screen(snap_compare, saved_chat, tmp_path):
+    store, _ = saved_chat
+    add_hub_repo(tmp_path / "hub", "mlx-community/SmolLM2-135M-Instruct-4bit",
+                 {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"w" * 4096})
+
+    async def run_before(pilot):
+        await settle(pilot)
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, ModelsScreen))
+        await pilot.pause()
+
+    assert snap_compare(make_app(store), terminal_size=TERMINAL, run_before=run_before)
