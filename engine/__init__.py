@@ -12,6 +12,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.errors import KVChatError, ModelLoadError, RequestError  # noqa: E402
 from engine.loader import LoadedModel, load_model  # noqa: E402
+from engine.request import Priority  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "KVChatError",
     "LoadedModel",
     "ModelLoadError",
+    "Priority",
     "RequestError",
     "SamplingParams",
     "load_model",

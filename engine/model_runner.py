@@ -113,6 +113,9 @@ class PagedModel:
         """Concatenate projection weights (float models); returns whether all layers fused."""
         self.fused = [fuse_layer(layer) for layer in self.layers]
         mx.eval([f.w_qkv for f in self.fused if f], [f.w_gate_up for f in self.fused if f])
+        # Materialize the modules' split views too: a lazy view belongs to this thread's
+        # stream, and an engine built later on another thread would fail to evaluate it.
+        mx.eval(self.model.parameters())
         return all(self.fused)
 
     def kv_layout(self, block_size: int, dtype: mx.Dtype | None = None) -> KVLayout:

@@ -49,3 +49,23 @@ def test_batched_decode_matches_single_sequences(default_model):
         engine.blocks.free(i)
     engine.blocks.check_invariants()
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_engine_built_on_another_thread_shares_the_model(default_model):
+    """Fused weights are materialized: a later engine on another thread can use them."""
+    import threading
+
+    from engine import SamplingParams
+
+    first = Engine(default_model, EngineConfig(kv_budget_bytes=16 << 20))
+    out = {}
+
+    def other():
+        e = Engine(default_model, EngineConfig(kv_budget_bytes=16 << 20))
+        out["text"] = e.generate_text(e.encode_prompt("Hi"), SamplingParams(max_tokens=4))[0]
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    text = first.generate_text(first.encode_prompt("Hi"), SamplingParams(max_tokens=4))[0]
+    assert out["text"] == text and text
