@@ -79,6 +79,14 @@ def add_parser(sub) -> None:
     p.add_argument("--no-mlx-lm", action="store_true", help="run kvchat only")
     p.add_argument("--json", metavar="FILE", default=None, help="write all results to FILE")
     p.set_defaults(func=run)
+    # An optional sub-command: plain `kvchat bench [flags]` stays the comparison above, and
+    # `kvchat bench load|prefix [flags]` (flags after the mode) runs another benchmark.
+    from app import bench_load, bench_prefix
+
+    modes = p.add_subparsers(dest="bench_mode", title="other benchmarks",
+                             metavar="{load,prefix}")
+    bench_load.add_parser(modes)
+    bench_prefix.add_parser(modes)
 
 
 def prompt_text() -> str:

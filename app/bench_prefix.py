@@ -27,6 +27,14 @@ def document(tokenizer, min_tokens: int) -> str:
     raise ValueError(f"no document of {min_tokens} tokens")
 
 
+def add_parser(sub) -> None:
+    """Register ``prefix`` on the subparsers of the ``bench`` command."""
+    p = sub.add_parser("prefix", help="TTFT with a long shared prefix: cold, warm RAM, warm disk",
+                       description=__doc__.splitlines()[0])
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--prefix-tokens", type=int, default=2048, help="shared document length")

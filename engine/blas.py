@@ -43,7 +43,7 @@ def _build_shim() -> Path | None:
         return None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}")
-    cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SHIM_SRC), "-ldl"]
+    cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SHIM_SRC), "-ldl", "-lpthread"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
