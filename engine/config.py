@@ -25,6 +25,9 @@ class EngineConfig:
     """Sequences running (prefilling or decoding) at once; all decodes share one forward."""
     max_step_tokens: int | None = None
     """Prompt tokens prefilled per step over all requests; None = prefill_chunk."""
+    max_step_tokens_decoding: int = 128
+    """Prefill budget of a step while other sequences decode: bounds their inter-token latency
+    (a 512-token chunk takes seconds on a CPU); a lone prompt still prefills in full chunks."""
     watermark: float = 0.01
     """Fraction of the pool kept free at admission so running sequences can grow."""
     preempt_mode: str = "recompute"

@@ -60,6 +60,7 @@ class Engine:
             max_running=config.max_running,
             max_prefill_tokens=config.max_step_tokens or config.prefill_chunk,
             prefill_chunk=config.prefill_chunk,
+            max_prefill_tokens_decoding=config.max_step_tokens_decoding,
             watermark_blocks=max(1, int(config.watermark * num_blocks)),
         )
         self.scheduler = Scheduler(self.blocks, sched, self)

@@ -25,6 +25,8 @@ class SchedulerConfig:
     """Prompt tokens prefilled per step (over all requests): bounds a step's latency."""
     prefill_chunk: int = 512
     """Largest prefill forward of one request."""
+    max_prefill_tokens_decoding: int = 128
+    """The prefill budget of a step in which other sequences decode (their latency)."""
     watermark_blocks: int = 1
     """Blocks kept free at admission so running sequences can grow."""
 
@@ -94,6 +96,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.config.max_prefill_tokens
+        if any(not r.in_prefill for r in self.running):
+            budget = min(budget, self.config.max_prefill_tokens_decoding)
         self.running.sort(key=lambda r: (r.priority, r.started, r.request_id))
         i = 0
         while i < len(self.running):
