@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -64,18 +62,9 @@ def run(args) -> int:
     engine.shutdown()  # drains the disk writer
     print(f"warm (RAM): {ram.cached_tokens} cached, TTFT {ram.ttft_s:.3f}s", file=sys.stderr)
 
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(second)
-    proc = subprocess.run(
-        [sys.executable, "-m", "app.cli", "generate", "--json", "--prompt-file", f.name,
-         "--model", args.model or "default", "--max-tokens", str(args.gen_tokens),
-         "--cache-dir", cache_dir],
-        capture_output=True, text=True, env=dict(os.environ), check=False)
-    os.unlink(f.name)
-    if proc.returncode != 0:
-        print(proc.stderr, file=sys.stderr)
-        return 1
-    disk = json.loads(proc.stdout)
+    from app.cache_cli import generate_in_fresh_process
+
+    disk = generate_in_fresh_process(second, args.model, args.gen_tokens, cache_dir)
     print(f"warm (disk, new process): {disk['cached_tokens']} cached, "
           f"TTFT {disk['ttft_s']:.3f}s", file=sys.stderr)
 

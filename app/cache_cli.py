@@ -87,6 +87,24 @@ def cmd_purge(args) -> int:
     return 0
 
 
+def generate_in_fresh_process(prompt: str, model: str | None, max_tokens: int,
+                              cache_dir: str) -> dict:
+    """`kvchat generate --json` in a new interpreter: nothing in RAM, only the disk store."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(prompt)
+    try:
+        child = subprocess.run(
+            [sys.executable, "-m", "app.cli", "generate", "--json", "--prompt-file", f.name,
+             "--model", model or "default", "--max-tokens", str(max_tokens),
+             "--cache-dir", cache_dir],
+            capture_output=True, text=True, env=dict(os.environ), check=False)
+    finally:
+        os.unlink(f.name)
+    if child.returncode != 0:
+        raise KVChatError(f"the fresh process failed: {child.stderr.strip()}")
+    return json.loads(child.stdout)
+
+
 def cmd_verify(args) -> int:
     """Cold, warm from RAM, warm from disk in a fresh process: identical greedy tokens."""
     from engine import Engine, EngineConfig, SamplingParams, load_model
@@ -103,17 +121,7 @@ def cmd_verify(args) -> int:
     engine.generate_text(ids, params)  # fills RAM and (in the background) the disk store
     _, warm, _, s_ram = engine.generate_text(ids, params)
     engine.shutdown()  # drains the disk writer
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(prompt)
-    child = subprocess.run(
-        [sys.executable, "-m", "app.cli", "generate", "--json", "--prompt-file", f.name,
-         "--model", args.model or "default", "--max-tokens", str(args.max_tokens),
-         "--cache-dir", cache_dir],
-        capture_output=True, text=True, env=dict(os.environ), check=False)
-    os.unlink(f.name)
-    if child.returncode != 0:
-        raise KVChatError(f"the fresh process failed: {child.stderr.strip()}")
-    disk = json.loads(child.stdout)
+    disk = generate_in_fresh_process(prompt, args.model, args.max_tokens, cache_dir)
     rows = [("cold", cold, "none", s_cold.ttft_s),
             ("warm (RAM)", warm, s_ram.cache_source, s_ram.ttft_s),
             ("warm (disk, new process)", disk["tokens"], disk["cache_source"], disk["ttft_s"])]
