@@ -51,6 +51,40 @@ def contiguous_run(block_table: Sequence[int]) -> int | None:
     return s if all(b == s + i for i, b in enumerate(block_table)) else None
 
 
+def length_groups(context_lens: Sequence[int], block_size: int) -> list[list[int]]:
+    """Batch rows grouped by similar length (ascending), so padding stays under ~2x.
+
+    A ragged decode batch padded to its longest sequence gathers and attends over
+    B x longest tokens; one long chat among short ones would multiply the work.
+    """
+    lens = [int(n) for n in context_lens]
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    groups = [[order[0]]]
+    for i in order[1:]:
+        first = lens[groups[-1][0]]
+        if lens[i] > 2 * first and lens[i] - first > 8 * block_size:
+            groups.append([i])
+        else:
+            groups[-1].append(i)
+    return groups
+
+
+def _grouped_decode(queries, k_pool, v_pool, block_tables, context_lens, scale, groups):
+    """Decode attention per length group, results put back in the batch's order."""
+    bs = k_pool.shape[2]
+    outs, order = [], []
+    for g in groups:
+        lens = [int(context_lens[i]) for i in g]
+        idx = mx.array(g, dtype=mx.int32)
+        tables = block_tables[idx][:, : -(-max(lens) // bs)]
+        outs.append(paged_attention_ref(queries[idx], k_pool, v_pool, tables, lens, scale))
+        order += g
+    inverse = [0] * len(order)
+    for pos, row in enumerate(order):
+        inverse[row] = pos
+    return mx.concatenate(outs, axis=0)[mx.array(inverse, dtype=mx.int32)]
+
+
 def paged_attention_ref(
     queries: mx.array,
     k_pool: mx.array,
@@ -67,6 +101,11 @@ def paged_attention_ref(
     computation is the one a dense cache does (token-exact with mlx-lm).
     """
     B, _, L, _ = queries.shape
+    if B > 1 and L == 1:
+        groups = length_groups(context_lens, k_pool.shape[2])
+        if len(groups) > 1:
+            return _grouped_decode(queries, k_pool, v_pool, block_tables, context_lens, scale,
+                                   groups)
     if B == 1 and block_run is not None:
         H, _, bs, D = k_pool.shape
         n = int(context_lens[0])

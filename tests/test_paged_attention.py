@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.paged_attention import paged_attention, paged_attention_ref
+from engine.paged_attention import length_groups, paged_attention, paged_attention_ref
 
 
 def dense_attention(q, k, v, scale):
@@ -53,6 +53,7 @@ CASES = [
     ([40], 7, 6, 2, 32, 8),  # chunked prefill: 7 new tokens after 33 cached
     ([40, 12], 5, 4, 2, 16, 4),  # batched chunk, ragged
     ([16, 32], 16, 2, 2, 8, 16),  # exact block multiples
+    ([3, 200, 9, 150, 700, 20, 1], 1, 4, 2, 16, 4),  # very ragged decode: length groups
 ]
 
 
@@ -124,3 +125,11 @@ def test_contiguous_run_view_equals_gather(L):
     gathered = paged_attention_ref(q, kp, vp, tables, [n], 0.25)
     viewed = paged_attention_ref(q, kp, vp, tables, [n], 0.25, block_run=run)
     np.testing.assert_array_equal(np.array(gathered), np.array(viewed))
+
+
+def test_length_groups_bound_the_padding():
+    lens = [3, 200, 9, 150, 700, 20, 1]
+    groups = length_groups(lens, 4)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    assert [[lens[i] for i in g] for g in groups] == [[1, 3, 9, 20], [150, 200], [700]]
+    assert length_groups([40, 44, 60], 16) == [[0, 1, 2]]  # similar lengths: one batch

@@ -198,3 +198,15 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(tiny_model):
     tokens, final = collect(engine.submit(list(range(100, 120)), params(4)))
     assert final.finish_reason == "length" and len(tokens) == 4
     engine.shutdown()
+
+
+def test_ragged_batch_equals_alone(default_model, alone):
+    """A long chat among short ones: attention runs per length group, tokens unchanged."""
+    ids, ref = alone
+    engine = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8))
+    long_ids = engine.encode_prompt("Tell me a long story about a cat and a dog. " * 40)
+    long_ref = engine.generate_text(long_ids, params(16))[1]
+    handles = [engine.submit(i, params(16)) for i in ids[:3]]
+    handles.append(engine.submit(long_ids, params(16)))
+    outs = [collect(h)[0] for h in handles]
+    assert outs == [r[:16] for r in ref[:3]] + [long_ref]
