@@ -119,10 +119,13 @@ class BlockManager:
             copies.append((src, dst))
         while len(table) < self.blocks_needed(n + num_new_tokens):
             table.append(self._take_block())
-        bs = self.block_size
-        slots = [table[t // bs] * bs + t % bs for t in range(n, n + num_new_tokens)]
         self.num_tokens[seq_id] = n + num_new_tokens
-        return SlotPlan(slots, copies)
+        return SlotPlan(self.slots(seq_id, n, n + num_new_tokens), copies)
+
+    def slots(self, seq_id: int, start: int, stop: int) -> list[int]:
+        """Flat pool slots (block_id * block_size + offset) of tokens start..stop-1."""
+        bs, table = self.block_size, self.block_tables[seq_id]
+        return [table[t // bs] * bs + t % bs for t in range(start, stop)]
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Give ``child_id`` the same blocks as ``parent_id`` by reference."""

@@ -10,6 +10,7 @@ thread is waiting for an event. Every way a request ends goes through
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -24,8 +25,7 @@ from engine.generation import GenerationEvent, StopMatcher
 from engine.kv_cache import PagedKVCache
 from engine.loader import LoadedModel
 from engine.metrics import EngineMetrics, MetricsRecorder, snapshot
-from engine.model_runner import PagedModel, StepBatch
-from engine.paged_attention import contiguous_run
+from engine.model_runner import PagedModel
 from engine.prefix_cache import PrefixCache
 from engine.request import Priority, Request, RequestHandle, RequestState
 from engine.sampling import SamplingParams
@@ -200,13 +200,13 @@ class Engine:
         while True:
             try:
                 return req.events.get_nowait()
-            except Exception:  # noqa: BLE001 - queue.Empty
+            except queue.Empty:
                 pass
             thread = self._thread
             if thread is not None and thread.is_alive():
                 try:
                     return req.events.get(timeout=0.5)
-                except Exception:  # noqa: BLE001
+                except queue.Empty:
                     continue
             if req.finished and req.events.empty():
                 raise RuntimeError("request finished without a final event")
@@ -367,14 +367,5 @@ class Engine:
         plan = self.blocks.append(seq_id, L)
         self.kv.copy_blocks(plan.copies)
         ids = mx.array(token_ids, dtype=mx.int32) if isinstance(token_ids, list) else token_ids
-        n = self.blocks.num_tokens[seq_id]
-        table = self.blocks.block_tables[seq_id]
-        batch = StepBatch(
-            input_ids=ids.reshape(1, L),
-            offsets=mx.array([n - L], dtype=mx.int32),
-            slots=mx.array(plan.slots, dtype=mx.int32),
-            block_tables=mx.array([table], dtype=mx.int32),
-            context_lens=[n],
-            block_run=contiguous_run(table),
-        )
+        batch = self.executor.batch([seq_id], ids.reshape(1, L), [plan.slots])
         return self.runner(batch, self.kv, logits=logits)

@@ -41,7 +41,8 @@ class StepExecutor:
                 eng.kv.copy_blocks(slots.copies)
                 start = req.num_computed
                 ids = mx.array(req.all_ids[start:start + n], dtype=mx.int32)
-                eng.runner(self._batch([req], ids[None], [slots.slots]), eng.kv, logits=False)
+                batch = self.batch([req.request_id], ids[None], [slots.slots])
+                eng.runner(batch, eng.kv, logits=False)
                 mx.eval(eng.kv.keys, eng.kv.values)
                 req.num_computed += n
                 eng.prefix.on_computed(req)
@@ -54,10 +55,11 @@ class StepExecutor:
         if plan.decodes:
             self._decode([(r, s) for r, s in plan.decodes if not r.finished])
 
-    def _batch(self, reqs: list[Request], input_ids: mx.array, slots: list[list[int]]):
+    def batch(self, seq_ids: list[int], input_ids: mx.array, slots: list[list[int]]) -> StepBatch:
+        """The forward's inputs for sequences whose new tokens already have ``slots``."""
         blocks = self.engine.blocks
-        tables = [blocks.block_tables[r.request_id] for r in reqs]
-        lens = [blocks.num_tokens[r.request_id] for r in reqs]
+        tables = [blocks.block_tables[i] for i in seq_ids]
+        lens = [blocks.num_tokens[i] for i in seq_ids]
         L = input_ids.shape[1]
         width = max(len(t) for t in tables)
         return StepBatch(
@@ -67,7 +69,7 @@ class StepExecutor:
             block_tables=mx.array([t + [t[0]] * (width - len(t)) for t in tables],
                                   dtype=mx.int32),
             context_lens=lens,
-            block_run=contiguous_run(tables[0]) if len(reqs) == 1 else None,
+            block_run=contiguous_run(tables[0]) if len(seq_ids) == 1 else None,
         )
 
     def _decode(self, decodes) -> None:
@@ -85,7 +87,8 @@ class StepExecutor:
         reqs = [r for r, _ in ok]
         ids = mx.array([[r.all_ids[-1]] for r in reqs], dtype=mx.int32)
         try:
-            logits = eng.runner(self._batch(reqs, ids, [s.slots for _, s in ok]), eng.kv)
+            batch = self.batch([r.request_id for r in reqs], ids, [s.slots for _, s in ok])
+            logits = eng.runner(batch, eng.kv)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             greedy = all(r.params.temperature == 0 and not r.processors for r in reqs)
             if greedy:

@@ -33,7 +33,7 @@ class HostSwap:
     def swap_out(self, req: Request) -> None:
         """Copy the sequence's computed K/V to host arrays and free its blocks."""
         n = req.num_computed
-        slots = mx.array(self._slots(req.request_id, n), dtype=mx.int32)
+        slots = mx.array(self.blocks.slots(req.request_id, 0, n), dtype=mx.int32)
         keys = [k[:, slots] for k in self.kv.keys]
         values = [v[:, slots] for v in self.kv.values]
         mx.eval(keys, values)
@@ -45,7 +45,7 @@ class HostSwap:
         """Allocate blocks again and write the saved K/V back (the exact bytes)."""
         keys, values, n = req.swap
         self.blocks.allocate(req.request_id, n)
-        slots = mx.array(self._slots(req.request_id, n), dtype=mx.int32)
+        slots = mx.array(self.blocks.slots(req.request_id, 0, n), dtype=mx.int32)
         for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
             self.kv.keys[layer][:, slots] = k
             self.kv.values[layer][:, slots] = v
@@ -58,8 +58,3 @@ class HostSwap:
         if req.swap is not None:
             self.used_bytes -= self._bytes(req.swap[2])
             req.swap = None
-
-    def _slots(self, seq_id: int, n: int) -> list[int]:
-        bs = self.blocks.block_size
-        table = self.blocks.block_tables[seq_id]
-        return [table[t // bs] * bs + t % bs for t in range(n)]

@@ -88,14 +88,19 @@ async def test_send_streams_and_saves(store):
     assert app.engines[0].stopped  # quitting shut the engine down
 
 
+async def start_answer(pilot, app) -> None:
+    """Send "go" once the engine is up and wait until the answer has begun streaming."""
+    await wait_for(pilot, lambda: app.engine is not None)
+    app.chat.query_one(PromptInput).text = "go"
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: len(boxes(app)) == 2 and boxes(app)[1].text)
+
+
 async def test_escape_cancels_and_shows_released_blocks(store):
     engine = FakeEngine(" ".join(["word"] * 400), delay=0.01)
     app = make_app(store, engine)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.engine is not None)
-        app.chat.query_one(PromptInput).text = "go"
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: len(boxes(app)) == 2 and boxes(app)[1].text)
+        await start_answer(pilot, app)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.chat.generating)
         stats = str(boxes(app)[1].query_one(".stats").render())
@@ -109,10 +114,7 @@ async def test_ctrl_c_cancels_first_then_quits(store):
     engine = FakeEngine(" ".join(["word"] * 400), delay=0.01)
     app = make_app(store, engine)
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.engine is not None)
-        app.chat.query_one(PromptInput).text = "go"
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: len(boxes(app)) == 2 and boxes(app)[1].text)
+        await start_answer(pilot, app)
         await pilot.press("ctrl+c")
         await wait_for(pilot, lambda: not app.chat.generating)
         assert app.is_running
