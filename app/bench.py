@@ -115,7 +115,7 @@ def prompt_ids(tokenizer, lengths: list[int]) -> dict[int, list[int]]:
 def _machine() -> dict:
     import importlib.metadata
 
-    from engine import memory
+    from engine.model import memory
 
     cpu = platform.processor() or "?"
     try:
@@ -279,8 +279,8 @@ def run(args) -> int:
         "kvchat": {
             "weight_format": loaded.weight_format,
             "device": machine["backend"],
-            "blas": engine.blas.loaded_path,
-            "gemv_shim": engine.blas.gemv_shim,
+            "blas": engine.model.blas.loaded_path,
+            "gemv_shim": engine.model.blas.gemv_shim,
             "block_size": eng.config.block_size,
             "prefill_chunk": eng.config.prefill_chunk,
             # getattr: the engine's options evolve; the report should not break on them.

@@ -112,7 +112,7 @@ def worker_main(job_file: str) -> int:
     # Anything a library prints must not corrupt the JSON on stdout.
     out, sys.stdout = sys.stdout, sys.stderr
     job = json.loads(Path(job_file).read_text())
-    if "engine" in sys.modules or "engine.blas" in sys.modules:
+    if "engine" in sys.modules or "engine.model.blas" in sys.modules:
         raise RuntimeError("the mlx-lm worker must not import kvchat's engine")
 
     import mlx.core as mx

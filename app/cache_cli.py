@@ -20,7 +20,7 @@ NO_BUDGET = 1 << 62
 
 
 def open_store(args):
-    from engine.disk_store import DiskPrefixStore
+    from engine.kvcache.disk_store import DiskPrefixStore
 
     root = Path(args.cache_dir).expanduser() if args.cache_dir else None
     return DiskPrefixStore(root, budget_bytes=NO_BUDGET)

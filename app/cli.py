@@ -147,8 +147,8 @@ def cmd_chat(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from engine import memory
-    from engine.loader import resolve_model_path
+    from engine.model import memory
+    from engine.model.loader import resolve_model_path
 
     config = json.loads((resolve_model_path(args.model) / "config.json").read_text())
     heads = config["num_attention_heads"]
@@ -194,7 +194,7 @@ def cmd_estimate(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from engine.loader import resolve_model_path
+    from engine.model.loader import resolve_model_path
 
     print(resolve_model_path(args.model))
     return 0

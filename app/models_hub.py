@@ -77,7 +77,7 @@ def hub_offline() -> bool:
 
 
 def _embedded_model() -> LocalModel | None:
-    from engine.loader import default_gguf_path
+    from engine.model.loader import default_gguf_path
 
     try:
         path = default_gguf_path()

@@ -1,17 +1,17 @@
 """kvchat's engine: a block-paged KV cache and generation on MLX.
 
-Importing this package first preloads OpenBLAS on Linux (see `engine.blas`),
+Importing this package first preloads OpenBLAS on Linux (see `engine.model.blas`),
 which must happen before anything imports `mlx.core`.
 """
 
-from engine import blas
+from engine.model import blas
 
 blas.preload()
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.errors import KVChatError, ModelLoadError, RequestError  # noqa: E402
-from engine.loader import LoadedModel, load_model  # noqa: E402
+from engine.model.loader import LoadedModel, load_model  # noqa: E402
 from engine.request import Priority  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 

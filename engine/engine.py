@@ -17,20 +17,20 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import EngineStoppedError, RequestError, RequestTooLargeError
 from engine.executor import StepExecutor
 from engine.generation import GenerationEvent, StopMatcher
-from engine.kv_cache import PagedKVCache
-from engine.loader import LoadedModel
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.kv_cache import PagedKVCache
+from engine.kvcache.prefix_cache import PrefixCache
+from engine.kvcache.swap import HostSwap
 from engine.metrics import EngineMetrics, MetricsRecorder, snapshot
-from engine.model_runner import PagedModel
-from engine.prefix_cache import PrefixCache
+from engine.model.loader import LoadedModel
+from engine.model.model_runner import PagedModel
 from engine.request import Priority, Request, RequestHandle, RequestState
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.swap import HostSwap
 
 
 class Engine:

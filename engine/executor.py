@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from engine.generation import GenerationEvent
-from engine.model_runner import StepBatch
-from engine.paged_attention import contiguous_run
+from engine.model.model_runner import StepBatch
+from engine.model.paged_attention import contiguous_run
 from engine.request import Request
 from engine.scheduler import StepPlan
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager, SlotPlan
+from engine.kvcache.block_manager import BlockManager, SlotPlan
 from engine.request import Request, RequestState
 
 

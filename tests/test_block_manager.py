@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_manager import BlockManager
 from engine.errors import OutOfBlocksError
+from engine.kvcache.block_manager import BlockManager
 
 
 class PoolMachine(RuleBasedStateMachine):

@@ -105,7 +105,7 @@ def test_chaos_no_block_leaks(tiny_model, mode, n):
 
     assert sum(outcomes.values()) == n  # every request ended, one way or another
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # free + cached == total
-    assert not engine.blocks.block_tables and engine.swap.used_bytes == 0
+    assert not engine.blocks.block_tables and engine.kvcache.swap.used_bytes == 0
     assert not engine.scheduler.has_work and not engine._requests
     engine.blocks.check_invariants()
     m = engine.metrics()

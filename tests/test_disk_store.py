@@ -21,9 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import disk_entry
-from engine.disk_store import TEMP_GRACE_S, DiskPrefixStore
-from engine.prefix_key import CacheSalt, chain_hash
+from engine.kvcache import disk_entry
+from engine.kvcache.disk_store import TEMP_GRACE_S, DiskPrefixStore
+from engine.kvcache.prefix_key import CacheSalt, chain_hash
 
 BS = 4
 SALT = CacheSalt(
@@ -578,8 +578,8 @@ import sys, types
 pkg = types.ModuleType("engine"); pkg.__path__ = [sys.argv[1]]; sys.modules["engine"] = pkg
 from pathlib import Path
 import numpy as np
-from engine.disk_store import DiskPrefixStore
-from engine.prefix_key import CacheSalt, chain_hash
+from engine.kvcache.disk_store import DiskPrefixStore
+from engine.kvcache.prefix_key import CacheSalt, chain_hash
 salt = CacheSalt("m", "t", "raw", "rope", "float32", 4)
 store = DiskPrefixStore(Path(sys.argv[2]), budget_bytes=1 << 40)
 run = int(sys.argv[3])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from engine.fingerprint import model_fingerprint, tokenizer_fingerprint
+from engine.model.fingerprint import model_fingerprint, tokenizer_fingerprint
 
 
 def make_dir(path, weights=b"w" * 1000, tok=b'{"v": 1}'):

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from engine.errors import ModelLoadError
-from engine.gguf import rename_tensor
-from engine.loader import default_gguf_path, resolve_model_path
+from engine.model.gguf import rename_tensor
+from engine.model.loader import default_gguf_path, resolve_model_path
 
 
 def test_tensor_names():

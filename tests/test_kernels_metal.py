@@ -7,7 +7,7 @@ import pytest
 from kernel_harness import paged
 from kernel_harness.cases import EMULATED_CASES, Case, make_inputs
 
-from engine import kernels
+from engine.model import kernels
 
 pytestmark = [
     pytest.mark.metal,

@@ -11,7 +11,7 @@ import pytest
 from kernel_harness import emulator, msl_lint, paged
 from kernel_harness.cases import Case, make_inputs
 
-from engine import kernels
+from engine.model import kernels
 from metal_kernels import kernel_header, read_source
 
 BODY = read_source("paged_attention.metal")

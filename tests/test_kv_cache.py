@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from engine.kv_cache import KVLayout, PagedKVCache
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache
 
 
 def test_bytes_per_token_is_the_design_formula():

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine import Engine, EngineConfig
-from engine.model_runner import StepBatch
+from engine.model.model_runner import StepBatch
 
 
 def prefill(engine: Engine, seq_id: int, ids: list[int]) -> None:

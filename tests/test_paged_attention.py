@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.paged_attention import length_groups, paged_attention, paged_attention_ref
+from engine.model.paged_attention import length_groups, paged_attention, paged_attention_ref
 
 
 def dense_attention(q, k, v, scale):
@@ -111,7 +111,7 @@ def test_float16_pool_with_float32_queries():
 
 @pytest.mark.parametrize("L", [1, 5])
 def test_contiguous_run_view_equals_gather(L):
-    from engine.paged_attention import contiguous_run
+    from engine.model.paged_attention import contiguous_run
 
     bs, n, run = 4, 11, 2
     nrng = np.random.default_rng(5)

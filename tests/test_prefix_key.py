@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.prefix_key import CacheSalt, block_hashes, chain_hash
+from engine.kvcache.prefix_key import CacheSalt, block_hashes, chain_hash
 
 SALT = CacheSalt(
     model_fingerprint="sha256:model",

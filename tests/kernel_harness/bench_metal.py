@@ -12,8 +12,8 @@ import sys
 import time
 
 # engine first: it preloads OpenBLAS before anything imports mlx.core on Linux.
-from engine import kernels
-from engine.paged_attention import paged_attention_ref
+from engine.model import kernels
+from engine.model.paged_attention import paged_attention_ref
 
 from .cases import Case, make_inputs
 

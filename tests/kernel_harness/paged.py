@@ -7,8 +7,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine import kernels
-from engine.paged_attention import paged_attention_ref
+from engine.model import kernels
+from engine.model.paged_attention import paged_attention_ref
 from metal_kernels import kernel_header, read_source
 
 from . import emulator
@@ -57,7 +57,7 @@ def emulate(
     work_dir: Path,
     **run_options: object,
 ) -> tuple[mx.array | None, emulator.RunResult]:
-    """Launch the kernel as engine.kernels would; (output or None, run result)."""
+    """Launch the kernel as engine.model.kernels would; (output or None, run result)."""
     args = kernels.kernel_inputs(**inputs)
     queries = args[0]
     grid, threadgroup = kernels.launch_dims(queries, num_simdgroups=case.num_simdgroups)

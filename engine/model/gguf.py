@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import ModelLoadError
-from engine.fingerprint import file_digest
+from engine.model.fingerprint import file_digest
 from engine.paths import cache_root
 
 GGUF_GROUP_SIZE = 32
@@ -206,7 +206,7 @@ def converted_dir(gguf_path: Path, root: Path | None = None) -> Path:
     if not (out / "config.json").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run(
-            [sys.executable, "-m", "engine.gguf", str(gguf_path), str(out)],
+            [sys.executable, "-m", "engine.model.gguf", str(gguf_path), str(out)],
             capture_output=True, text=True,
         )
         if proc.returncode != 0:

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import disk_entry
-from engine.disk_entry import EntryError, EntryHeader
+from engine.kvcache import disk_entry
+from engine.kvcache.disk_entry import EntryError, EntryHeader
+from engine.kvcache.prefix_key import HASH_SIZE, CacheSalt, chain_hash
 from engine.paths import cache_root, private_dir
-from engine.prefix_key import HASH_SIZE, CacheSalt, chain_hash
 
 _ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.kvb")
 _SHARD_NAME = re.compile(r"[0-9a-f]{2}")

@@ -17,8 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from engine.kv_cache import KVLayout, PagedKVCache
-from engine.paged_attention import paged_attention
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache
+from engine.model.paged_attention import paged_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.block_manager import BlockManager
-from engine.kv_cache import PagedKVCache
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.kv_cache import PagedKVCache
 from engine.request import Request
 
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.disk_store import DiskPrefixStore
-from engine.kv_cache import PagedKVCache
-from engine.loader import LoadedModel
-from engine.prefix_key import CacheSalt, chain_hash
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.disk_store import DiskPrefixStore
+from engine.kvcache.kv_cache import PagedKVCache
+from engine.kvcache.prefix_key import CacheSalt, chain_hash
+from engine.model.loader import LoadedModel
 from engine.request import Request
 
 SWEEP_EVERY_S = 60.0  # expired entries leave the disk while the app runs, not only at start

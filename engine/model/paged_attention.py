@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from engine import kernels
+from engine.model import kernels
 
 
 def gather_blocks(pool: mx.array, block_tables: mx.array) -> mx.array:

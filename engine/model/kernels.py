@@ -1,7 +1,7 @@
 """Custom GPU kernels: paged decode attention on Metal or CUDA, built once.
 
 The kernel bodies live in `metal_kernels/`; the pure-MLX reference (CPU
-fallback and test oracle) is `engine.paged_attention.paged_attention_ref`.
+fallback and test oracle) is `engine.model.paged_attention.paged_attention_ref`.
 Prefill (L > 1) stays on the reference path.
 """
 

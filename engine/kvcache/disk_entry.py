@@ -29,7 +29,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from engine.prefix_key import HASH_SIZE, CacheSalt
+from engine.kvcache.prefix_key import HASH_SIZE, CacheSalt
 
 MAGIC = b"KVCB"
 FORMAT_VERSION = 1
