@@ -52,13 +52,15 @@ def run(args) -> int:
 
     cold_engine = Engine(loaded, EngineConfig(prefix_cache=False))
     ids = cold_engine.encode_prompt(second)
-    _, cold_tokens, _, cold = cold_engine.generate_text(ids, params)
+    r = cold_engine.generate_text(ids, params)
+    cold_tokens, cold = r.tokens, r.stats
     cold_engine.shutdown()
     print(f"cold: {len(ids)} prompt tokens, TTFT {cold.ttft_s:.2f}s", file=sys.stderr)
 
     engine = Engine(loaded, EngineConfig(disk_cache=True, disk_cache_dir=cache_dir))
     engine.generate_text(engine.encode_prompt(first), params)  # the document, asked once
-    _, ram_tokens, _, ram = engine.generate_text(ids, params)
+    r = engine.generate_text(ids, params)
+    ram_tokens, ram = r.tokens, r.stats
     engine.shutdown()  # drains the disk writer
     print(f"warm (RAM): {ram.cached_tokens} cached, TTFT {ram.ttft_s:.3f}s", file=sys.stderr)
 

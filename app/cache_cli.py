@@ -115,11 +115,13 @@ def cmd_verify(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens)
     cold_engine = Engine(loaded, EngineConfig(prefix_cache=False))
     ids = cold_engine.encode_prompt(prompt)
-    _, cold, _, s_cold = cold_engine.generate_text(ids, params)
+    r = cold_engine.generate_text(ids, params)
+    cold, s_cold = r.tokens, r.stats
     cold_engine.shutdown()
     engine = Engine(loaded, EngineConfig(disk_cache=True, disk_cache_dir=cache_dir))
     engine.generate_text(ids, params)  # fills RAM and (in the background) the disk store
-    _, warm, _, s_ram = engine.generate_text(ids, params)
+    r = engine.generate_text(ids, params)
+    warm, s_ram = r.tokens, r.stats
     engine.shutdown()  # drains the disk writer
     disk = generate_in_fresh_process(prompt, args.model, args.max_tokens, cache_dir)
     rows = [("cold", cold, "none", s_cold.ttft_s),

@@ -56,6 +56,7 @@ def build_engine(args):
 
 def cmd_generate(args) -> int:
     from engine import SamplingParams
+    from engine.generation import collect
 
     if args.prompt_file is not None:
         try:
@@ -73,26 +74,20 @@ def cmd_generate(args) -> int:
     _, notice = eng.check_request(ids, params)
     if notice:
         print(f"kvchat: note: {notice}", file=sys.stderr)
-    text, tokens, final = [], [], None
     try:
-        events = list(_stream(eng, ids, params, args))
+        result = collect(_stream(eng, ids, params, args))
     finally:
         eng.shutdown()  # releases the pool and drains the disk writer
-    for event in events:
-        text.append(event.text)
-        if event.token is not None:
-            tokens.append(event.token)
-        final = event
-    if final.finish_reason == "error":
-        raise KVChatError(f"generation failed: {final.error}")
-    stats = final.stats
+    if result.finish_reason == "error":
+        raise KVChatError(f"generation failed: {result.error}")
+    stats = result.stats
     if args.json:
         out = {
-            "text": "".join(text),
-            "tokens": tokens,
+            "text": result.text,
+            "tokens": result.tokens,
             "prompt_tokens": stats.prompt_tokens,
             "generation_tokens": stats.generation_tokens,
-            "finish_reason": final.finish_reason,
+            "finish_reason": result.finish_reason,
             "ttft_s": stats.ttft_s,
             "prefill_tps": stats.prefill_tps,
             "decode_tps": stats.decode_tps,
@@ -114,7 +109,7 @@ def cmd_generate(args) -> int:
             f"{stats.generation_tokens} tokens, {stats.decode_tps:.1f} tok/s decode | "
             f"TTFT {stats.ttft_s:.2f}s | cached {stats.cached_tokens} ({stats.cache_source}) | "
             f"KV {stats.blocks_used} blocks, "
-            f"{stats.bytes_used / 2**20:.1f} MiB | {final.finish_reason}]",
+            f"{stats.bytes_used / 2**20:.1f} MiB | {result.finish_reason}]",
             file=sys.stderr,
         )
     return 0

@@ -20,7 +20,7 @@ import mlx.core as mx
 from engine.config import EngineConfig
 from engine.errors import EngineStoppedError, RequestError, RequestTooLargeError
 from engine.executor import StepExecutor
-from engine.generation import GenerationEvent, StopMatcher
+from engine.generation import GenerationEvent, GenerationResult, StopMatcher, collect
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.kvcache.prefix_cache import PrefixCache
@@ -183,17 +183,12 @@ class Engine:
         yield from self.submit(prompt_ids, params, **kwargs)
 
     def generate_text(self, prompt_ids: list[int], params: SamplingParams | None = None,
-                      **kwargs):
-        """Run a request to the end; returns (text, token ids, finish reason, stats)."""
-        text, tokens, final = [], [], None
-        for event in self.generate(prompt_ids, params, **kwargs):
-            text.append(event.text)
-            if event.token is not None:
-                tokens.append(event.token)
-            final = event
-        if final.finish_reason == "error":
-            raise RequestError(final.error or "the request failed")
-        return "".join(text), tokens, final.finish_reason, final.stats
+                      **kwargs) -> GenerationResult:
+        """Run a request to the end; raises `RequestError` if it failed."""
+        result = collect(self.generate(prompt_ids, params, **kwargs))
+        if result.finish_reason == "error":
+            raise RequestError(result.error or "the request failed")
+        return result
 
     def _next_event(self, req: Request) -> GenerationEvent:
         """The request's next event; drives steps itself when no engine thread runs."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 
@@ -63,6 +64,33 @@ class GenerationEvent:
     stats: RequestStats | None = None  # set on the final event
     error: str | None = None
     prefill: tuple[int, int] | None = None  # (done, total) prompt tokens, on progress events
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """A finished request: all its text and tokens, how it ended, its stats."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: RequestStats
+    error: str | None = None
+
+
+def collect(events: Iterable[GenerationEvent]) -> GenerationResult:
+    """Fold a request's event stream into one result (the last event carries the finish)."""
+    text: list[str] = []
+    tokens: list[int] = []
+    final = None
+    for event in events:
+        text.append(event.text)
+        if event.token is not None:
+            tokens.append(event.token)
+        final = event
+    if final is None or final.finish_reason is None:
+        raise RuntimeError("the event stream ended without a final event")
+    return GenerationResult("".join(text), tokens, final.finish_reason, final.stats,
+                            final.error)
 
 
 class StopMatcher:

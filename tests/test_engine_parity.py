@@ -52,8 +52,8 @@ def mlx_lm_greedy(model, ids: list[int], max_tokens: int, prefill_step: int, eos
 
 
 def engine_greedy(engine: Engine, ids: list[int], max_tokens: int):
-    _, tokens, _, stats = engine.generate_text(ids, SamplingParams(max_tokens=max_tokens))
-    return tokens, stats
+    r = engine.generate_text(ids, SamplingParams(max_tokens=max_tokens))
+    return r.tokens, r.stats
 
 
 @pytest.mark.slow
@@ -75,9 +75,9 @@ def test_default_model_matches_mlx_lm(default_model):
 
 def test_default_model_answers_paris(default_engine):
     ids = default_engine.encode_prompt("What is the capital of France?")
-    text, _, finish, _ = default_engine.generate_text(ids, SamplingParams(max_tokens=30))
-    assert text == "The capital of France is Paris."
-    assert finish == "stop"
+    r = default_engine.generate_text(ids, SamplingParams(max_tokens=30))
+    assert r.text == "The capital of France is Paris."
+    assert r.finish_reason == "stop"
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])

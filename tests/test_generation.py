@@ -35,14 +35,14 @@ def test_stop_matcher_equals_find_on_whole_text(text, stop, cuts):
 
 def test_stop_string_ends_generation(default_engine):
     ids = default_engine.encode_prompt("What is the capital of France?")
-    text, _, finish, _ = default_engine.generate_text(
-        ids, SamplingParams(max_tokens=30, stop=["France"]))
-    assert (text, finish) == ("The capital of ", "stop")
+    r = default_engine.generate_text(ids, SamplingParams(max_tokens=30, stop=["France"]))
+    assert (r.text, r.finish_reason) == ("The capital of ", "stop")
 
 
 def test_length_and_exact_token_count(default_engine):
     ids = default_engine.encode_prompt("Tell me a long story about a cat.")
-    text, tokens, finish, stats = default_engine.generate_text(ids, SamplingParams(max_tokens=5))
+    r = default_engine.generate_text(ids, SamplingParams(max_tokens=5))
+    tokens, finish, stats = r.tokens, r.finish_reason, r.stats
     assert finish == "length" and len(tokens) == 5 == stats.generation_tokens
     assert stats.ttft_s > 0 and stats.prefill_tps > 0 and stats.decode_tps > 0
     assert len(stats.inter_token_s) == 4
@@ -62,8 +62,8 @@ def test_consumer_going_away_releases_blocks(default_engine):
 def test_sampling_with_seed_is_reproducible(default_engine):
     ids = default_engine.encode_prompt("Write a one-line poem.")
     p = SamplingParams(max_tokens=12, temperature=0.9, seed=7)
-    a = default_engine.generate_text(ids, p)[1]
-    b = default_engine.generate_text(ids, p)[1]
+    a = default_engine.generate_text(ids, p).tokens
+    b = default_engine.generate_text(ids, p).tokens
     assert a == b
 
 

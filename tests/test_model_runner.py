@@ -62,10 +62,10 @@ def test_engine_built_on_another_thread_shares_the_model(default_model):
 
     def other():
         e = Engine(default_model, EngineConfig(kv_budget_bytes=16 << 20))
-        out["text"] = e.generate_text(e.encode_prompt("Hi"), SamplingParams(max_tokens=4))[0]
+        out["text"] = e.generate_text(e.encode_prompt("Hi"), SamplingParams(max_tokens=4)).text
 
     t = threading.Thread(target=other)
     t.start()
     t.join()
-    text = first.generate_text(first.encode_prompt("Hi"), SamplingParams(max_tokens=4))[0]
+    text = first.generate_text(first.encode_prompt("Hi"), SamplingParams(max_tokens=4)).text
     assert out["text"] == text and text

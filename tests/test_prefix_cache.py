@@ -12,8 +12,8 @@ from engine import Engine, EngineConfig, SamplingParams
 
 
 def run(engine, ids, n=16, **kw):
-    _, tokens, _, stats = engine.generate_text(ids, SamplingParams(max_tokens=n), **kw)
-    return tokens, stats
+    r = engine.generate_text(ids, SamplingParams(max_tokens=n), **kw)
+    return r.tokens, r.stats
 
 
 def doc_prompt(engine, question: str) -> list[int]:
@@ -132,7 +132,7 @@ def test_lru_eviction_under_pressure_is_counted(tiny_model):
 def test_chat_history_reuses_the_previous_turn(default_engine):
     e = default_engine
     ids1 = e.encode_prompt("Name a color.")
-    text, _, _, _ = e.generate_text(ids1, SamplingParams(max_tokens=8))
+    text = e.generate_text(ids1, SamplingParams(max_tokens=8)).text
     history = [{"role": "user", "content": "Name a color."},
                {"role": "assistant", "content": text}]
     ids2 = e.encode_prompt("And another one?", history=history)

@@ -39,7 +39,7 @@ def alone(default_model):
     """Greedy tokens of each prompt run alone on a roomy pool (the reference)."""
     engine = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20))
     ids = [engine.encode_prompt(p) for p in PROMPTS]
-    return ids, [engine.generate_text(i, params())[1] for i in ids]
+    return ids, [engine.generate_text(i, params()).tokens for i in ids]
 
 
 def pool_of(default_model, blocks: int, **kw) -> Engine:
@@ -205,7 +205,7 @@ def test_ragged_batch_equals_alone(default_model, alone):
     ids, ref = alone
     engine = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8))
     long_ids = engine.encode_prompt("Tell me a long story about a cat and a dog. " * 40)
-    long_ref = engine.generate_text(long_ids, params(16))[1]
+    long_ref = engine.generate_text(long_ids, params(16)).tokens
     handles = [engine.submit(i, params(16)) for i in ids[:3]]
     handles.append(engine.submit(long_ids, params(16)))
     outs = [collect(h)[0] for h in handles]
