@@ -98,16 +98,6 @@ def run_level(loaded, config, plan: list[dict], concurrency: int, capacity=False
         return dict(p50=p.p50, p95=p.p95, p99=p.p99, max=max(xs, default=0.0), count=p.count)
 
     eng = Engine(loaded, config)
-    # The engine keeps no decode-only clock: time the executor's batched decode forward.
-    dec, inner = dict(tokens=0, seconds=0.0, steps=0), eng.executor._decode
-
-    def timed(decodes):
-        t = time.perf_counter()
-        inner(decodes)
-        dec["seconds"] += time.perf_counter() - t
-        dec["tokens"], dec["steps"] = dec["tokens"] + len(decodes), dec["steps"] + 1
-
-    eng.executor._decode = timed
     jobs, lock, records, waiting_max = iter(plan), threading.Lock(), [], 0
 
     def client():
@@ -128,6 +118,7 @@ def run_level(loaded, config, plan: list[dict], concurrency: int, capacity=False
         alive[0].join(0.1)
     wall = time.perf_counter() - t0
     m = eng.metrics()  # every client has its final event: every block must be back
+    dec = m.decode_forward  # the batched decode forwards alone (+ sampling)
     eng.shutdown()
     ran = [r for r in records if r["outcome"] != "rejected"]
     cancelled = [r for r in records if r["outcome"] == "cancelled"]
@@ -139,8 +130,8 @@ def run_level(loaded, config, plan: list[dict], concurrency: int, capacity=False
         "finish_reasons": m.finished, "generated_tokens": gen,
         "prompt_tokens": sum(r["prompt_tokens"] for r in ran), "gen_tps": gen / wall,
         "decode_phase_tps": sum(max(0, r["generation_tokens"] - 1) for r in ran) / wall,
-        "decode_step_tps": dec["tokens"] / dec["seconds"] if dec["seconds"] else None,
-        "decode_step_s": dec["seconds"], "decode_batch_mean": dec["tokens"] / max(1, dec["steps"]),
+        "decode_step_tps": dec.tokens_per_s or None,
+        "decode_step_s": dec.seconds, "decode_batch_mean": dec.tokens / max(1, dec.steps),
         "requests_per_s": len(ran) / wall,
         "ttft_s": _pct([r["ttft_s"] for r in ran if r["generation_tokens"]]),
         "itl_ms": _pct([x for r in ran for x in r["itl_ms"]]),

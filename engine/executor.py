@@ -42,8 +42,10 @@ class StepExecutor:
                 start = req.num_computed
                 ids = mx.array(req.all_ids[start:start + n], dtype=mx.int32)
                 batch = self.batch([req.request_id], ids[None], [slots.slots])
+                t = time.perf_counter()
                 eng.runner(batch, eng.kv, logits=False)
                 mx.eval(eng.kv.keys, eng.kv.values)
+                eng.recorder.time_forward("prefill", n, time.perf_counter() - t)
                 req.num_computed += n
                 eng.prefix.on_computed(req)
                 if req.stats.preemptions == 0:
@@ -86,6 +88,7 @@ class StepExecutor:
             return
         reqs = [r for r, _ in ok]
         ids = mx.array([[r.all_ids[-1]] for r in reqs], dtype=mx.int32)
+        t = time.perf_counter()
         try:
             batch = self.batch([r.request_id for r in reqs], ids, [s.slots for _, s in ok])
             logits = eng.runner(batch, eng.kv)
@@ -102,6 +105,7 @@ class StepExecutor:
                 eng._finish(r, "error", error=f"{type(e).__name__}: {e}")
             return
         now = time.perf_counter()
+        eng.recorder.time_forward("decode", len(reqs), now - t)
         for req, token in zip(reqs, picked, strict=True):
             if req.finished or token is None:
                 continue

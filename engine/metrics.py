@@ -38,6 +38,19 @@ class Percentiles:
 
 
 @dataclass(slots=True)
+class ForwardClock:
+    """Time spent in one kind of forward (prefill chunks or batched decodes), summed."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(slots=True)
 class EngineMetrics:
     """One snapshot of the engine: pool, prefix cache, scheduler and latencies."""
 
@@ -70,6 +83,8 @@ class EngineMetrics:
     rejections: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     steps: int = 0
+    prefill_forward: ForwardClock = field(default_factory=ForwardClock)
+    decode_forward: ForwardClock = field(default_factory=ForwardClock)
     latency: dict[str, Percentiles] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -92,6 +107,18 @@ class MetricsRecorder:
         self.release_latency_ms = 0.0
         self.steps = 0
         self.finished: dict[str, int] = {}
+        self.forwards = {"prefill": ForwardClock(), "decode": ForwardClock()}
+
+    def time_forward(self, kind: str, tokens: int, seconds: float) -> None:
+        """Add one forward of ``kind`` ("prefill" or "decode") over ``tokens`` tokens."""
+        with self._lock:
+            clock = self.forwards[kind]
+            clock.steps, clock.tokens = clock.steps + 1, clock.tokens + tokens
+            clock.seconds += seconds
+
+    def forward_clocks(self) -> dict[str, ForwardClock]:
+        with self._lock:
+            return {k: ForwardClock(c.steps, c.tokens, c.seconds) for k, c in self.forwards.items()}
 
     def observe(self, key: str, value: float) -> None:
         with self._lock:
@@ -152,6 +179,7 @@ def snapshot(engine) -> EngineMetrics:
         rejections=rec.rejections,
         finished=dict(rec.finished),
         steps=rec.steps,
+        **{f"{k}_forward": c for k, c in rec.forward_clocks().items()},
         latency=rec.percentiles(),
     )
 
