@@ -9,8 +9,11 @@ class ModelLoadError(KVChatError):
     """A model is missing, corrupt or of an unsupported kind."""
 
 
-class RequestError(KVChatError):
-    """A request cannot be served (empty prompt, too long for the context...)."""
+class RequestError(KVChatError, ValueError):
+    """A request cannot be served (a bad field, an empty prompt, too long for the context...).
+
+    Also a ValueError: a bad field is a bad value, whichever front end passed it.
+    """
 
 
 class OutOfBlocksError(KVChatError):

@@ -1,4 +1,4 @@
-"""What a generation streams out: events, per-request stats, stop-string matching."""
+"""What a generation streams out: events, per-request stats, and the collected result."""
 
 from __future__ import annotations
 
@@ -91,29 +91,3 @@ def collect(events: Iterable[GenerationEvent]) -> GenerationResult:
         raise RuntimeError("the event stream ended without a final event")
     return GenerationResult("".join(text), tokens, final.finish_reason, final.stats,
                             final.error)
-
-
-class StopMatcher:
-    """Finds stop strings in streamed text without emitting a partial match."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = list(stops)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.pending = ""
-
-    def feed(self, segment: str) -> tuple[str, bool]:
-        """Add text; return (text safe to emit, whether a stop string was hit)."""
-        self.pending += segment
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        cut = len(self.pending) - self.hold
-        if cut <= 0:
-            return "", False
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out

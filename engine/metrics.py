@@ -100,10 +100,8 @@ class MetricsRecorder:
         self.peak_blocks = 0
         self.preemptions = 0
         self.rejections = 0
-        self.evictions = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
-        self.disk_hits = 0
         self.release_latency_ms = 0.0
         self.steps = 0
         self.finished: dict[str, int] = {}
@@ -124,10 +122,6 @@ class MetricsRecorder:
         with self._lock:
             self._windows[key].append(value)
 
-    def observe_many(self, key: str, values) -> None:
-        with self._lock:
-            self._windows[key].extend(values)
-
     def count_finish(self, reason: str) -> None:
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
@@ -142,18 +136,11 @@ class MetricsRecorder:
             windows = {k: list(w) for k, w in self._windows.items()}
         return {k: Percentiles.of(v) for k, v in windows.items()}
 
-    def reset_latencies(self) -> None:
-        """Forget latency samples (a benchmark phase starts afresh)."""
-        with self._lock:
-            for w in self._windows.values():
-                w.clear()
 
-
-def snapshot(engine) -> EngineMetrics:
+def snapshot(blocks, recorder: MetricsRecorder, bytes_per_block: int, scheduler, prefix,
+             inbox: int = 0) -> EngineMetrics:
     """The engine's metrics now: cheap (no MLX work), safe from any thread."""
-    b, rec = engine.blocks, engine.recorder
-    bpb = engine.layout.bytes_per_block
-    sched = engine.scheduler
+    b, rec, bpb = blocks, recorder, bytes_per_block
     return EngineMetrics(
         used_bytes=b.num_used_blocks * bpb,
         peak_bytes=rec.peak_blocks * bpb,
@@ -170,11 +157,11 @@ def snapshot(engine) -> EngineMetrics:
         blocks_shared=b.num_shared_blocks,
         cached_tokens_total=rec.cached_tokens,
         prompt_tokens_total=rec.prompt_tokens,
-        disk_hits=engine.prefix.disk_hits,
-        **_disk_metrics(engine.prefix.store),
-        waiting=len(sched.waiting) + len(engine._inbox),
-        running=len(sched.running),
-        swapped=len(sched.swapped),
+        disk_hits=prefix.disk_hits,
+        **_disk_metrics(prefix.store),
+        waiting=len(scheduler.waiting) + inbox,
+        running=len(scheduler.running),
+        swapped=len(scheduler.swapped),
         preemptions=rec.preemptions,
         rejections=rec.rejections,
         finished=dict(rec.finished),

@@ -6,15 +6,13 @@ import enum
 import queue
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
-from engine.generation import GenerationEvent, RequestStats, StopMatcher
-from engine.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.engine import Engine
+from engine.decoder import Decoder
+from engine.generation import GenerationEvent, RequestStats
+from engine.kvcache.prefix_cache import SeqPrefix
+from engine.kvcache.swap import SwappedKV
 
 
 class Priority(enum.IntEnum):
@@ -33,16 +31,17 @@ class RequestState(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One request's full state. Mutated only by the engine's step loop."""
+    """One request's full state. Mutated only by the engine's step loop.
+
+    ``request_id`` is also the id of its sequence in the block manager.
+    """
 
     request_id: int
     prompt_ids: list[int]
-    params: SamplingParams
-    max_new: int
+    decoder: Decoder  # sampling, detokenizing, stop strings, max new tokens
+    prefix: SeqPrefix  # its prefix-cache salt, block hashes and registered blocks
     priority: Priority = Priority.INTERACTIVE
     deadline: float | None = None  # time.perf_counter() value
-    tenant: str = "local"
-    permission_version: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     state: RequestState = RequestState.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -54,17 +53,12 @@ class Request:
     error: str | None = None
     notice: str | None = None  # e.g. "max_tokens reduced from 512 to 100 to fit the pool"
     cancel_at: float | None = None  # perf_counter() of the cancel() call
-    # per-request generation helpers, built on first admission
-    sampler: Any = None
-    processors: list = field(default_factory=list)
-    detok: Any = None
-    stop: StopMatcher | None = None
-    swap: Any = None  # host copy of the K/V while SWAPPED
-    salt: Any = None  # prefix-cache salt (model, tokenizer, ..., tenant, permission version)
-    block_hashes: list[bytes] = field(default_factory=list)  # chained, per full block
-    registered: int = 0  # leading blocks already named in the prefix cache
-    pending: Any = None  # lazily computed next token (mx.array) not yet read back
+    swap: SwappedKV | None = None  # host copy of the K/V while SWAPPED
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+    @property
+    def max_new(self) -> int:
+        return self.decoder.max_new
 
     @property
     def all_ids(self) -> list[int]:
@@ -90,29 +84,48 @@ class RequestHandle:
     Iterating is safe from any thread. Leaving the loop early (break, an
     exception, the generator being closed or collected) or dropping the handle
     cancels the request, so a consumer that goes away never leaks blocks.
+    Iterating a handle whose final event was already read ends at once.
     """
 
-    def __init__(self, engine: Engine, request: Request):
-        self._engine = engine
-        self._request = request
-        self.request_id = request.request_id
+    def __init__(self, request_id: int, next_event: Callable[[], GenerationEvent],
+                 ready: Callable[[], bool], cancel: Callable[[int], bool],
+                 notice: str | None = None):
+        self.request_id = request_id
+        self.notice = notice
+        self._next_event = next_event
+        self._ready = ready
+        self._cancel = cancel
+        self._done = False
         # a handle dropped without being read to the end is a consumer gone away
-        weakref.finalize(self, engine.cancel, request.request_id)
+        weakref.finalize(self, cancel, request_id)
 
     @property
-    def notice(self) -> str | None:
-        return self._request.notice
+    def done(self) -> bool:
+        """True once the final event has been read."""
+        return self._done
 
     def cancel(self) -> bool:
-        return self._engine.cancel(self.request_id)
+        return self._cancel(self.request_id)
+
+    @property
+    def ready(self) -> bool:
+        """Whether an event is waiting to be read (reading it will not block or step)."""
+        return not self._done and self._ready()
+
+    def poll(self) -> GenerationEvent | None:
+        """The next event if one is ready, else None; never steps the engine or waits."""
+        if not self.ready:
+            return None
+        event = self._next_event()
+        self._done = event.finish_reason is not None
+        return event
 
     def __iter__(self) -> Iterator[GenerationEvent]:
-        done = False
         try:
-            while not done:
-                event = self._engine._next_event(self._request)
-                done = event.finish_reason is not None
+            while not self._done:
+                event = self._next_event()
+                self._done = event.finish_reason is not None
                 yield event
         finally:
-            if not done:
-                self._engine.cancel(self.request_id)
+            if not self._done:
+                self._cancel(self.request_id)

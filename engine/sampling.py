@@ -20,12 +20,10 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+        # checked again at submit: the fields may change after construction
+        from engine.validation import check_params
+
+        check_params(self)
 
     def make_sampler(self):
         from mlx_lm.sample_utils import make_sampler

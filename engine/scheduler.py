@@ -1,11 +1,12 @@
 """Continuous batching: which requests run this step, admission by free blocks, preemption.
 
-The scheduler owns the waiting / running / swapped queues and the block
-bookkeeping of each step; the engine executes what it plans. Order is always
+The scheduler owns the waiting / running / swapped queues and every block a
+request holds: it checks requests against the context and the pool, admits
+them on their cached prefix, preempts, swaps in, and releases. Order is always
 (priority, time): interactive before background, then first come first served.
 When running sequences need blocks that are not there, the lowest-priority,
 most recently started sequence is preempted (recompute, or a swap to host
-memory when the engine has room for it) — never an out-of-memory crash.
+memory while the swap budget has room) — never an out-of-memory crash.
 """
 
 from __future__ import annotations
@@ -13,12 +14,17 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from engine.errors import RequestError, RequestTooLargeError
 from engine.kvcache.block_manager import BlockManager, SlotPlan
+from engine.kvcache.prefix_cache import PrefixCache
+from engine.kvcache.swap import HostSwap
 from engine.request import Request, RequestState
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
+    max_context: int
+    """Tokens one sequence may hold (the model's context, or a smaller cap)."""
     max_running: int = 16
     """Sequences decoding or prefilling at once."""
     max_prefill_tokens: int = 512
@@ -29,6 +35,19 @@ class SchedulerConfig:
     """The prefill budget of a step in which other sequences decode (their latency)."""
     watermark_blocks: int = 1
     """Blocks kept free at admission so running sequences can grow."""
+    preempt_mode: str = "recompute"
+    """"recompute" or "swap" (to host, within the swap budget; else recompute)."""
+    overflow: str = "truncate"
+    """A request whose output cannot fit: "truncate" its max tokens or "reject"."""
+
+
+@dataclass(slots=True)
+class Admission:
+    """A request admitted this step, on how many cached prompt tokens and from where."""
+
+    request: Request
+    cached_tokens: int
+    source: str  # "none", "memory" or "disk"
 
 
 @dataclass(slots=True)
@@ -38,12 +57,8 @@ class StepPlan:
     prefills: list[tuple[Request, int, SlotPlan]] = field(default_factory=list)
     decodes: list[tuple[Request, SlotPlan]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    admitted: list[Request] = field(default_factory=list)
-    swapped_in: list[Request] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.prefills and not self.decodes
+    admitted: list[Admission] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # admission errors
 
 
 def order_key(req: Request) -> tuple:
@@ -51,32 +66,61 @@ def order_key(req: Request) -> tuple:
 
 
 class Scheduler:
-    """Plans engine steps over a shared block pool."""
+    """Plans engine steps over a shared block pool and owns every request's blocks."""
 
-    def __init__(self, blocks: BlockManager, config: SchedulerConfig, engine_hooks):
+    def __init__(self, blocks: BlockManager, prefix: PrefixCache, swap: HostSwap,
+                 config: SchedulerConfig):
         self.blocks = blocks
+        self.prefix = prefix
+        self.swap = swap
         self.config = config
-        self.hooks = engine_hooks  # preempt(req) -> None, swap_in(req) -> bool, can_swap(req)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+
+    # -- checks ------------------------------------------------------------------
+    def check(self, prompt_len: int, max_tokens: int) -> tuple[int, str | None]:
+        """(max new tokens the request may produce, a notice if reduced).
+
+        Raises `RequestTooLargeError` for a request that can never fit.
+        """
+        if prompt_len == 0:
+            raise RequestError("the prompt is empty")
+        ctx = self.config.max_context
+        if prompt_len >= ctx:
+            raise RequestTooLargeError(f"the prompt has {prompt_len} tokens; the context "
+                                       f"holds {ctx}")
+        pool = self.blocks.num_blocks * self.blocks.block_size
+        if prompt_len >= pool:
+            raise RequestTooLargeError(
+                f"the prompt has {prompt_len} tokens; the KV pool holds {pool} "
+                f"({self.blocks.num_blocks} blocks; raise the KV budget)")
+        fits = min(ctx, pool) - prompt_len
+        if max_tokens <= fits:
+            return max_tokens, None
+        if self.config.overflow == "reject":
+            raise RequestTooLargeError(
+                f"{prompt_len} prompt + {max_tokens} new tokens exceed the "
+                f"{'context' if ctx <= pool else 'KV pool'} ({min(ctx, pool)} tokens)")
+        return fits, f"max_tokens reduced from {max_tokens} to {fits} to fit"
 
     # -- queues ------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.waiting.append(req)
         self.waiting.sort(key=order_key)
 
-    def remove(self, req: Request) -> None:
+    def release(self, req: Request) -> int:
+        """Take a request out of every queue and drop its blocks; the blocks released."""
         for q in (self.waiting, self.running, self.swapped):
             if req in q:
                 q.remove(req)
+        self.swap.drop(req.swap)
+        req.swap = None
+        return self.blocks.free(req.request_id)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
-
-    def free_blocks(self) -> int:
-        return self.blocks.num_free_blocks
 
     # -- block needs ---------------------------------------------------------------
     def _prefill_len(self, req: Request, budget: int) -> int:
@@ -91,6 +135,17 @@ class Scheduler:
                 have = len(self.blocks.block_tables.get(r.request_id, ()))
                 need += max(0, self.blocks.blocks_needed(r.total_len) - have)
         return need
+
+    def _blocks_to_admit(self, req: Request) -> int:
+        """Free blocks the request needs: cached prefix blocks in use elsewhere cost none."""
+        hits = self.prefix.ram_hits(req.prefix, req.all_ids)
+        shared = sum(1 for b in hits if self.blocks.ref_counts[b] > 0)
+        return self.blocks.blocks_needed(req.total_len) - shared
+
+    def _room(self) -> int:
+        reserve = self._pending_prefill_blocks()
+        reserve += self.config.watermark_blocks if self.running else 0
+        return self.blocks.num_free_blocks - reserve
 
     # -- planning --------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -111,7 +166,7 @@ class Scheduler:
                 self._preempt(victim, plan)
                 if victim is req:
                     break
-            if req.finished or req.state is not RequestState.RUNNING:
+            if req.state is not RequestState.RUNNING:
                 continue  # preempted itself; the list shrank under it
             slots = self.blocks.append(req.request_id, n)
             if req.in_prefill:
@@ -121,50 +176,59 @@ class Scheduler:
                 plan.decodes.append((req, slots))
             i += 1
         if not plan.preempted:
-            self._swap_in(plan)
+            self._swap_in()
             self._admit(plan, budget)
         return plan
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        """Give back a running request's blocks: swap them to host, or recompute later."""
         self.running.remove(victim)
-        self.hooks.preempt(victim)  # frees its blocks; state -> WAITING or SWAPPED
-        if victim.state is RequestState.SWAPPED:
+        victim.stats.preemptions += 1
+        if (self.config.preempt_mode == "swap"
+                and self.swap.can_swap_out(victim.num_computed)):
+            victim.swap = self.swap.swap_out(victim.request_id, victim.num_computed)
+            victim.state = RequestState.SWAPPED
             self.swapped.append(victim)
             self.swapped.sort(key=order_key)
         else:
+            self.blocks.free(victim.request_id)
+            victim.num_computed = victim.prefix.registered = 0
+            victim.state = RequestState.WAITING
             self.add(victim)
         plan.preempted.append(victim)
 
-    def _room(self) -> int:
-        reserve = self._pending_prefill_blocks()
-        reserve += self.config.watermark_blocks if self.running else 0
-        return self.free_blocks() - reserve
-
-    def _swap_in(self, plan: StepPlan) -> None:
+    def _swap_in(self) -> None:
         while self.swapped and len(self.running) < self.config.max_running:
             req = self.swapped[0]
             if self.blocks.blocks_needed(req.num_computed) + 1 > self._room():
                 return
             self.swapped.pop(0)
-            self.hooks.swap_in(req)
+            self.swap.swap_in(req.request_id, req.swap)
+            req.swap = None
+            req.state = RequestState.RUNNING
             req.started = time.perf_counter()
             self.running.append(req)
-            plan.swapped_in.append(req)
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and len(self.running) < self.config.max_running:
             if self.swapped and order_key(self.swapped[0]) < order_key(self.waiting[0]):
                 return  # a preempted request of higher standing resumes first
             req = self.waiting[0]
-            need = self.hooks.blocks_to_admit(req)
-            if need > self._room() and not self._make_room_for(req, need, plan):
-                return
-            self.waiting.pop(0)
-            self.hooks.admit(req)  # allocates the sequence (and reuses cached prefix blocks)
+            try:  # a lookup or disk restore that fails fails this request alone
+                need = self._blocks_to_admit(req)
+                if need > self._room() and not self._make_room_for(req, need, plan):
+                    return
+                self.waiting.pop(0)
+                cached, source = self.prefix.admit(req.request_id, req.prefix, req.all_ids)
+            except Exception as e:  # noqa: BLE001
+                self.release(req)
+                plan.failed.append((req, f"{type(e).__name__}: {e}"))
+                continue
+            req.num_computed = cached
             req.state = RequestState.RUNNING
             req.started = time.perf_counter()
             self.running.append(req)
-            plan.admitted.append(req)
+            plan.admitted.append(Admission(req, cached, source))
             n = self._prefill_len(req, budget)
             if n > 0 and req.in_prefill:
                 if not self.blocks.can_append(req.request_id, n):

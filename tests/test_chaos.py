@@ -45,6 +45,14 @@ def drive(engine: Engine, n_requests: int, seed: int) -> tuple[Counter, dict]:
             raise InjectedError(f"injected into {phase}")
 
     engine.executor.fault_hook = fault
+    freed: dict[int, int] = {}  # what the last BlockManager.free of each sequence returned
+    real_free = engine.blocks.free
+
+    def spy_free(seq_id):
+        freed[seq_id] = real_free(seq_id)
+        return freed[seq_id]
+
+    engine.blocks.free = spy_free
     live: dict[int, Track] = {}
     outcomes: Counter = Counter()
     by_action: dict[str, Counter] = {}
@@ -71,13 +79,15 @@ def drive(engine: Engine, n_requests: int, seed: int) -> tuple[Counter, dict]:
         engine.step()
         engine.blocks.check_invariants()
         for rid, t in list(live.items()):
-            req = t.handle._request
-            while not req.events.empty():
-                event = next(t.consumer) if t.consumer is not None else req.events.get_nowait()
+            while t.handle.ready:
+                # a consumer's generator reads only what is ready: it never steps the engine
+                event = next(t.consumer) if t.consumer is not None else t.handle.poll()
                 t.seen += 1
                 if event.finish_reason is not None:
                     assert event.finish_reason in ENDINGS, event
-                    assert event.stats.blocks_released >= 0
+                    # the release dropped exactly the references the block manager held
+                    assert event.stats.blocks_released == freed.pop(rid), event
+                    assert rid not in engine.blocks.block_tables
                     outcomes[event.finish_reason] += 1
                     by_action.setdefault(t.action, Counter())[event.finish_reason] += 1
                     del live[rid]
@@ -105,8 +115,8 @@ def test_chaos_no_block_leaks(tiny_model, mode, n):
 
     assert sum(outcomes.values()) == n  # every request ended, one way or another
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # free + cached == total
-    assert not engine.blocks.block_tables and engine.kvcache.swap.used_bytes == 0
-    assert not engine.scheduler.has_work and not engine._requests
+    assert not engine.blocks.block_tables and engine.swap.used_bytes == 0
+    assert not engine.scheduler.has_work and engine.live_requests() == 0
     engine.blocks.check_invariants()
     m = engine.metrics()
     assert m.preemptions > 0, "the pool was never under pressure"

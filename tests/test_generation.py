@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from engine import SamplingParams
 from engine.errors import RequestError
-from engine.generation import StopMatcher
+from engine.decoder import StopMatcher
 
 
 @given(text=st.text(max_size=60), stop=st.text(min_size=1, max_size=5),

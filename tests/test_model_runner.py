@@ -6,12 +6,21 @@ import mlx.core as mx
 import numpy as np
 
 from engine import Engine, EngineConfig
+from engine.executor import build_batch
 from engine.model.model_runner import StepBatch
+
+
+def forward(engine: Engine, seq_id: int, ids: list[int], *, logits: bool):
+    """Append ``ids`` to one sequence and run the model over them (no scheduler)."""
+    plan = engine.blocks.append(seq_id, len(ids))
+    engine.kv.copy_blocks(plan.copies)
+    batch = build_batch(engine.blocks, [seq_id], mx.array([ids], dtype=mx.int32), [plan.slots])
+    return engine.runner(batch, engine.kv, logits=logits)
 
 
 def prefill(engine: Engine, seq_id: int, ids: list[int]) -> None:
     engine.blocks.allocate(seq_id)
-    engine._forward(seq_id, ids, logits=False)
+    forward(engine, seq_id, ids, logits=False)
     mx.eval(engine.kv.keys, engine.kv.values)
 
 
@@ -24,7 +33,7 @@ def test_batched_decode_matches_single_sequences(default_model):
     single = []
     for i, ids in enumerate(prompts):
         prefill(engine, 100 + i, ids)
-        single.append(np.array(engine._forward(100 + i, [nxt[i]], logits=True)[0]))
+        single.append(np.array(forward(engine, 100 + i, [nxt[i]], logits=True)[0]))
         engine.blocks.free(100 + i)
     # all three in one forward: ragged lengths, each with its own block table
     for i, ids in enumerate(prompts):

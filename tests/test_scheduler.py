@@ -8,7 +8,7 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.errors import EngineStoppedError, RequestTooLargeError
-from engine.request import Priority
+from engine.request import Priority, RequestState
 
 PROMPTS = [
     "What is the capital of France?",
@@ -83,7 +83,8 @@ def test_interactive_preempts_background(default_model, alone):
     fg = engine.submit(ids[3], params(), priority=Priority.INTERACTIVE)
     tokens, final = collect(fg)
     assert tokens == ref[3]
-    assert any(not h._request.finished for h in bg), "interactive did not go first"
+    assert any(engine.request_state(h.request_id) is not RequestState.FINISHED for h in bg), \
+        "interactive did not go first"
     assert [collect(h)[0] for h in bg] == ref[:3]
     assert engine.metrics().preemptions > 0
 

@@ -10,118 +10,104 @@ and prompt blocks are persisted by the store's background writer.
 
 from __future__ import annotations
 
-import hashlib
 import time
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
-from engine.config import EngineConfig
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.disk_store import DiskPrefixStore
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.kvcache.prefix_key import CacheSalt, chain_hash
-from engine.model.loader import LoadedModel
-from engine.request import Request
 
 SWEEP_EVERY_S = 60.0  # expired entries leave the disk while the app runs, not only at start
 
 
-def salt_base(loaded: LoadedModel, kv: PagedKVCache) -> dict:
-    """The salt's parts shared by every request of this engine (all but the tenant scope)."""
-    cfg = loaded.config
-    template = getattr(loaded.tokenizer, "chat_template", None) or ""
-    scaling = cfg.get("rope_scaling")
-    position = (f"rope_theta={cfg.get('rope_theta')},traditional={cfg.get('rope_traditional')},"
-                f"scaling={sorted(scaling.items()) if isinstance(scaling, dict) else scaling}")
-    return dict(
-        model_fingerprint=loaded.fingerprint,
-        tokenizer_fingerprint=loaded.tokenizer_fingerprint,
-        prompt_version="tmpl-" + hashlib.sha256(template.encode()).hexdigest()[:16],
-        position=position,
-        kv_format=str(kv.layout.dtype).removeprefix("mlx.core."),
-        block_size=kv.layout.block_size,
-    )
+@dataclass(slots=True)
+class SeqPrefix:
+    """One sequence's prefix-cache state: its salt, chained block hashes, registered blocks."""
+
+    salt: CacheSalt
+    hashes: list[bytes] = field(default_factory=list)  # chained, per full block
+    registered: int = 0  # leading blocks already named in the cache
 
 
 class PrefixCache:
-    """Looks up, restores and registers prefix blocks for the engine's requests."""
+    """Looks up, restores and registers prefix blocks of sequences in the pool.
 
-    def __init__(self, loaded: LoadedModel, kv: PagedKVCache, blocks: BlockManager,
-                 config: EngineConfig):
+    ``salt_base`` holds the salt's parts shared by every sequence of one engine
+    (`prefix_key.salt_base`); a sequence adds its tenant and permission version.
+    """
+
+    def __init__(self, kv: PagedKVCache, blocks: BlockManager, salt_base: dict, *,
+                 enabled: bool = True, store: DiskPrefixStore | None = None):
         self.kv, self.blocks = kv, blocks
-        self.enabled = config.prefix_cache
-        self.base = salt_base(loaded, kv)
-        self.store: DiskPrefixStore | None = None
-        if config.prefix_cache and config.disk_cache:
-            root = Path(config.disk_cache_dir).expanduser() if config.disk_cache_dir else None
-            self.store = DiskPrefixStore(root, budget_bytes=config.disk_budget_bytes,
-                                         default_ttl_s=config.disk_ttl_s, max_pending=256)
+        self.enabled = enabled
+        self.base = salt_base
+        self.store = store if enabled else None
         self.disk_hits = 0
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
 
-    def salt(self, req: Request) -> CacheSalt:
-        return CacheSalt(**self.base, tenant=req.tenant,
-                         permission_version=req.permission_version)
+    def new_sequence(self, tenant: str, permission_version: int) -> SeqPrefix:
+        """The prefix state of a new sequence scoped to a tenant and permission version."""
+        return SeqPrefix(CacheSalt(**self.base, tenant=tenant,
+                                   permission_version=permission_version))
 
-    def _hashes(self, req: Request) -> list[bytes]:
-        """Chained hashes of the request's full blocks (extended as it grows)."""
+    def _hashes(self, seq: SeqPrefix, token_ids: Sequence[int]) -> list[bytes]:
+        """Chained hashes of the sequence's full blocks (extended as it grows)."""
         bs = self.blocks.block_size
-        full = req.total_len // bs
-        if req.salt is None:
-            req.salt = self.salt(req)
-        hashes, ids = req.block_hashes, req.all_ids
+        full = len(token_ids) // bs
+        hashes = seq.hashes
         while len(hashes) < full:
             i = len(hashes)
-            parent = hashes[-1] if hashes else req.salt.digest()
-            hashes.append(chain_hash(parent, ids[i * bs:(i + 1) * bs]))
+            parent = hashes[-1] if hashes else seq.salt.digest()
+            hashes.append(chain_hash(parent, self._block_tokens(token_ids, i)))
         return hashes
 
-    def _token_blocks(self, req: Request, n: int) -> list[list[int]]:
-        bs, ids = self.blocks.block_size, req.all_ids
-        return [ids[i * bs:(i + 1) * bs] for i in range(n)]
+    def _block_tokens(self, token_ids: Sequence[int], i: int) -> list[int]:
+        bs = self.blocks.block_size
+        return list(token_ids[i * bs:(i + 1) * bs])
 
-    def ram_hits(self, req: Request) -> list[int]:
-        """Cached block ids for the request's prefix; the last token is always computed."""
+    def ram_hits(self, seq: SeqPrefix, token_ids: Sequence[int]) -> list[int]:
+        """Cached block ids for the prefix; the last token is always computed."""
         if not self.enabled:
             return []
-        usable = (req.total_len - 1) // self.blocks.block_size
-        hashes = self._hashes(req)[:usable]
-        return self.blocks.lookup(hashes, self._token_blocks(req, len(hashes)))
+        usable = (len(token_ids) - 1) // self.blocks.block_size
+        hashes = self._hashes(seq, token_ids)[:usable]
+        return self.blocks.lookup(hashes, [self._block_tokens(token_ids, i)
+                                           for i in range(len(hashes))])
 
-    def admit(self, req: Request) -> tuple[int, str]:
-        """Allocate the request's sequence on its cached prefix; (cached tokens, source)."""
-        hits = self.ram_hits(req)
-        self.blocks.allocate_cached(req.request_id, hits)
-        req.num_computed = len(hits) * self.blocks.block_size
-        req.registered = len(hits)
+    def admit(self, seq_id: int, seq: SeqPrefix, token_ids: Sequence[int]) -> tuple[int, str]:
+        """Allocate the sequence on its cached prefix: (cached tokens, "none"|"memory"|"disk")."""
+        hits = self.ram_hits(seq, token_ids)
+        self.blocks.allocate_cached(seq_id, hits)
+        seq.registered = len(hits)
         source = "memory" if hits else "none"
-        if self.store is not None and self._restore_from_disk(req):
+        if self.store is not None and self._restore_from_disk(seq_id, seq, token_ids):
             source = "disk"
-        return req.num_computed, source
+        return seq.registered * self.blocks.block_size, source
 
-    def _restore_from_disk(self, req: Request) -> int:
+    def _restore_from_disk(self, seq_id: int, seq: SeqPrefix, token_ids: Sequence[int]) -> int:
         """Copy the next blocks of the prefix from the disk store into the pool."""
         bs = self.blocks.block_size
-        usable = (req.total_len - 1) // bs
-        hashes, restored = self._hashes(req), 0
-        for i in range(req.registered, usable):
-            if not self.store.contains(hashes[i]) or not self.blocks.can_append(
-                    req.request_id, bs):
+        usable = (len(token_ids) - 1) // bs
+        hashes, restored = self._hashes(seq, token_ids), 0
+        for i in range(seq.registered, usable):
+            if not self.store.contains(hashes[i]) or not self.blocks.can_append(seq_id, bs):
                 break
-            tokens = req.all_ids[i * bs:(i + 1) * bs]
-            arrays = self.store.get(req.salt, hashes[i], tokens)
+            tokens = self._block_tokens(token_ids, i)
+            arrays = self.store.get(seq.salt, hashes[i], tokens)
             if arrays is None:  # corrupt, foreign or expired: a miss, removed by the store
                 break
-            slots = mx.array(self.blocks.append(req.request_id, bs).slots, dtype=mx.int32)
+            slots = mx.array(self.blocks.append(seq_id, bs).slots, dtype=mx.int32)
             n_layers = len(self.kv.keys)
             for layer in range(n_layers):
                 k, v = arrays[layer], arrays[n_layers + layer]
                 self.kv.write(layer, slots, self._to_mx(k), self._to_mx(v))
-            self.blocks.register(self.blocks.block_tables[req.request_id][i], hashes[i], tokens)
-            req.num_computed += bs
-            req.registered += 1
+            self.blocks.register(self.blocks.block_tables[seq_id][i], hashes[i], tokens)
+            seq.registered += 1
             restored += 1
         if restored:
             mx.eval(self.kv.keys, self.kv.values)
@@ -138,27 +124,28 @@ class PrefixCache:
             return np.array(mx.view(a, mx.uint16))
         return np.array(a)
 
-    def on_computed(self, req: Request) -> None:
+    def on_computed(self, seq_id: int, seq: SeqPrefix, token_ids: Sequence[int],
+                    num_computed: int, prompt_len: int) -> None:
         """Register blocks that just became full and computed; persist prompt blocks."""
         if not self.enabled:
             return
         bs = self.blocks.block_size
-        full = req.num_computed // bs
-        if full <= req.registered:
+        full = num_computed // bs
+        if full <= seq.registered:
             return
-        hashes = self._hashes(req)
-        table = self.blocks.block_tables[req.request_id]
-        for i in range(req.registered, full):
-            tokens = req.all_ids[i * bs:(i + 1) * bs]
+        hashes = self._hashes(seq, token_ids)
+        table = self.blocks.block_tables[seq_id]
+        for i in range(seq.registered, full):
+            tokens = self._block_tokens(token_ids, i)
             if not self.blocks.register(table[i], hashes[i], tokens):
                 continue
-            if self.store is not None and (i + 1) * bs <= len(req.prompt_ids):
+            if self.store is not None and (i + 1) * bs <= prompt_len:
                 rows = slice(table[i] * bs, (table[i] + 1) * bs)
                 arrays = [self._to_np(k[:, rows]) for k in self.kv.keys]
                 arrays += [self._to_np(v[:, rows]) for v in self.kv.values]
-                parent = hashes[i - 1] if i else req.salt.digest()
-                self.store.put_async(req.salt, hashes[i], parent, tokens, arrays)
-        req.registered = full
+                parent = hashes[i - 1] if i else seq.salt.digest()
+                self.store.put_async(seq.salt, hashes[i], parent, tokens, arrays)
+        seq.registered = full
 
     def maybe_sweep(self) -> int:
         """Delete expired disk entries (and enforce the budget) once a minute."""

@@ -128,3 +128,21 @@ def block_hashes(
         parent = hashlib.sha256(parent + raw[start : start + step]).digest()
         hashes.append(parent)
     return hashes
+
+
+def salt_base(*, model_fingerprint: str, tokenizer_fingerprint: str, chat_template: str | None,
+              model_config: dict, kv_format: str, block_size: int) -> dict:
+    """The salt's parts shared by every sequence of one engine (all but the tenant scope)."""
+    scaling = model_config.get("rope_scaling")
+    position = (f"rope_theta={model_config.get('rope_theta')},"
+                f"traditional={model_config.get('rope_traditional')},"
+                f"scaling={sorted(scaling.items()) if isinstance(scaling, dict) else scaling}")
+    template = chat_template or ""
+    return dict(
+        model_fingerprint=model_fingerprint,
+        tokenizer_fingerprint=tokenizer_fingerprint,
+        prompt_version="tmpl-" + hashlib.sha256(template.encode()).hexdigest()[:16],
+        position=position,
+        kv_format=kv_format,
+        block_size=block_size,
+    )

@@ -7,11 +7,21 @@ waits, and restoring copies the exact bytes back, so the output is unchanged.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
-from engine.request import Request
+
+
+@dataclass(slots=True)
+class SwappedKV:
+    """A swapped-out sequence's K/V: per layer, its first ``num_tokens`` rows."""
+
+    keys: list[mx.array]
+    values: list[mx.array]
+    num_tokens: int
 
 
 class HostSwap:
@@ -26,35 +36,32 @@ class HostSwap:
     def _bytes(self, num_tokens: int) -> int:
         return num_tokens * self.kv.layout.bytes_per_token
 
-    def can_swap_out(self, req: Request) -> bool:
-        return (req.num_computed > 0
-                and self.used_bytes + self._bytes(req.num_computed) <= self.budget_bytes)
+    def can_swap_out(self, num_tokens: int) -> bool:
+        return num_tokens > 0 and self.used_bytes + self._bytes(num_tokens) <= self.budget_bytes
 
-    def swap_out(self, req: Request) -> None:
-        """Copy the sequence's computed K/V to host arrays and free its blocks."""
-        n = req.num_computed
-        slots = mx.array(self.blocks.slots(req.request_id, 0, n), dtype=mx.int32)
+    def swap_out(self, seq_id: int, num_tokens: int) -> SwappedKV:
+        """Copy the sequence's first ``num_tokens`` K/V rows to host and free its blocks."""
+        slots = mx.array(self.blocks.slots(seq_id, 0, num_tokens), dtype=mx.int32)
         keys = [k[:, slots] for k in self.kv.keys]
         values = [v[:, slots] for v in self.kv.values]
         mx.eval(keys, values)
-        req.swap = (keys, values, n)
-        self.used_bytes += self._bytes(n)
-        self.blocks.free(req.request_id)
+        self.used_bytes += self._bytes(num_tokens)
+        self.blocks.free(seq_id)
+        return SwappedKV(keys, values, num_tokens)
 
-    def swap_in(self, req: Request) -> None:
+    def swap_in(self, seq_id: int, saved: SwappedKV) -> None:
         """Allocate blocks again and write the saved K/V back (the exact bytes)."""
-        keys, values, n = req.swap
-        self.blocks.allocate(req.request_id, n)
-        slots = mx.array(self.blocks.slots(req.request_id, 0, n), dtype=mx.int32)
-        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        n = saved.num_tokens
+        self.blocks.allocate(seq_id, n)
+        slots = mx.array(self.blocks.slots(seq_id, 0, n), dtype=mx.int32)
+        for layer, (k, v) in enumerate(zip(saved.keys, saved.values, strict=True)):
             self.kv.keys[layer][:, slots] = k
             self.kv.values[layer][:, slots] = v
         mx.eval(self.kv.keys, self.kv.values)
-        req.num_computed = n
-        self.drop(req)
+        self.drop(saved)
 
-    def drop(self, req: Request) -> None:
-        """Forget a request's host copy (after swap-in, or when it ends while swapped)."""
-        if req.swap is not None:
-            self.used_bytes -= self._bytes(req.swap[2])
-            req.swap = None
+    def drop(self, saved: SwappedKV | None) -> None:
+        """Forget a host copy (after swap-in, or when its sequence ends while swapped)."""
+        if saved is not None and saved.num_tokens:
+            self.used_bytes -= self._bytes(saved.num_tokens)
+            saved.num_tokens = 0  # dropping twice must not count twice

@@ -1,0 +1,105 @@
+"""One request's decoding state: sampler, logits processors, detokenizer, stop strings.
+
+Built once per request at `submit`, so a bad parameter fails that request at the door;
+afterwards it turns sampled token ids into streamed text and decides when the request
+ends (EOS, a stop string, its token budget).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine.sampling import SamplingParams
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text without emitting a partial match."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = list(stops)
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, segment: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was hit)."""
+        self.pending += segment
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        cut = len(self.pending) - self.hold
+        if cut <= 0:
+            return "", False
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass(slots=True)
+class Accepted:
+    """What one accepted token produced: text to stream, and the finish reason if it ended."""
+
+    text: str
+    finish: str | None = None
+
+
+class Decoder:
+    """Samples a request's tokens and turns them into text; decides when it ends."""
+
+    def __init__(self, params: SamplingParams, detokenizer, eos_ids: Collection[int],
+                 max_new: int):
+        self.params = params
+        self.max_new = max_new
+        self.sampler: Sampler = params.make_sampler()
+        self.processors: list[LogitsProcessor] = params.make_logits_processors()
+        self.detok = detokenizer
+        self.stop = StopMatcher(params.stop)
+        self.eos = frozenset() if params.ignore_eos else frozenset(eos_ids)
+        self._seeded = params.seed is None
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax of the logits suffices: no temperature, no processors."""
+        return self.params.temperature == 0 and not self.processors
+
+    def sample(self, logits: mx.array, history: list[int]) -> int:
+        """One token from a (1, vocab) row of logits."""
+        if not self._seeded:  # seeded on the first sample, inside the request's own try
+            mx.random.seed(self.params.seed)
+            self._seeded = True
+        if self.processors:
+            ids = mx.array(history, dtype=mx.int32)
+            for proc in self.processors:
+                logits = proc(ids, logits)
+        logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return int(self.sampler(logits).item())
+
+    def accept(self, token: int, generated: int) -> Accepted:
+        """The text ``token`` releases; ``generated`` counts it (1 for the first token)."""
+        if token in self.eos:
+            return self._final("", "stop", eos=True)
+        self.detok.add_token(token)
+        text, hit = self.stop.feed(self.detok.last_segment)
+        if hit:
+            return self._final(text, "stop")
+        if generated >= self.max_new:
+            return self._final(text, "length")
+        return Accepted(text)
+
+    def _final(self, text: str, finish: str, *, eos: bool = False) -> Accepted:
+        self.detok.finalize()
+        if finish == "length" or eos:
+            # bytes the detokenizer held back may still complete a stop string
+            more, hit = self.stop.feed(self.detok.last_segment)
+            text += more if hit else more + self.stop.flush()
+            finish = "stop" if hit else finish
+        return Accepted(text, finish)

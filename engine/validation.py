@@ -1,0 +1,80 @@
+"""Validation at the door: every field of a request is checked before it reaches the engine.
+
+A bad value raises `RequestError` naming the field and its allowed range, in the
+caller's thread, so one client's bad request never reaches a step that other
+requests share (an out-of-vocabulary id would read outside the embedding table).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from engine.errors import RequestError
+from engine.sampling import SamplingParams
+
+MAX_TENANT_LEN = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+SEED_LIMIT = 1 << 64
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(name: str, value, lo: float, hi: float, *, hi_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}")
+    if value < lo or value > hi or (hi_open and value == hi):
+        bracket = ")" if hi_open else "]"
+        raise RequestError(f"{name} must be in [{lo:g}, {hi:g}{bracket}, got {value!r}")
+
+
+def check_params(p: SamplingParams) -> None:
+    """Raise `RequestError` unless every sampling parameter is in range."""
+    if not _is_int(p.max_tokens) or p.max_tokens < 1:
+        raise RequestError(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}")
+    _finite("temperature", p.temperature, 0.0, 100.0)
+    _finite("top_p", p.top_p, 0.0, 1.0)
+    _finite("min_p", p.min_p, 0.0, 1.0)
+    if not _is_int(p.top_k) or p.top_k < 0:
+        raise RequestError(f"top_k must be an integer >= 0, got {p.top_k!r}")
+    if p.repetition_penalty is not None:
+        _finite("repetition_penalty", p.repetition_penalty, 0.0, 100.0)
+        if p.repetition_penalty == 0:
+            raise RequestError("repetition_penalty must be > 0")
+    if p.seed is not None and (not _is_int(p.seed) or not 0 <= p.seed < SEED_LIMIT):
+        raise RequestError(f"seed must be an integer in [0, 2^64), got {p.seed!r}")
+    stops = p.stop
+    if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
+    for s in stops:
+        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_LEN:
+            raise RequestError(f"each stop string must have 1..{MAX_STOP_LEN} characters, "
+                               f"got {s!r:.40}")
+
+
+def check_ids(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The prompt as a list of ints, each in ``[0, vocab_size)``."""
+    try:
+        ids = list(prompt_ids)
+    except TypeError as e:
+        raise RequestError("prompt ids must be a sequence of integers") from e
+    for i, t in enumerate(ids):
+        if not _is_int(t) or not 0 <= t < vocab_size:
+            raise RequestError(f"prompt token {i} is {t!r}; token ids must be integers in "
+                               f"[0, {vocab_size})")
+    return ids
+
+
+def check_scope(tenant, permission_version, timeout_s) -> None:
+    """Tenant, permission version and timeout of a request."""
+    if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_LEN:
+        raise RequestError(f"tenant must be a non-empty string of at most {MAX_TENANT_LEN} "
+                           f"characters, got {tenant!r:.40}")
+    if not _is_int(permission_version) or not 0 <= permission_version < (1 << 63):
+        raise RequestError(f"permission_version must be an integer in [0, 2^63), "
+                           f"got {permission_version!r}")
+    if timeout_s is not None:
+        _finite("timeout_s", timeout_s, 0.0, 1e9)

@@ -1,0 +1,97 @@
+"""Builds an engine's parts from a loaded model and an `EngineConfig`.
+
+The one place where the model side (runner, layout) meets the KV-cache side
+(pool, block manager, prefix cache, disk store, swap): the parts below it stay
+independent of each other and of the runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine.config import EngineConfig
+from engine.errors import KVChatError
+from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.disk_store import DiskPrefixStore
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache
+from engine.kvcache.prefix_cache import PrefixCache
+from engine.kvcache.prefix_key import salt_base
+from engine.kvcache.swap import HostSwap
+from engine.model import memory
+from engine.model.loader import LoadedModel
+from engine.model.model_runner import PagedModel
+from engine.scheduler import SchedulerConfig
+
+
+@dataclass(slots=True)
+class EngineParts:
+    runner: PagedModel
+    layout: KVLayout
+    kv: PagedKVCache
+    blocks: BlockManager
+    prefix: PrefixCache
+    swap: HostSwap
+    scheduler_config: SchedulerConfig
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def check_kv_budget(budget: int, weight_bytes: int, limit: int | None = None) -> None:
+    """Refuse a KV budget beyond the memory the engine may use next to its weights.
+
+    The pool is allocated (and zero-filled) up front, so an oversized budget would
+    otherwise end in an out-of-memory kill with no message.
+    """
+    limit = memory.engine_memory_limit() if limit is None else limit
+    room = limit - weight_bytes
+    if budget > room:
+        suggest = max(room // 2, 0)
+        raise KVChatError(
+            f"a KV budget of {_gib(budget)} does not fit the {_gib(max(room, 0))} this machine "
+            f"leaves for the KV cache next to {_gib(weight_bytes)} of weights; "
+            f"try --kv-budget {max(suggest >> 20, 1)}M")
+
+
+def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
+    """The runner, the KV pool and its bookkeeping, the prefix cache and the scheduler config."""
+    check_kv_budget(config.kv_budget_bytes, loaded.weight_bytes)
+    runner = PagedModel(loaded.model, loaded.model_type)
+    if config.fuse_projections:
+        runner.fuse_projections()
+    dtype = getattr(mx, config.kv_dtype) if config.kv_dtype else None
+    layout = runner.kv_layout(config.block_size, dtype)
+    num_blocks = layout.num_blocks_for(config.kv_budget_bytes)
+    if num_blocks < 1:
+        raise KVChatError(f"a KV budget of {config.kv_budget_bytes} bytes holds no block of "
+                          f"{layout.bytes_per_block} bytes")
+    kv = PagedKVCache(layout, num_blocks)
+    blocks = BlockManager(num_blocks, config.block_size)
+    store = None
+    if config.prefix_cache and config.disk_cache:
+        root = Path(config.disk_cache_dir).expanduser() if config.disk_cache_dir else None
+        store = DiskPrefixStore(root, budget_bytes=config.disk_budget_bytes,
+                                default_ttl_s=config.disk_ttl_s, max_pending=256)
+    base = salt_base(model_fingerprint=loaded.fingerprint,
+                     tokenizer_fingerprint=loaded.tokenizer_fingerprint,
+                     chat_template=getattr(loaded.tokenizer, "chat_template", None),
+                     model_config=loaded.config,
+                     kv_format=str(layout.dtype).removeprefix("mlx.core."),
+                     block_size=layout.block_size)
+    prefix = PrefixCache(kv, blocks, base, enabled=config.prefix_cache, store=store)
+    swap = HostSwap(kv, blocks, config.swap_budget_bytes)
+    sched = SchedulerConfig(
+        max_context=min(config.max_context or loaded.context_length, loaded.context_length),
+        max_running=config.max_running,
+        max_prefill_tokens=config.max_step_tokens or config.prefill_chunk,
+        prefill_chunk=config.prefill_chunk,
+        max_prefill_tokens_decoding=config.max_step_tokens_decoding,
+        watermark_blocks=max(1, int(config.watermark * num_blocks)),
+        preempt_mode=config.preempt_mode,
+        overflow=config.overflow,
+    )
+    return EngineParts(runner, layout, kv, blocks, prefix, swap, sched)
