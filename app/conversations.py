@@ -8,18 +8,15 @@ reported by `load`; it never takes the app down.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import secrets
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.errors import KVChatError
-from engine.paths import cache_root, private_dir
+from engine.paths import cache_root, private_dir, write_private
 
 FORMAT_VERSION = 1
 TITLE_CHARS = 60
@@ -114,23 +111,11 @@ class ConversationStore:
         return Conversation(id=new_id(), system_prompt=system_prompt, model=model)
 
     def save(self, conversation: Conversation) -> Path:
-        """Write atomically: temp file in the same directory, fsync, rename."""
-        private_dir(self.root)
+        """Write atomically and privately (0600): temp file in the same directory, fsync, rename."""
         path = self._path(conversation.id)
         data = json.dumps(conversation.to_dict(), ensure_ascii=False, indent=1)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o600)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return path
+        private_dir(self.root)
+        return write_private(path, data.encode("utf-8"))
 
     def load(self, conversation_id: str) -> Conversation:
         path = self._path(conversation_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 
 import pytest
@@ -39,6 +40,22 @@ def test_files_are_private_and_atomic(store):
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(store.root.stat().st_mode) == 0o700
     assert [p.name for p in store.root.iterdir()] == [path.name]  # no temp file left behind
+
+
+@pytest.mark.parametrize("mask", [0o000, 0o277])
+def test_files_are_private_whatever_the_umask(tmp_path, mask):
+    store = ConversationStore(tmp_path / "a" / "conversations")
+    conv = store.new()
+    conv.add("user", "hi")
+    old = os.umask(mask)
+    try:
+        path = store.save(conv)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(store.root.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "a").stat().st_mode) == 0o700
+    assert store.load(conv.id).messages[0].content == "hi"
 
 
 def test_list_newest_first_and_delete(store):

@@ -1,14 +1,20 @@
-"""GGUF conversion of the embedded default model: names, config, tokenizer, template."""
+"""GGUF conversion of the embedded default model: names, config, tokenizer, template;
+corrupt files and private output."""
 
 from __future__ import annotations
 
 import json
+import os
+import random
+import stat
+import struct
 
 import pytest
 
 from engine.errors import ModelLoadError
-from engine.model.gguf import rename_tensor
+from engine.model.gguf import converted_dir, rename_tensor
 from engine.model.loader import default_gguf_path, resolve_model_path
+from engine.paths import is_private_tree
 
 
 def test_tensor_names():
@@ -51,3 +57,45 @@ def test_chat_template_from_gguf(default_engine):
                     "<|im_start|>assistant\n")
     raw = default_engine.encode_prompt("Hi", raw=True)
     assert default_engine.tokenizer.decode(raw) == "Hi"
+
+
+def _gguf_header(num_tensors: int, num_kv: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, num_tensors, num_kv)
+
+
+@pytest.mark.parametrize("name, data, reason", [
+    ("magic", b"XXXX" + bytes(40), "(bad magic)"),
+    ("empty", _gguf_header(0, 0), "(no model metadata)"),
+    ("truncated", None, "past the end of the file"),  # a real file cut short: MLX's reader says so
+    ("garbage", _gguf_header(1, 2) + random.Random(0).randbytes(2000), "crashed with signal"),
+])
+def test_corrupt_gguf_says_not_a_valid_gguf(tmp_path, name, data, reason):
+    bad = tmp_path / f"{name}.gguf"
+    bad.write_bytes(data if data is not None else default_gguf_path().read_bytes()[:100_000])
+    with pytest.raises(ModelLoadError) as info:
+        converted_dir(bad, root=tmp_path / "models")
+    message = str(info.value)
+    assert message.startswith(f"not a valid GGUF file: {bad} (")
+    assert reason in message and "\n" not in message
+    assert "Warning" not in message  # never the child's stray stderr (runpy)
+    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
+
+
+def test_converted_dir_is_private_and_a_loose_one_is_redone(tmp_path):
+    old = os.umask(0)
+    try:
+        out = converted_dir(default_gguf_path(), root=tmp_path / "models")
+    finally:
+        os.umask(old)
+    assert is_private_tree(out, required="config.json")
+    assert stat.S_IMODE((tmp_path / "models").stat().st_mode) == 0o700
+    assert {p.name for p in out.iterdir()} == {
+        "model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+        "generation_config.json"}
+    config = out / "config.json"
+    os.chmod(config, 0o666)  # as an older kvchat left it under umask 000: not trusted
+    config.write_text("{}")
+    assert converted_dir(default_gguf_path(), root=tmp_path / "models") == out
+    assert json.loads(config.read_text())["model_type"] == "llama"
+    assert is_private_tree(out, required="config.json")
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [out.name]

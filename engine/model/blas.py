@@ -7,12 +7,15 @@ makes MLX resolve `cblas_*` there (~11-22 ms). This module must not import MLX.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 CANDIDATES = (
@@ -28,38 +31,115 @@ gemv_shim: bool = False
 """Whether the GEMV-routing shim (csrc/gemv_shim.c) is in front of the BLAS."""
 
 _SHIM_SRC = Path(__file__).with_name("csrc") / "gemv_shim.c"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def _build_shim() -> Path | None:
-    """Compile the shim once into the user cache (keyed by its source hash)."""
+def shim_path() -> Path:
+    """Where the compiled shim is cached: the user cache, keyed by its source hash."""
     from engine.paths import cache_root
 
-    src = _SHIM_SRC.read_bytes()
-    out = cache_root() / "blas" / f"gemv_shim-{hashlib.sha256(src).hexdigest()[:12]}.so"
-    if out.exists():
-        return out
+    digest = hashlib.sha256(_SHIM_SRC.read_bytes()).hexdigest()[:12]
+    return cache_root() / "blas" / f"gemv_shim-{digest}.so"
+
+
+def shim_is_trusted(path: Path) -> bool:
+    """True when the shim at ``path`` may be loaded into the process (RTLD_GLOBAL).
+
+    It must be a regular file, not a symlink, owned by us and not writable by group or
+    others, in a directory that is likewise ours and private: anyone who could write
+    either could run code in every kvchat process.
+    """
+    from engine.paths import is_private
+
+    path = Path(path)
+    try:
+        return _dir_is_private(path.parent) and is_private(os.lstat(path))
+    except OSError:
+        return False
+
+
+def _dir_is_private(path: Path) -> bool:
+    from engine.paths import is_private
+
+    try:
+        return is_private(os.lstat(path), kind=stat.S_IFDIR)
+    except OSError:
+        return False
+
+
+def _compile(out: Path) -> Path | None:
+    """Compile the shim to ``out`` (in a private directory) via a kvchat-named temp file."""
+    from engine.paths import temp_path
+
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    tmp = temp_path(out)
     cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(_SHIM_SRC), "-ldl", "-lpthread"]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=60)
+        os.chmod(tmp, 0o700)  # the linker's mode follows the umask; a shared object needs no more
+        os.replace(tmp, out)
     except (OSError, subprocess.SubprocessError):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         return None
-    os.replace(tmp, out)
     return out
+
+
+def build_shim() -> Path | None:
+    """A shim that passes `shim_is_trusted`: the cached build, or a fresh private one.
+
+    An untrusted cached file (group/world-writable, foreign, a symlink) is never loaded:
+    it is rebuilt in place when the cache directory is ours and private, otherwise into a
+    fresh private temp directory (the caller removes it once loaded). None if no compiler.
+    """
+    from engine.paths import private_dir
+
+    out = shim_path()
+    if shim_is_trusted(out):
+        return out
+    with contextlib.suppress(OSError):
+        private_dir(out.parent)
+    one_off = not _dir_is_private(out.parent)
+    if one_off:  # foreign or loose: never chmod a directory we may not own; build elsewhere
+        out = Path(tempfile.mkdtemp(prefix="kvchat-blas-")) / out.name
+    built = _compile(out)
+    if built is not None and shim_is_trusted(built):
+        return built
+    if one_off:
+        shutil.rmtree(out.parent, ignore_errors=True)
+    return None
+
+
+def _dlopen_trusted(path: Path) -> ctypes.CDLL | None:
+    """Load ``path`` RTLD_GLOBAL through a descriptor that was checked, so no swap slips in."""
+    from engine.paths import is_private
+
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+    try:
+        if not is_private(os.fstat(fd)):
+            return None
+        by_fd = f"/proc/self/fd/{fd}"
+        return ctypes.CDLL(by_fd if os.path.exists(by_fd) else str(path), mode=ctypes.RTLD_GLOBAL)
+    finally:
+        os.close(fd)
 
 
 def _load_with_shim(path: str) -> bool:
     if os.environ.get("KVCHAT_GEMV_SHIM", "1") == "0":
         return False
-    shim_path = _build_shim()
-    if shim_path is None:
+    shim_file = build_shim()
+    if shim_file is None:
         return False
-    shim = ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL)
-    return shim.kvchat_blas_init(path.encode()) == 0
+    try:
+        shim = _dlopen_trusted(shim_file)
+    except OSError:
+        return False  # plain BLAS still loads
+    finally:
+        if shim_file.parent != shim_path().parent:  # a one-off build: once mapped, not needed
+            shutil.rmtree(shim_file.parent, ignore_errors=True)
+    return shim is not None and shim.kvchat_blas_init(path.encode()) == 0
 
 
 def preload() -> str | None:

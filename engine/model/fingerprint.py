@@ -2,18 +2,19 @@
 
 A fingerprint hashes file *contents*, never paths: the same weights copied
 elsewhere keep their fingerprint; a changed byte changes it. Digests of large
-files are memoized by (path, size, mtime) so start-up does not rehash them.
+files are memoized by (path, size, mtime) so start-up does not rehash them. The
+memo feeds cache salts, so it is trusted only when its file is private (ours, not
+writable by group or others); otherwise it is ignored and rewritten privately.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from engine.paths import cache_root
+from engine.paths import cache_root, private_dir, read_private, write_private
 
 _CHUNK = 1 << 22
 TOKENIZER_FILES = (
@@ -34,19 +35,24 @@ def _memo_path() -> Path:
 
 
 def _load_memo() -> dict[str, str]:
-    try:
-        return json.loads(_memo_path().read_text())
-    except (OSError, ValueError):
+    """The memo, or {} when it is missing, corrupt or not private (anyone could forge it)."""
+    raw = read_private(_memo_path())
+    if raw is None:
         return {}
+    try:
+        memo = json.loads(raw)
+    except ValueError:
+        return {}
+    if not isinstance(memo, dict):
+        return {}
+    return {k: v for k, v in memo.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _save_memo(memo: dict[str, str]) -> None:
     path = _memo_path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, path)
+        private_dir(path.parent)
+        write_private(path, json.dumps(memo).encode())
     except OSError:
         pass  # the memo is only an optimization
 

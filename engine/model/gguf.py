@@ -22,7 +22,14 @@ from pathlib import Path
 
 from engine.errors import ModelLoadError
 from engine.model.fingerprint import file_digest
-from engine.paths import cache_root
+from engine.paths import (
+    cache_root,
+    is_private_tree,
+    private_dir,
+    remove_own,
+    temp_path,
+    write_private,
+)
 
 GGUF_GROUP_SIZE = 32
 CONTROL_TOKEN = 3
@@ -148,32 +155,60 @@ def tokenizer_config(meta: dict) -> dict:
     return {k: v for k, v in cfg.items() if v is not None}
 
 
+def _write_tree(out_dir: Path, files: dict[str, bytes], weights: dict) -> None:
+    """Write the model files into a fresh private temp dir, then rename it to ``out_dir``."""
+    import mlx.core as mx
+
+    private_dir(out_dir.parent)
+    tmp = temp_path(out_dir)
+    os.mkdir(tmp, 0o700)
+    try:
+        os.chmod(tmp, 0o700)  # exact, whatever the umask
+        weights_path = tmp / "model.safetensors"
+        mx.save_safetensors(str(weights_path), weights, metadata={"format": "mlx"})
+        os.chmod(weights_path, 0o600)  # MLX creates it per the umask; the dir keeps others out
+        for name, data in files.items():
+            write_private(tmp / name, data)
+        if is_private_tree(out_dir, required="config.json"):
+            return  # another process converted the same file meanwhile; keep what it loads
+        remove_own(out_dir)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").exists():
+                raise  # not just another process that converted the same file first
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def convert(gguf_path: Path, out_dir: Path) -> Path:
-    """Write the MLX model directory for ``gguf_path`` to ``out_dir`` atomically."""
+    """Write the MLX model directory for ``gguf_path`` to ``out_dir`` atomically.
+
+    The directory and every file in it are private (0700 / 0600) whatever the umask.
+
+    Raises:
+        ModelLoadError: the file is not a valid GGUF file, or not a supported model.
+    """
     import mlx.core as mx
 
     try:
         raw, meta = mx.load(str(gguf_path), return_metadata=True)
     except Exception as e:  # MLX raises ValueError/RuntimeError for bad files
-        raise ModelLoadError(f"cannot read GGUF file {gguf_path}: {e}") from e
+        raise ModelLoadError(f"not a valid GGUF file: {gguf_path} ({e})") from e
+    if "general.architecture" not in meta or "tokenizer.ggml.tokens" not in meta:
+        raise ModelLoadError(f"not a valid GGUF file: {gguf_path} (no model metadata)")
     weights = {rename_tensor(k): v for k, v in raw.items()}
     config = model_config(meta, weights)
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    files = {
+        "config.json": json.dumps(config, indent=2),
+        "tokenizer.json": build_tokenizer(meta).to_str(pretty=True),  # as .save() writes it
+        "tokenizer_config.json": json.dumps(tokenizer_config(meta), indent=2),
+        "generation_config.json": json.dumps({"eos_token_id": config["eos_token_id"]}),
+    }
     try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        build_tokenizer(meta).save(str(tmp / "tokenizer.json"))
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(meta), indent=2))
-        (tmp / "generation_config.json").write_text(
-            json.dumps({"eos_token_id": config["eos_token_id"]})
-        )
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _write_tree(out_dir, {k: v.encode() for k, v in files.items()}, weights)
+    except OSError as e:
+        raise ModelLoadError(f"cannot write the converted model to {out_dir}: {e}") from e
     return out_dir
 
 
@@ -183,12 +218,37 @@ def check_header(path: Path) -> None:
     with open(path, "rb") as f:
         head = f.read(24)
     if len(head) < 24 or head[:4] != b"GGUF":
-        raise ModelLoadError(f"{path} is not a GGUF file (bad magic)")
+        raise ModelLoadError(f"not a valid GGUF file: {path} (bad magic)")
     version, num_tensors, num_kv = struct.unpack("<IQQ", head[4:])
     if version not in (2, 3):
-        raise ModelLoadError(f"{path}: unsupported GGUF version {version}")
+        raise ModelLoadError(f"not a valid GGUF file: {path} (unsupported version {version})")
     if num_tensors > size // 16 or num_kv > size // 8:
-        raise ModelLoadError(f"{path}: corrupt GGUF header")
+        raise ModelLoadError(f"not a valid GGUF file: {path} (corrupt header)")
+
+
+# The child reports a ModelLoadError on one marked stderr line; anything else it prints
+# (warnings, a native crash) is never taken for the reason.
+_ERROR_MARK = "kvchat-gguf-error: "
+
+
+def _child_code() -> str:
+    # -c, not -m: the package already imports engine.model.gguf, and runpy warns about it
+    # on stderr. The path goes first so the child runs this very code, whatever its cwd.
+    root = str(Path(__file__).resolve().parents[2])
+    return (f"import sys; sys.path.insert(0, {root!r})\n"
+            "from engine.model.gguf import child_main\n"
+            "sys.exit(child_main(sys.argv[1:]))\n")
+
+
+def _child_failure(gguf_path: Path, proc: subprocess.CompletedProcess) -> ModelLoadError:
+    for line in reversed(proc.stderr.splitlines()):
+        if line.startswith(_ERROR_MARK):
+            return ModelLoadError(line[len(_ERROR_MARK):])
+    if proc.returncode < 0:
+        reason = f"the GGUF reader crashed with signal {-proc.returncode}"
+    else:
+        reason = f"the converter exited with status {proc.returncode}"
+    return ModelLoadError(f"not a valid GGUF file: {gguf_path} ({reason})")
 
 
 def converted_dir(gguf_path: Path, root: Path | None = None) -> Path:
@@ -196,6 +256,10 @@ def converted_dir(gguf_path: Path, root: Path | None = None) -> Path:
 
     The conversion runs in a child process: MLX's native GGUF reader can crash
     (SIGSEGV) on a corrupt file, and a bad file must never take the app down.
+
+    Raises:
+        ModelLoadError: missing or corrupt file ("not a valid GGUF file: <path> (<reason>)"),
+            an unsupported model, or the converted directory cannot be written.
     """
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
@@ -203,22 +267,30 @@ def converted_dir(gguf_path: Path, root: Path | None = None) -> Path:
     check_header(gguf_path)
     digest = file_digest(gguf_path)[:16]
     out = (root or cache_root() / "models") / f"{gguf_path.stem}-{digest}"
-    if not (out / "config.json").exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
+    if not is_private_tree(out, required="config.json"):
+        try:
+            private_dir(out.parent)
+        except OSError as e:
+            raise ModelLoadError(f"cannot create {out.parent}: {e}") from e
         proc = subprocess.run(
-            [sys.executable, "-m", "engine.model.gguf", str(gguf_path), str(out)],
+            [sys.executable, "-c", _child_code(), str(gguf_path), str(out)],
             capture_output=True, text=True,
         )
         if proc.returncode != 0:
-            lines = proc.stderr.strip().splitlines()
-            detail = lines[-1] if lines else f"the GGUF reader died (status {proc.returncode})"
-            raise ModelLoadError(f"cannot convert GGUF file {gguf_path}: {detail}")
+            raise _child_failure(gguf_path, proc)
     return out
 
 
-if __name__ == "__main__":
+def child_main(argv: list[str]) -> int:
+    """Entry point of the conversion child: ``<gguf path> <out dir>``; 0 on success."""
+    gguf_path, out_dir = Path(argv[0]), Path(argv[1])
     try:
-        convert(Path(sys.argv[1]), Path(sys.argv[2]))
+        convert(gguf_path, out_dir)
     except ModelLoadError as e:
-        print(e, file=sys.stderr)
-        sys.exit(2)
+        print(_ERROR_MARK + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+    except Exception as e:  # malformed metadata surfacing as KeyError, TypeError, ...
+        reason = " ".join(f"{type(e).__name__}: {e}".split())
+        print(f"{_ERROR_MARK}not a valid GGUF file: {gguf_path} ({reason})", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,61 @@
+"""App settings: remembered model and theme, private atomic file, bad files ignored."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from app import settings
+from app.settings import AppSettings
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def test_settings_remember_the_last_model(home):
+    assert settings.last_model() is None
+    settings.remember_model("org/tiny")
+    settings.save_settings(theme="textual-light")
+    assert settings.last_model() == "org/tiny"
+    assert settings.load_settings() == AppSettings(theme="textual-light", last_model="org/tiny")
+    assert json.loads(settings.settings_path().read_text()) == {
+        "last_model": "org/tiny", "theme": "textual-light"}
+    settings.settings_path().write_text("[broken")
+    assert settings.last_model() is None
+
+
+def test_file_is_private_whatever_the_umask(home):
+    old = os.umask(0)
+    try:
+        settings.save_settings(theme="textual-dark")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(settings.settings_path().stat().st_mode) == 0o600
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert [p.name for p in home.iterdir()] == ["settings.json"]  # no temp file left
+
+
+def test_a_file_others_can_write_is_not_trusted(home):
+    settings.remember_model("org/tiny")
+    os.chmod(settings.settings_path(), 0o666)
+    assert settings.last_model() is None
+    settings.remember_model("org/other")  # rewritten privately
+    assert stat.S_IMODE(settings.settings_path().stat().st_mode) == 0o600
+    assert settings.last_model() == "org/other"
+
+
+def test_unknown_keys_are_kept_and_bad_values_dropped(home):
+    home.mkdir(mode=0o700)
+    settings.settings_path().write_text(json.dumps({"future": [1], "theme": 3}))
+    assert settings.load_settings() == AppSettings(extra={"future": [1]})
+    settings.save_settings(theme="textual-light")
+    assert json.loads(settings.settings_path().read_text()) == {
+        "future": [1], "theme": "textual-light"}
+    with pytest.raises(TypeError):
+        settings.save_settings(colour="red")
