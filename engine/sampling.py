@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.validation import check_params
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -20,10 +22,7 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        # checked again at submit: the fields may change after construction
-        from engine.validation import check_params
-
-        check_params(self)
+        check_params(self)  # and again at submit: the fields may change after construction
 
     def make_sampler(self):
         from mlx_lm.sample_utils import make_sampler

@@ -11,7 +11,6 @@ import math
 from collections.abc import Sequence
 
 from engine.errors import RequestError
-from engine.sampling import SamplingParams
 
 MAX_TENANT_LEN = 128
 MAX_STOP_STRINGS = 16
@@ -31,8 +30,11 @@ def _finite(name: str, value, lo: float, hi: float, *, hi_open: bool = False) ->
         raise RequestError(f"{name} must be in [{lo:g}, {hi:g}{bracket}, got {value!r}")
 
 
-def check_params(p: SamplingParams) -> None:
-    """Raise `RequestError` unless every sampling parameter is in range."""
+def check_params(p) -> None:
+    """Raise `RequestError` unless every field of a `SamplingParams` is in range.
+
+    (Untyped: `engine.sampling` calls this from its constructor, and imports point one way.)
+    """
     if not _is_int(p.max_tokens) or p.max_tokens < 1:
         raise RequestError(f"max_tokens must be an integer >= 1, got {p.max_tokens!r}")
     _finite("temperature", p.temperature, 0.0, 100.0)
