@@ -1,4 +1,4 @@
-"""Local models: the embedded default and the Hugging Face hub cache; download, delete, remember.
+"""Local models: the embedded default and the Hugging Face hub cache; list, download, delete.
 
 The hub cache directory is read from the environment at call time (``HF_HUB_CACHE``,
 then ``HF_HOME``/hub), as is ``HF_HUB_OFFLINE``, so a test or the user can point
@@ -8,18 +8,14 @@ tqdm-compatible class that calls back instead of drawing on the terminal.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import KVChatError, ModelLoadError
-from engine.paths import cache_root, private_dir
 
 DEFAULT_MODEL = "default"
 _TRUE = {"1", "ON", "YES", "TRUE"}
@@ -255,44 +251,3 @@ def delete_model(repo_id: str) -> int:
     # every revision goes, so the whole repo folder goes (as `hf cache delete` does)
     shutil.rmtree(repos[0].repo_path)
     return repos[0].size_on_disk
-
-
-# -- settings ----------------------------------------------------------------------
-
-
-def settings_path() -> Path:
-    return cache_root() / "settings.json"
-
-
-def load_settings() -> dict:
-    try:
-        data = json.loads(settings_path().read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def save_settings(**changes) -> None:
-    """Merge ``changes`` into the settings file, atomically."""
-    data = load_settings() | changes
-    root = private_dir(cache_root())
-    fd, tmp = tempfile.mkstemp(dir=root, prefix=".settings-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, settings_path())
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def last_model() -> str | None:
-    name = load_settings().get("last_model")
-    return name if isinstance(name, str) and name else None
-
-
-def remember_model(name: str) -> None:
-    save_settings(last_model=name)

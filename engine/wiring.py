@@ -52,7 +52,7 @@ def check_kv_budget(budget: int, weight_bytes: int, limit: int | None = None) ->
     if budget > room:
         suggest = max(room // 2, 0)
         raise KVChatError(
-            f"a KV budget of {_gib(budget)} does not fit the {_gib(max(room, 0))} this machine "
+            f"a KV budget of {_gib(budget)} exceeds the {_gib(max(room, 0))} this machine "
             f"leaves for the KV cache next to {_gib(weight_bytes)} of weights; "
             f"try --kv-budget {max(suggest >> 20, 1)}M")
 

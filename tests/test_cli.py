@@ -55,10 +55,153 @@ def test_generate_streams_text_and_stats(tmp_path):
     (["generate", "--prompt", "   "], "prompt is empty"),
     (["generate", "--prompt", "hi", "--model", "/no/such/model"], "model not found"),
     (["generate", "--prompt", "hi", "--model", "nobody/not-a-cached-repo"], "local Hugging Face"),
-    (["generate", "--prompt-file", "/no/such/file.txt"], "cannot read prompt file"),
+    (["generate", "--prompt-file", "/no/such/file.txt"], "--prompt-file: cannot read"),
+    (["generate", "--seed", "-1"], "--seed"),
+    (["generate", "--prompt-file", "/dev/zero"], "not a regular file"),
+    (["estimate", "--tokens", "8", "--block-size", "0"], "--block-size"),
 ])
 def test_bad_input_is_one_clear_line(args, needle):
     assert_one_line_error(kvchat(*args), needle)
+
+
+TOO_LONG_TENANT = "t" * 129
+# (argv, a piece of the one error line). All fail before a model loads: run in-process.
+BAD_INPUTS = [
+    (["generate", "--seed", "-1"], "--seed"),
+    (["generate", "--seed", str(2**64)], "--seed"),
+    (["generate", "--seed", "2**70"], "--seed"),
+    (["generate", "--seed", "1.5"], "--seed"),
+    (["generate", "--temp", "nan"], "--temp"),
+    (["generate", "--temp", "inf"], "--temp"),
+    (["generate", "--temp", "-inf"], "--temp"),
+    (["generate", "--temp", "-0.1"], "--temp"),
+    (["generate", "--temp", "warm"], "--temp"),
+    (["generate", "--top-p", "2"], "--top-p"),
+    (["generate", "--top-p", "-1"], "--top-p"),
+    (["generate", "--top-p", "nan"], "--top-p"),
+    (["generate", "--top-k", "-1"], "--top-k"),
+    (["generate", "--top-k", "1.5"], "--top-k"),
+    (["generate", "--min-p", "1.5"], "--min-p"),
+    (["generate", "--max-tokens", "0"], "--max-tokens"),
+    (["generate", "--max-tokens", "-5"], "--max-tokens"),
+    (["generate", "--max-tokens", "1e3"], "--max-tokens"),
+    (["generate", "--kv-budget", "infG"], "--kv-budget"),
+    (["generate", "--kv-budget", "1e400G"], "--kv-budget"),
+    (["generate", "--kv-budget", "0"], "--kv-budget"),
+    (["generate", "--kv-budget", "-1G"], "--kv-budget"),
+    (["generate", "--kv-budget", "nan"], "--kv-budget"),
+    (["generate", "--kv-budget", "G"], "--kv-budget"),
+    (["generate", "--kv-budget", "2000T"], "--kv-budget"),
+    (["generate", "--kv-budget", "1000T"], "exceeds"),  # a valid size, beyond memory
+    (["generate", "--block-size", "0"], "--block-size"),
+    (["generate", "--block-size", "1025"], "--block-size"),
+    (["generate", "--block-size", "-16"], "--block-size"),
+    (["generate", "--permission-version", "-1"], "--permission-version"),
+    (["generate", "--permission-version", "v2"], "--permission-version"),
+    (["generate", "--tenant", ""], "--tenant"),
+    (["generate", "--tenant", TOO_LONG_TENANT], "--tenant"),
+    (["generate", "--tenant", "a\nb"], "--tenant"),
+    (["generate", "--stop", ""], "--stop"),
+    (["generate", "--weights", "int3"], "--weights"),
+    (["generate", "--prompt-file", "/dev/zero"], "not a regular file"),
+    (["generate", "--prompt-file", "/dev/null"], "not a regular file"),
+    (["generate", "--prompt-file", "{dir}"], "not a regular file"),
+    (["generate", "--prompt-file", "{fifo}"], "not a regular file"),
+    (["generate", "--prompt-file", "{missing}"], "cannot read"),
+    (["generate", "--prompt", "a", "--prompt-file", "{file}"], "not allowed with"),
+    (["generate", "--prompt", "   "], "the prompt is empty"),
+    (["generate", "--prompt", "hi", "--model", "/no/such/model"], "model not found"),
+    (["generate", "--no-such-flag"], "unrecognized arguments"),
+    (["estimate", "--tokens", "0"], "--tokens"),
+    (["estimate", "--tokens", "-1"], "--tokens"),
+    (["estimate", "--tokens", str(2**41)], "--tokens"),
+    (["estimate", "--tokens", "8", "--batch", "0"], "--batch"),
+    (["estimate", "--tokens", "8", "--block-size", "0"], "--block-size"),
+    (["estimate", "--tokens", "8", "--kv-bits", "3"], "--kv-bits"),
+    (["estimate", "--tokens", "8", "--kv-budget", "infG"], "--kv-budget"),
+    (["estimate"], "--tokens"),
+    (["estimate", "--tokens", "8", "--model", "/no/such/model"], "model not found"),
+    (["bench", "--lengths", "0"], "--lengths"),
+    (["bench", "--lengths", "a,b"], "--lengths"),
+    (["bench", "--gen-tokens", "1"], "--gen-tokens"),
+    (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--mlx-lm-max-prompt", "0"], "--mlx-lm-max-prompt"),
+    (["bench", "load", "--requests", "0"], "--requests"),
+    (["bench", "load", "--cancel-rate", "1.5"], "--cancel-rate"),
+    (["bench", "load", "--concurrency", "0"], "--concurrency"),
+    (["bench", "load", "--oversized", "-1"], "--oversized"),
+    (["bench", "load", "--capacity-budget", "infG"], "--capacity-budget"),
+    (["bench", "prefix", "--prefix-tokens", "0"], "--prefix-tokens"),
+    (["bench", "prefix", "--gen-tokens", "-3"], "--gen-tokens"),
+    (["bench", "decode", "--batch", "1"], "--batch"),
+    (["bench", "kernel", "--iters", "0"], "--iters"),
+    (["chat", "--temp", "nan"], "--temp"),
+    (["chat", "--max-tokens", "0"], "--max-tokens"),
+    (["--temp", "inf"], "--temp"),  # the default command is chat
+    (["cache", "purge"], "purge needs"),
+    (["frobnicate"], "invalid choice"),
+]
+
+
+@pytest.fixture
+def paths(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "prompt.txt").write_text("hello")
+    return {"dir": str(tmp_path), "fifo": str(fifo), "file": str(tmp_path / "prompt.txt"),
+            "missing": str(tmp_path / "missing.txt")}
+
+
+@pytest.mark.parametrize("argv,needle", BAD_INPUTS,
+                         ids=[" ".join(a)[:60] for a, _ in BAD_INPUTS])
+def test_bad_values_give_one_line_and_exit_2(argv, needle, paths, capsys):
+    from app.cli import main
+
+    argv = [a.format(**paths) if a.startswith("{") else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvchat: error: "), err
+    assert needle in lines[0] and "Traceback" not in err
+
+
+def test_bad_input_count():
+    assert len(BAD_INPUTS) >= 40
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("512M", 512 << 20), ("2G", 2 << 30), ("1.5GiB", 3 << 29), ("1048576", 1 << 20),
+    ("64kb", 64 << 10), ("1T", 1 << 40),
+])
+def test_sizes(text, expected):
+    from app.arg_types import size
+
+    assert size(text) == expected
+
+
+def test_good_values_parse():
+    from app.cli import make_parser
+
+    args = make_parser().parse_args([
+        "generate", "--seed", str(2**64 - 1), "--temp", "0.7", "--top-p", "1", "--top-k", "0",
+        "--tenant", "t" * 128, "--permission-version", "3", "--kv-budget", "256M",
+        "--block-size", "1024", "--stop", "END"])
+    assert (args.seed, args.temp, args.top_p, args.tenant) == (2**64 - 1, 0.7, 1.0, "t" * 128)
+    assert (args.kv_budget, args.block_size, args.stop) == (256 << 20, 1024, ["END"])
+
+
+def test_prompt_file_is_bounded_by_the_context(tmp_path):
+    from app.arg_types import read_text_file
+
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"a" * 1001)
+    with pytest.raises(ValueError, match="larger than 1,000 bytes"):
+        read_text_file(str(big), 1000)
+    assert read_text_file(str(big), 1001) == "a" * 1001
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff\xfe")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        read_text_file(str(bad), 1000)
 
 
 def test_corrupt_model_directory(tmp_path):

@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine import SamplingParams
-from engine.errors import RequestError
 from engine.decoder import StopMatcher
+from engine.errors import RequestError
 
 
 @given(text=st.text(max_size=60), stop=st.text(min_size=1, max_size=5),

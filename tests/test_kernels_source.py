@@ -8,7 +8,7 @@ import subprocess
 
 import mlx.core as mx
 import pytest
-from kernel_harness import emulator, msl_lint, paged
+from kernel_harness import emulator, metal_source, msl_lint, paged
 from kernel_harness.cases import Case, make_inputs
 
 from engine.model import kernels
@@ -52,7 +52,7 @@ def _golden_inputs(batch: int = 2, dtype=mx.float16, kv_dtype=None, head_dim: in
 
 
 def test_golden_metal_signature():
-    text = kernels.generated_metal_source(**_golden_inputs())
+    text = metal_source.generated_metal_source(**_golden_inputs())
     assert GOLDEN_SIGNATURE in text
     # Header first, then the signature, the body verbatim, and the instantiation.
     assert text.index(kernel_header("metal").strip()) < text.index(GOLDEN_SIGNATURE)
@@ -66,7 +66,7 @@ def test_golden_metal_signature():
 def test_generated_signature_tracks_sizes_and_dtypes():
     # 8+ sequences: lengths move from constant to device memory.
     src = emulator.parse_metal(
-        kernels.generated_metal_source(
+        metal_source.generated_metal_source(
             **_golden_inputs(batch=9, dtype=mx.bfloat16, kv_dtype=mx.float32, head_dim=128)
         ),
         kernels.INPUT_NAMES,

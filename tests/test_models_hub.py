@@ -1,4 +1,4 @@
-"""The local model list, delete, download errors and progress, and the settings file.
+"""The local model list, delete, download errors and progress (settings: test_settings.py).
 
 No network: the hub cache is a temp dir laid out as huggingface_hub lays it out, and
 downloads run with HF_HUB_OFFLINE=1 or fail validation before any request.
@@ -7,7 +7,6 @@ downloads run with HF_HUB_OFFLINE=1 or fail validation before any request.
 from __future__ import annotations
 
 import hashlib
-import json
 
 import pytest
 
@@ -121,15 +120,3 @@ def test_progress_class_reports_bytes_and_files():
         disk.update(200)
     assert seen[-1].done_bytes == 300
     assert list(cls(iterable=[1, 2], total=2)) == [1, 2]
-
-
-def test_settings_remember_the_last_model(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    assert models_hub.last_model() is None
-    models_hub.remember_model("org/tiny")
-    models_hub.save_settings(theme="textual-light")
-    assert models_hub.last_model() == "org/tiny"
-    assert json.loads(models_hub.settings_path().read_text()) == {
-        "last_model": "org/tiny", "theme": "textual-light"}
-    models_hub.settings_path().write_text("[broken")
-    assert models_hub.last_model() is None

@@ -46,7 +46,25 @@ def make_app(store, engine=None, **kwargs) -> ChatApp:
 
     app = ChatApp(engine_factory=factory, store=store, remember=False, **kwargs)
     app.engines = engines
+    app.notices = record_notices(app)
     return app
+
+
+def record_notices(app) -> list[str]:
+    """Every notification's text, as it passes through the public `App.notify`.
+
+    Screens and widgets notify through ``self.app.notify`` too, so wrapping it on the
+    instance sees them all without reading Textual's private notification store.
+    """
+    seen: list[str] = []
+    notify = app.notify
+
+    def recording(message: str, **kwargs) -> None:
+        seen.append(message)
+        notify(message, **kwargs)
+
+    app.notify = recording
+    return seen
 
 
 def boxes(app) -> list[MessageBox]:
@@ -132,7 +150,7 @@ async def test_empty_and_too_long_prompts_keep_the_chat(store):
         await pilot.press("space", "enter")
         await pilot.pause()
         assert not boxes(app) and not app.chat.generating
-        assert any("empty" in n.message for n in app._notifications)
+        assert any("empty" in n for n in app.notices)
         await ask(pilot, app, "hello")
         await ask(pilot, app, "word " * 5000)
         await pilot.pause()
@@ -228,6 +246,7 @@ async def test_model_that_fails_to_load_keeps_the_chat(store, tmp_path):
         return default_engine_factory(spec)
 
     app = ChatApp(engine_factory=factory, store=store, remember=False)
+    notices = record_notices(app)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine is not None)
         first = app.engine
@@ -235,12 +254,12 @@ async def test_model_that_fails_to_load_keeps_the_chat(store, tmp_path):
         app.load_model(str(bad))
         await wait_for(pilot, lambda: not app.model_loading)
         assert app.engine is first and not first.stopped
-        assert any("not supported" in n.message for n in app._notifications)
+        assert any("not supported" in n for n in notices)
         assert len(boxes(app)) == 2
 
 
 async def test_last_model_failing_falls_back_to_default(store, monkeypatch):
-    monkeypatch.setattr("app.models_hub.last_model", lambda: "org/gone")
+    monkeypatch.setattr("app.settings.last_model", lambda: "org/gone")
     specs = []
 
     def factory(spec):
@@ -252,7 +271,7 @@ async def test_last_model_failing_falls_back_to_default(store, monkeypatch):
         return FakeEngine()
 
     app = ChatApp(engine_factory=factory, store=store, remember=True)
-    monkeypatch.setattr("app.models_hub.remember_model", lambda name: None)
+    monkeypatch.setattr("app.settings.remember_model", lambda name: None)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine is not None)
         assert specs == ["org/gone", None]
@@ -299,3 +318,13 @@ async def test_models_screen_download_offline_and_delete(store, tmp_path, monkey
         await wait_for(pilot, lambda: app.engine is not old)
         await wait_for(pilot, lambda: old.stopped)
         assert app.model_name == "default"
+
+
+def test_chat_app_provides_what_the_chat_screen_needs(store):
+    """The screen types its app as `ChatHost`; the app must have every member."""
+    from app.tui.screens.chat import ChatHost
+
+    app = make_app(store)
+    for name in ChatHost.__annotations__:
+        assert hasattr(app, name), name
+    assert app.sampling().max_tokens == app.max_tokens

@@ -7,12 +7,14 @@ and snapshots are fast and deterministic. The real engine is used in test_tui.py
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
+from app.engine_like import EngineLike, HandleLike
 from app.tui.generation import (
     PrefillProgress,
     TextReceived,
@@ -23,7 +25,7 @@ from app.tui.generation import (
     stats_line,
     stream_turn,
 )
-from engine import SamplingParams
+from engine import Engine, Priority, SamplingParams
 from engine.errors import RequestError, RequestTooLargeError
 from engine.generation import GenerationEvent
 from engine.metrics import EngineMetrics, Percentiles
@@ -50,15 +52,22 @@ def fixed_stats(prompt_tokens: int, generated: int, released: int = 4):
 class FakeHandle:
     """What `FakeEngine.submit` returns: an iterable of events with a request id."""
 
-    def __init__(self, request_id, events):
+    def __init__(self, request_id, events, engine):
         self.request_id, self.notice, self._events = request_id, None, events
+        self._engine = engine
 
     def __iter__(self):
         return iter(self._events)
 
+    def cancel(self):
+        return self._engine.cancel(self.request_id)
+
 
 class FakeEngine:
-    """Streams ``reply`` word by word (``delay`` s apart); cancel ends it at the next event."""
+    """Streams ``reply`` word by word (``delay`` s apart); cancel ends it at the next event.
+
+    Implements `app.engine_like.EngineLike` (checked below against the real `Engine`).
+    """
 
     def __init__(self, reply: str = "The capital of France is **Paris**.", *, delay: float = 0.0,
                  max_prompt_tokens: int = 4096, prefill_events: int = 0):
@@ -66,6 +75,7 @@ class FakeEngine:
         self.max_prompt_tokens = max_prompt_tokens
         self.prefill_events = prefill_events
         self.loaded = SimpleNamespace(weight_format="fake", name="fake")
+        self.max_context = max_prompt_tokens
         self.started = self.stopped = False
         self.cancelled: set[int] = set()
         self.submitted: list[list[int]] = []
@@ -86,14 +96,22 @@ class FakeEngine:
     def shutdown(self):
         self.stopped = True
 
-    def submit(self, ids, params=None, *, priority=None, timeout_s=None):
-        if len(ids) > self.max_prompt_tokens:
-            raise RequestTooLargeError(
-                f"the prompt has {len(ids)} tokens; the context holds {self.max_prompt_tokens}")
+    def check_request(self, prompt_ids, params):
+        if len(prompt_ids) > self.max_prompt_tokens:
+            raise RequestTooLargeError(f"the prompt has {len(prompt_ids)} tokens; "
+                                       f"the context holds {self.max_prompt_tokens}")
+        return params.max_tokens, None
+
+    def submit(self, prompt_ids, params=None, *, priority=Priority.INTERACTIVE, timeout_s=None,
+               tenant="local", permission_version=0):
+        self.check_request(prompt_ids, params or SamplingParams())
         with self._lock:
             rid, self._next_id = self._next_id, self._next_id + 1
-        self.submitted.append(ids)
-        return FakeHandle(rid, self._events(rid, len(ids), params))
+        self.submitted.append(prompt_ids)
+        return FakeHandle(rid, self._events(rid, len(prompt_ids), params), self)
+
+    def generate(self, prompt_ids, params=None, **kwargs):
+        yield from self.submit(prompt_ids, params, **kwargs)
 
     def _events(self, rid, n, params):
         for i in range(self.prefill_events):
@@ -112,8 +130,8 @@ class FakeEngine:
         yield GenerationEvent(rid, None, "", finish_reason=reason,
                               stats=fixed_stats(n, min(limit, len(words))))
 
-    def cancel(self, rid):
-        self.cancelled.add(rid)
+    def cancel(self, request_id):
+        self.cancelled.add(request_id)
         return True
 
     def metrics(self):
@@ -187,3 +205,26 @@ def test_stats_line(reason, expected):
 
 def test_stats_line_error():
     assert stats_line("error", None, "boom") == "error: boom"
+
+
+def _members(protocol) -> dict[str, inspect.Signature | None]:
+    """The protocol's methods (with signatures) and attributes (None)."""
+    names = {n for n in vars(protocol) if not n.startswith("_")} | set(
+        getattr(protocol, "__annotations__", {}))
+    return {n: inspect.signature(getattr(protocol, n)) if callable(getattr(protocol, n, None))
+            else None for n in names}
+
+
+@pytest.mark.parametrize("impl", [FakeEngine, Engine], ids=["fake", "engine"])
+def test_engines_implement_engine_like(impl):
+    """Every EngineLike method exists on both, taking at least the protocol's parameters."""
+    for name, sig in _members(EngineLike).items():
+        if sig is None:  # an attribute: set in __init__ (checked on the fake instance below)
+            continue
+        have = inspect.signature(getattr(impl, name)).parameters
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in have.values())
+        missing = [p for p in sig.parameters if p not in have and not takes_kwargs]
+        assert not missing, f"{impl.__name__}.{name} lacks {missing}"
+    fake = FakeEngine()
+    assert isinstance(fake, EngineLike)
+    assert isinstance(fake.submit([1, 2], SamplingParams(max_tokens=1)), HandleLike)

@@ -17,27 +17,31 @@ from textual.binding import Binding
 from textual.reactive import reactive
 from textual.worker import get_current_worker
 
-from app import models_hub
+from app import models_hub, settings
 from app.conversations import ConversationError, ConversationStore
+from app.engine_args import load_engine
+from app.engine_like import EngineLike
 from app.tui.commands import KVChatCommands
 from app.tui.screens.chat import ChatScreen
 from app.tui.screens.conversations import NEW, ConversationDeleted, ConversationsScreen
 from app.tui.screens.dialogs import SystemPromptScreen
 from app.tui.screens.models import ModelsScreen
 from app.tui.widgets.cache_panel import CachePanel
-from engine import SamplingParams
+from engine import EngineConfig, SamplingParams
 from engine.errors import KVChatError
 
-EngineFactory = Callable[[str | None], object]  # model spec -> an engine, not started
+EngineFactory = Callable[[str | None], EngineLike]  # model spec -> an engine, not started
 
 
-def default_engine_factory(spec: str | None, *, weights: str = "auto", **config):
-    """Load ``spec`` (a hub repo id in our cache resolves to its snapshot) into an Engine."""
-    from engine import Engine, EngineConfig, load_model
+def default_engine_factory(spec: str | None, *, weights: str = "auto",
+                           config: EngineConfig | None = None) -> EngineLike:
+    """Load ``spec`` (a hub repo id in our cache resolves to its snapshot) into an Engine.
 
-    loaded = load_model(models_hub.resolve_spec(spec), weights=weights)
-    loaded.name = spec or models_hub.DEFAULT_MODEL
-    return Engine(loaded, EngineConfig(**config))
+    ``config`` comes from the command line (`app.engine_args.config_from_args`).
+    """
+    engine = load_engine(models_hub.resolve_spec(spec), weights=weights, config=config)
+    engine.loaded.name = spec or models_hub.DEFAULT_MODEL
+    return engine
 
 
 class ChatApp(App):
@@ -72,7 +76,7 @@ class ChatApp(App):
         self.remember = remember
         self.requested_model = model
         self.conversation_id = conversation_id
-        self.engine = None
+        self.engine: EngineLike | None = None
         self.model_name: str | None = None
 
     @property
@@ -83,9 +87,9 @@ class ChatApp(App):
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature)
 
     def on_mount(self) -> None:
-        settings = models_hub.load_settings() if self.remember else {}
-        if settings.get("theme") in self.available_themes:
-            self.theme = settings["theme"]
+        saved = settings.load_settings() if self.remember else settings.AppSettings()
+        if saved.theme in self.available_themes:
+            self.theme = saved.theme
         conversation = self.store.new()
         if self.conversation_id:
             try:
@@ -94,7 +98,7 @@ class ChatApp(App):
                 self.notify(str(e), severity="error")
         self.install_screen(ChatScreen(conversation), "chat")
         self.push_screen("chat")
-        spec = self.requested_model or (models_hub.last_model() if self.remember else None)
+        spec = self.requested_model or (settings.last_model() if self.remember else None)
         self.load_model(spec, fallback=self.requested_model is None and spec is not None)
 
     # -- models --------------------------------------------------------------------
@@ -122,14 +126,14 @@ class ChatApp(App):
         if old is not None and old is not engine:
             old.shutdown()  # cancels its requests and releases its whole pool
 
-    def _install_engine(self, engine, spec: str | None):
+    def _install_engine(self, engine: EngineLike, spec: str | None) -> EngineLike | None:
         old, self.engine = self.engine, engine
         self.model_name = spec or models_hub.DEFAULT_MODEL
         self.model_loading = False
         self.model_status = self._describe_model()
         if self.remember:
             with contextlib.suppress(OSError):
-                models_hub.remember_model(self.model_name)
+                settings.remember_model(self.model_name)
         if old is not None:
             self.notify(f"Switched to {self.model_name}.", timeout=3)
         return old
@@ -181,7 +185,7 @@ class ChatApp(App):
     def action_toggle_theme(self) -> None:
         self.theme = "textual-light" if self.current_theme.dark else "textual-dark"
         if self.remember:
-            models_hub.save_settings(theme=self.theme)
+            settings.save_settings(theme=self.theme)
 
     def action_cancel_generation(self) -> None:
         self.chat.action_cancel_generation()

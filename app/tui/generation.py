@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from textual.message import Message
 
+from app.engine_like import EngineLike, HandleLike
 from engine import SamplingParams
 from engine.errors import KVChatError, RequestError
 from engine.request import Priority
@@ -26,7 +27,7 @@ class Turn:
     """A running turn: what was asked, and the request id once the engine took it."""
 
     prompt: str
-    engine: object  # the engine the turn runs on (a model switch installs another)
+    engine: EngineLike  # the engine the turn runs on (a model switch installs another)
     system: str = ""
     history: list[dict] = field(default_factory=list)
     request_id: int | None = None
@@ -77,7 +78,7 @@ class TurnRejected(Message):
     error: str
 
 
-def submit_fitting(engine, turn: Turn, params: SamplingParams):
+def submit_fitting(engine: EngineLike, turn: Turn, params: SamplingParams) -> HandleLike:
     """Submit the turn; if it is too long with its history, drop the oldest turns and retry."""
     history = list(turn.history)
     while True:

@@ -8,15 +8,12 @@ Prefill (L > 1) stays on the reference path.
 from __future__ import annotations
 
 import functools
-import os
-import re
-import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
 
+from engine.model import memory
 from metal_kernels import kernel_header, read_source
 
 # Tiling: NUM_SIMDGROUPS simdgroups of SIMD_WIDTH lanes per (query head, sequence).
@@ -33,11 +30,8 @@ KernelFn = Callable[..., list[mx.array]]
 
 def kernel_available() -> str | None:
     """Return "metal" or "cuda" when this MLX build can run custom kernels, else None."""
-    if mx.metal.is_available():
-        return "metal"
-    if mx.cuda.is_available():
-        return "cuda"
-    return None
+    backend = memory.backend()  # the one backend probe
+    return backend if backend in ("metal", "cuda") else None
 
 
 def supports(queries: mx.array, k_pool: mx.array) -> bool:
@@ -176,55 +170,3 @@ def paged_decode_attention(
     inputs = kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
     return _launch(_paged_decode_kernel(backend), inputs)
 
-
-_FENCE = re.compile(r"Generated source code for `([^`]+)`:\n```\n(.*?)\n```", re.S)
-
-
-def generated_metal_source(
-    queries: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
-    block_tables: mx.array,
-    context_lens: Sequence[int] | mx.array,
-    scale: float,
-    *,
-    body: str | None = None,
-    name: str = KERNEL_NAME,
-    num_simdgroups: int = NUM_SIMDGROUPS,
-) -> str:
-    """The exact Metal source MLX would compile for these inputs, without Metal.
-
-    Traces the call with `mx.export_function` (which records custom kernels on a
-    placeholder GPU stream) and captures the `verbose=True` print at the fd
-    level, since MLX writes it from C++.
-    """
-    kernel = make_paged_decode_kernel("metal", body=body, name=name)
-    inputs = kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
-
-    def fn(*args: mx.array) -> mx.array:
-        return _launch(kernel, list(args), num_simdgroups=num_simdgroups, verbose=True)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        text = _capture_stdout_fd(
-            lambda: mx.export_function(os.path.join(tmp, "trace.mlxfn"), fn, *inputs)
-        )
-    found = _FENCE.findall(text)
-    if len(found) != 1:
-        raise RuntimeError(f"expected one generated kernel in the trace, got {len(found)}")
-    return found[0][1] + "\n"
-
-
-def _capture_stdout_fd(action: Callable[[], object]) -> str:
-    """Run `action` with file descriptor 1 redirected to a temp file; return what it wrote."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    with tempfile.TemporaryFile(mode="w+b") as sink:
-        try:
-            os.dup2(sink.fileno(), 1)
-            action()
-        finally:
-            sys.stdout.flush()
-            os.dup2(saved, 1)
-            os.close(saved)
-        sink.seek(0)
-        return sink.read().decode("utf-8", errors="replace")

@@ -1,4 +1,4 @@
-"""Shape configurations and inputs shared by the kernel tests and the benchmark."""
+"""Shape configurations and inputs shared by the kernel tests."""
 
 from __future__ import annotations
 

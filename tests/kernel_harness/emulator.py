@@ -1,6 +1,6 @@
 """Run the exact kernel source MLX generates on the CPU, as C++ with a shim.
 
-Metal: the source comes from `engine.model.kernels.generated_metal_source` (export
+Metal: the source comes from `metal_source.generated_metal_source` (export
 tracing), is compiled with `msl_shim.h`, and runs one OS thread per lane.
 CUDA: `cuda_generated_source` rebuilds the text `mx.fast.cuda_kernel` would
 compile (mlx/backend/cuda/custom_kernel.cpp, build_kernel) and compiles it

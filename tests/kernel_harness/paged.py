@@ -13,6 +13,7 @@ from metal_kernels import kernel_header, read_source
 
 from . import emulator
 from .cases import Case
+from .metal_source import generated_metal_source
 
 BODY = read_source("paged_attention.metal")
 
@@ -26,7 +27,7 @@ def mutate(old: str, new: str, body: str = BODY) -> str:
 def metal_source(
     case: Case, inputs: dict, *, body: str | None = None, name: str = kernels.KERNEL_NAME
 ) -> emulator.KernelSource:
-    text = kernels.generated_metal_source(
+    text = generated_metal_source(
         **inputs, body=body, name=name, num_simdgroups=case.num_simdgroups
     )
     return emulator.parse_metal(text, kernels.INPUT_NAMES, kernels.OUTPUT_NAMES)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 from textual import on, work
 from textual.app import ComposeResult
@@ -12,7 +12,8 @@ from textual.screen import Screen
 from textual.widgets import Footer, LoadingIndicator, ProgressBar, Static
 from textual.worker import get_current_worker
 
-from app.conversations import Conversation
+from app.conversations import Conversation, ConversationStore
+from app.engine_like import EngineLike
 from app.tui.generation import (
     PrefillProgress,
     TextReceived,
@@ -26,12 +27,25 @@ from app.tui.generation import (
 from app.tui.widgets.cache_panel import CachePanel
 from app.tui.widgets.prompt_input import PromptInput
 from app.tui.widgets.transcript import MessageBox, Transcript
-
-if TYPE_CHECKING:
-    from app.tui.app import ChatApp
+from engine import SamplingParams
 
 HINT = ("Type a message and press Enter. Ctrl+J adds a newline, Esc cancels an answer, "
         "F2 shows the KV cache, Ctrl+P lists every command.")
+
+
+class ChatHost(Protocol):
+    """What the chat screen needs from its app (`ChatApp` provides it).
+
+    The screen also watches the app's ``model_status`` and ``model_loading`` reactives.
+    Typing against this, not the app class, keeps the screen free of an import of it.
+    """
+
+    engine: EngineLike | None
+    store: ConversationStore
+    model_name: str | None
+    model_status: str
+
+    def sampling(self) -> SamplingParams: ...
 
 
 class ChatScreen(Screen):
@@ -46,8 +60,8 @@ class ChatScreen(Screen):
         self.answer: MessageBox | None = None
 
     @property
-    def chat_app(self) -> ChatApp:
-        return cast("ChatApp", self.app)
+    def chat_app(self) -> ChatHost:
+        return cast(ChatHost, self.app)
 
     @property
     def generating(self) -> bool:

@@ -15,6 +15,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from app import arg_types
+
 
 def document(tokenizer, min_tokens: int) -> str:
     """Real text (the stdlib's textwrap source), cut to about ``min_tokens`` tokens."""
@@ -34,13 +36,24 @@ def add_parser(sub) -> None:
 
 
 def add_arguments(p) -> None:
+    """The flags of ``bench prefix``."""
     p.add_argument("--model", default=None)
-    p.add_argument("--prefix-tokens", type=int, default=2048, help="shared document length")
-    p.add_argument("--gen-tokens", type=int, default=8)
+    p.add_argument("--prefix-tokens", type=arg_types.positive_int, default=2048,
+                   help="shared document length in tokens (2048)")
+    p.add_argument("--gen-tokens", type=arg_types.positive_int, default=8,
+                   help="tokens decoded per run (8)")
     p.add_argument("--json", default=None, help="write the results here")
 
 
 def run(args) -> int:
+    """Measure cold, warm-RAM and warm-disk TTFT in a private temp store, removed after."""
+    with tempfile.TemporaryDirectory(prefix="kvchat-bench-prefix-") as cache_dir:
+        return measure(args, cache_dir)
+
+
+def measure(args, cache_dir: str) -> int:
+    """The three runs; print the summary line and write the JSON; 1 if tokens differ."""
+    from app.cache_cli import generate_in_fresh_process
     from engine import Engine, EngineConfig, SamplingParams, load_model
 
     loaded = load_model(args.model)
@@ -48,7 +61,6 @@ def run(args) -> int:
     first = f"{doc}\n\nQuestion: what is this module for?"
     second = f"{doc}\n\nQuestion: which functions does it export?"
     params = SamplingParams(max_tokens=args.gen_tokens, ignore_eos=True)
-    cache_dir = tempfile.mkdtemp(prefix="kvchat-bench-prefix-")
 
     cold_engine = Engine(loaded, EngineConfig(prefix_cache=False))
     ids = cold_engine.encode_prompt(second)
@@ -63,8 +75,6 @@ def run(args) -> int:
     ram_tokens, ram = r.tokens, r.stats
     engine.shutdown()  # drains the disk writer
     print(f"warm (RAM): {ram.cached_tokens} cached, TTFT {ram.ttft_s:.3f}s", file=sys.stderr)
-
-    from app.cache_cli import generate_in_fresh_process
 
     disk = generate_in_fresh_process(second, args.model, args.gen_tokens, cache_dir)
     print(f"warm (disk, new process): {disk['cached_tokens']} cached, "

@@ -18,8 +18,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from app.bench import _machine, _positive, parse_lengths, prompt_ids
-from app.bench_worker import _log
+from app import arg_types
+from app.bench.common import log, machine_info, prompt_ids
+from app.bench.load_report import print_report, write_plot
+from app.engine_args import add_engine_args, check_kv_budget, config_from_args
 
 DEFAULT_PLOT = "bench-results/load.png"
 OUTCOMES = ("completed", "cancelled", "rejected", "failed")
@@ -29,23 +31,24 @@ QUICK = dict(requests=8, long_prompt=[200, 400], long_output=[32, 48])  # --quic
 
 def add_parser(sub) -> None:
     """Register ``load`` on the subparsers of the ``bench`` command."""
-    from app.cli import add_engine_args, parse_size
     p = sub.add_parser("load", help="throughput and latency under concurrent load",
                        description=__doc__.splitlines()[0])
-    add_engine_args(p)
-    a = p.add_argument
-    a("--concurrency", type=parse_lengths, default=[1, 2, 4, 8], help="levels (1,2,4,8)")
-    a("--requests", type=_positive, help="requests per level (24; --quick 8)")
-    a("--short-prompt", type=parse_lengths, default=[30, 80], help="tokens LO,HI (30,80)")
-    a("--long-prompt", type=parse_lengths, help="tokens LO,HI (400,1000; --quick 200,400)")
-    a("--long-prompt-rate", type=float, default=0.25, help="share of long prompts (0.25)")
-    a("--short-output", type=parse_lengths, default=[16], help="tokens LO,HI (16)")
-    a("--long-output", type=parse_lengths, help="tokens LO,HI (64,128; --quick 32,48)")
-    a("--long-output-rate", type=float, default=0.4, help="share of long outputs (0.4)")
-    a("--cancel-rate", type=float, default=0.1, help="share cancelled after 0..max tokens (0.1)")
-    a("--seed", type=int, default=0, help="workload RNG seed (0)")
-    a("--capacity-budget", type=parse_size, help="capacity run's KV pool (60%% of top C's peak)")
-    a("--oversized", type=int, default=2, help="capacity-run requests that never fit (2)")
+    add_engine_args(p, disk=False)  # RAM prefix cache only: disk I/O is not what is measured
+    a, lengths, share = p.add_argument, arg_types.lengths, arg_types.unit_interval
+    a("--concurrency", type=lengths, default=[1, 2, 4, 8], help="levels (1,2,4,8)")
+    a("--requests", type=arg_types.positive_int, help="requests per level (24; --quick 8)")
+    a("--short-prompt", type=lengths, default=[30, 80], help="tokens LO,HI (30,80)")
+    a("--long-prompt", type=lengths, help="tokens LO,HI (400,1000; --quick 200,400)")
+    a("--long-prompt-rate", type=share, default=0.25, help="share of long prompts (0.25)")
+    a("--short-output", type=lengths, default=[16], help="tokens LO,HI (16)")
+    a("--long-output", type=lengths, help="tokens LO,HI (64,128; --quick 32,48)")
+    a("--long-output-rate", type=share, default=0.4, help="share of long outputs (0.4)")
+    a("--cancel-rate", type=share, default=0.1, help="share cancelled after 0..max tokens (0.1)")
+    a("--seed", type=arg_types.non_negative_int, default=0, help="workload RNG seed (0)")
+    a("--capacity-budget", type=arg_types.size,
+      help="capacity run's KV pool (60%% of top C's peak)")
+    a("--oversized", type=arg_types.non_negative_int, default=2,
+      help="capacity-run requests that never fit (2)")
     a("--no-capacity", action="store_true", help="skip the capacity run")
     a("--quick", action="store_true", help="fewer, shorter requests (about a minute)")
     a("--json", metavar="FILE", default=None, help="write everything to FILE")
@@ -156,23 +159,25 @@ def run_level(loaded, config, plan: list[dict], concurrency: int, capacity=False
 def run(args) -> int:
     """Run the sweep and the capacity run; print the tables, write the plot and the JSON."""
     from engine import Engine, EngineConfig, SamplingParams, load_model
+
     for k, v in (QUICK if args.quick else DEFAULTS).items():
         setattr(args, k, getattr(args, k) or v)
+    base = config_from_args(args)
+    check_kv_budget(base.kv_budget_bytes)
     loaded = load_model(args.model, weights=args.weights)
-    cfg = dict(block_size=args.block_size, kv_budget_bytes=args.kv_budget)
     rng = random.Random(args.seed)
     need = max(4096, 3 * max(args.long_prompt), max(args.short_prompt))
     text = prompt_ids(loaded.tokenizer, [need])[need]
     plan = plan_workload(text, args, rng)
-    warm = Engine(loaded, EngineConfig(**dict(cfg, kv_budget_bytes=16 << 20)))
+    warm = Engine(loaded, config_from_args(args, kv_budget_bytes=16 << 20))
     for h in [warm.submit(text[:32], SamplingParams(max_tokens=4)) for _ in range(2)]:
         list(h)  # two at once, so the batched decode path is warm too
     levels, results, capacity = sorted(args.concurrency), [], None
     for c in levels:
-        config = EngineConfig(**cfg, max_running=max(c, EngineConfig().max_running))
+        config = config_from_args(args, max_running=max(c, EngineConfig().max_running))
         results.append(r := run_level(loaded, config, plan, c))
         gc.collect()  # drop this level's pool before the next one is allocated
-        _log("load", f"concurrency {c}: {len(plan)} requests in {r['wall_s']:.1f} s")
+        log("load", f"concurrency {c}: {len(plan)} requests in {r['wall_s']:.1f} s")
     if not args.no_capacity:
         bpb, peak = r["engine_metrics"]["bytes_per_block"], r["cache"]["peak_blocks"]  # top C
         longest = -(-max(len(j["prompt"]) + j["max_tokens"] for j in plan) // args.block_size)
@@ -182,20 +187,20 @@ def run(args) -> int:
         for _ in range(args.oversized):  # prompt + max tokens beyond the pool: never fits
             cap_plan.insert(rng.randrange(len(cap_plan) + 1), dict(
                 prompt=text[:32], max_tokens=budget // bpb * args.block_size, cancel_after=None))
-        _log("load", f"capacity: concurrency {levels[-1]}, KV pool {budget / 2**20:.1f} MiB")
-        config = EngineConfig(**dict(cfg, kv_budget_bytes=budget), overflow="reject",
-                              max_running=max(levels[-1], EngineConfig().max_running))
+        log("load", f"capacity: concurrency {levels[-1]}, KV pool {budget / 2**20:.1f} MiB")
+        config = config_from_args(args, kv_budget_bytes=budget, overflow="reject",
+                                  max_running=max(levels[-1], EngineConfig().max_running))
         capacity = run_level(loaded, config, cap_plan, levels[-1], capacity=True)
     for r in results + [capacity] * bool(capacity):
         r["vs_base"] = {k: r[k] / results[0][k] if r[k] and results[0][k] else None
                         for k in ("gen_tps", "decode_step_tps", "requests_per_s")}
     plot = Path(args.plot or (Path(args.json).with_suffix(".png") if args.json else DEFAULT_PLOT))
     report = {
-        "machine": _machine(),
+        "machine": machine_info(),
         "model": {"name": loaded.name, "path": str(loaded.path), "model_type": loaded.model_type,
                   "fingerprint": loaded.fingerprint, "weight_format": loaded.weight_format},
         "settings": {k: v for k, v in vars(args).items() if k != "func"} | {
-            "engine": asdict(EngineConfig(**cfg)), "base_concurrency": levels[0],
+            "engine": asdict(base), "base_concurrency": levels[0],
             "prompts": "raw stdlib source token slices; greedy, EOS ignored"},
         "levels": results, "capacity": capacity, "plot": str(plot),
         "check": {"top_concurrency": levels[-1], "target_ratio": 4.0,
@@ -207,84 +212,5 @@ def run(args) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    _log("load", f"wrote {plot}" + (f" and {args.json}" if args.json else ""))
+    log("load", f"wrote {plot}" + (f" and {args.json}" if args.json else ""))
     return 0
-
-
-SPEED_COLUMNS = [
-    ("conc", "{conc}"), ("done/canc/rej/fail", "{completed}/{cancelled}/{rejected}/{failed}"),
-    ("wall s", "{wall_s:.1f}"), ("gen tok/s", "{gen_tps:.1f}{gen_tps_x}"),
-    ("decode-step tok/s", "{decode_step_tps:.1f}{decode_step_tps_x}"),
-    ("mean decode batch", "{decode_batch_mean:.1f}"),
-    ("req/s", "{requests_per_s:.2f}"),
-    ("TTFT p50/95/99 s", "{ttft_s_p50:.2f}/{ttft_s_p95:.2f}/{ttft_s_p99:.2f}"),
-    ("ITL p50/95/99 ms", "{itl_ms_p50:.0f}/{itl_ms_p95:.0f}/{itl_ms_p99:.0f}"),
-    ("prefill tok/s p50", "{prefill_tps_p50:.0f}"), ("decode tok/s p50", "{decode_tps_p50:.1f}"),
-]
-MEMORY_COLUMNS = [
-    ("conc", "{conc}"), ("peak/pool MiB", "{peak_mib:.1f}/{budget_mib:.0f} ({peak_pct:.0f}%)"),
-    ("peak/all blocks", "{peak_blocks}/{blocks_total}"), ("leaked", "{blocks_leaked}"),
-    ("waiting max", "{waiting_max}"), ("queue p95 s", "{queue_s_p95:.2f}"),
-    ("preempted (reqs)", "{preemptions} ({preempted_requests})"), ("rejected", "{rejections}"),
-    ("cancel release p50/95/max ms (n)", "{cancel_release_ms_p50:.0f}/{cancel_release_ms_p95:.0f}"
-     "/{cancel_release_ms_max:.0f} ({cancel_release_ms_count})"),
-]
-
-
-def _cells(r: dict) -> dict:
-    """One run flattened for the column formats above."""
-    v = {**r, **r["cache"], **r["pressure"], "decode_step_tps": r["decode_step_tps"] or 0.0,
-         "conc": f"{r['concurrency']}{'*' if r['capacity'] else ''}"}
-    for k in ("ttft_s", "itl_ms", "prefill_tps", "decode_tps", "queue_s", "cancel_release_ms"):
-        v |= {f"{k}_{q}": x for q, x in r[k].items()}
-    return v | {f"{k}_x": "" if x is None else f" ({x:.2f}x)" for k, x in r["vs_base"].items()}
-
-
-def print_report(report: dict) -> None:
-    """Print the header, the speed table, the memory/pressure table and the top-vs-1 ratio."""
-    m, st, ck = report["machine"], report["settings"], report["check"]
-    runs = [_cells(r) for r in report["levels"] + [report["capacity"]] if r]
-    print(f"kvchat bench load: model {report['model']['name']} ({report['model']['weight_format']}"
-          f"), {m['cpu']}, {m['cpu_count']} cpus, {m['backend']}\n{st['requests']} requests per "
-          f"level, seed {st['seed']}, cancel rate {st['cancel_rate']}; (x) = vs concurrency "
-          f"{st['base_concurrency']}; * = capacity run (small KV pool)")
-    for columns in (SPEED_COLUMNS, MEMORY_COLUMNS):
-        rows = [[h for h, _ in columns]] + [[f.format(**r) for _, f in columns] for r in runs]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-        print()
-        for j, row in enumerate(rows):
-            print(" | ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-            if j == 0:
-                print("-+-".join("-" * w for w in widths))
-    fmt = {k: "-" if v is None else f"{v:.2f}x" for k, v in ck.items() if k.endswith("ratio")}
-    print(f"\naggregate decode tok/s, {ck['top_concurrency']} vs {st['base_concurrency']} "
-          f"concurrent: decode-step {fmt['decode_step_tps_ratio']}, generated/wall "
-          f"{fmt['gen_tps_ratio']} (target {ck['target_ratio']:.0f}x: reported, not asserted)")
-
-
-def write_plot(report: dict, path: Path) -> None:
-    """A PNG of aggregate tok/s, TTFT P95/P99 and ITL P95/P99 against concurrency."""
-    import matplotlib
-    matplotlib.use("Agg")  # headless, and no GUI backend touched outside the main thread
-    import matplotlib.pyplot as plt
-
-    lv, cap, cs = report["levels"], report["capacity"], [r["concurrency"] for r in report["levels"]]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = {"aggregate tok/s": [("decode-step", "decode_step_tps", None),
-                                  ("generated / wall", "gen_tps", None)],
-              "TTFT (s)": [("P95", "ttft_s", "p95"), ("P99", "ttft_s", "p99")],
-              "inter-token latency (ms)": [("P95", "itl_ms", "p95"), ("P99", "itl_ms", "p99")]}
-    for ax, (title, series) in zip(axes, panels.items(), strict=True):
-        for label, key, q in series:
-            ys = [(r[key][q] if q else r[key]) or 0.0 for r in lv + [cap] * bool(cap)]
-            line, = ax.plot(cs, ys[:len(cs)], "o-", label=label)
-            if cap:  # the small-pool run, at the top concurrency
-                ax.plot(cs[-1:], ys[-1:], "x", c=line.get_color(), label=f"{label}, small pool")
-        ax.set(title=title, xlabel="concurrent requests", xticks=cs)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"kvchat bench load: model {report['model']['name']}, {report['machine']['cpu']}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -1,0 +1,79 @@
+"""Engine flags on the command line -> one `EngineConfig` -> one `Engine`.
+
+Used by `kvchat generate`, `chat`, every `bench` mode and the TUI's default engine
+factory, so a flag means the same thing everywhere and the config is built in one place.
+The engine is imported lazily: the bench worker imports app modules and must never
+load it (its import preloads OpenBLAS process-wide).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import TYPE_CHECKING
+
+from app import arg_types
+from app.arg_types import parse_size
+
+if TYPE_CHECKING:
+    from engine import Engine, EngineConfig
+
+__all__ = ["add_engine_args", "build_engine", "config_from_args", "load_engine", "parse_size"]
+
+DEFAULT_KV_BUDGET = "1G"
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
+    """Add --model, --block-size, --kv-budget, --weights (and the disk-cache flags)."""
+    p.add_argument("--model", default=None,
+                   help="'default', a model dir, a .gguf or a hub repo id")
+    p.add_argument("--block-size", type=arg_types.block_size, default=16,
+                   help="tokens per KV block, 1..1024 (16)")
+    p.add_argument("--kv-budget", type=arg_types.size, default=parse_size(DEFAULT_KV_BUDGET),
+                   help=f"bytes for the KV pool, e.g. 512M, 2G ({DEFAULT_KV_BUDGET})")
+    p.add_argument("--weights", choices=["auto", "float32", "shipped"], default="auto",
+                   help="weight format: auto picks float32 on CPU, shipped on GPU")
+    if disk:
+        p.add_argument("--cache-dir", default=None,
+                       help="disk prefix cache directory (default ~/.cache/kvchat/prefix)")
+        p.add_argument("--no-disk-cache", action="store_true",
+                       help="keep prefix blocks in RAM only (nothing written to disk)")
+
+
+def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The `EngineConfig` the flags describe; ``overrides`` set other fields (benchmarks)."""
+    from engine import EngineConfig
+
+    config = EngineConfig(
+        block_size=args.block_size,
+        kv_budget_bytes=args.kv_budget,
+        disk_cache=not getattr(args, "no_disk_cache", True),
+        disk_cache_dir=getattr(args, "cache_dir", None),
+    )
+    return dataclasses.replace(config, **overrides)
+
+
+def check_kv_budget(budget: int) -> None:
+    """Refuse a KV pool larger than the memory the engine may use, before the slow load.
+
+    The engine checks again once the weights' size is known (`engine.wiring`).
+    """
+    from engine.wiring import check_kv_budget as check
+
+    check(budget, weight_bytes=0)
+
+
+def load_engine(spec: str | None, *, weights: str = "auto",
+                config: EngineConfig | None = None) -> Engine:
+    """Load ``spec`` and build an `Engine` over it (not started)."""
+    from engine import Engine, EngineConfig, load_model
+
+    config = config or EngineConfig()
+    check_kv_budget(config.kv_budget_bytes)  # before the slow load
+    return Engine(load_model(spec, weights=weights), config)
+
+
+def build_engine(args: argparse.Namespace, **overrides) -> Engine:
+    """The engine the flags describe (see `add_engine_args`)."""
+    return load_engine(args.model, weights=args.weights,
+                       config=config_from_args(args, **overrides))

@@ -1,0 +1,79 @@
+"""`EngineLike`: the part of `engine.Engine` the TUI and the CLI use, as a typed Protocol.
+
+Front ends type against this, not the concrete class, so a scripted engine (the TUI
+tests' `FakeEngine`) can stand in for it; tests check that both the real `Engine` and
+the fake implement every member with these parameter names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from engine import Priority, SamplingParams
+    from engine.generation import GenerationEvent
+    from engine.metrics import EngineMetrics
+
+
+@runtime_checkable
+class HandleLike(Protocol):
+    """A submitted request: iterate it for events; the last one has a finish reason."""
+
+    request_id: int
+    notice: str | None  # e.g. "max_tokens reduced ... to fit", set at submit
+
+    def __iter__(self) -> Iterator[GenerationEvent]: ...
+
+    def cancel(self) -> bool:
+        """Cancel this request (it ends within one engine step)."""
+        ...
+
+
+@runtime_checkable
+class EngineLike(Protocol):
+    """What kvchat's front ends call on an engine."""
+
+    loaded: Any  # the LoadedModel: name, path, weight_format, fingerprints
+    max_context: int  # tokens one sequence may hold (prompt + output)
+
+    def start(self) -> None:
+        """Run steps on a background thread (idempotent)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Cancel every request, give the pool back and stop."""
+        ...
+
+    def encode_prompt(self, prompt: str, *, system: str | None = None, raw: bool = False,
+                      history: list[dict] | None = None) -> list[int]:
+        """Token ids of a user prompt (through the chat template unless ``raw``)."""
+        ...
+
+    def check_request(self, prompt_ids: list[int],
+                      params: SamplingParams) -> tuple[int, str | None]:
+        """(max new tokens, a notice if reduced); raises RequestError if it never fits."""
+        ...
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
+               priority: Priority = ..., timeout_s: float | None = None,
+               tenant: str = "local", permission_version: int = 0) -> HandleLike:
+        """Queue a request; raises RequestError at once if it is refused."""
+        ...
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                 **kwargs: Any) -> Iterator[GenerationEvent]:
+        """Submit and stream one request's events (``kwargs`` as for `submit`)."""
+        ...
+
+    def cancel(self, request_id: int) -> bool:
+        """Cancel a request by id; False if unknown or already finished."""
+        ...
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot of the pool, prefix cache, scheduler and latencies."""
+        ...
+
+    def block_map(self) -> str:
+        """One character per KV block: "." free, "#" used, "S" shared, "c" cached."""
+        ...

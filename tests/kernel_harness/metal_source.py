@@ -1,0 +1,75 @@
+"""The exact Metal source MLX would compile for the paged decode kernel, without Metal.
+
+Test tooling (moved out of engine.model.kernels): it traces the launch with
+`mx.export_function`, which records custom kernels on a placeholder GPU
+stream, and captures MLX's `verbose=True` print at the fd level.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+
+from engine.model import kernels
+
+_FENCE = re.compile(r"Generated source code for `([^`]+)`:\n```\n(.*?)\n```", re.S)
+
+
+def generated_metal_source(
+    queries: mx.array,
+    k_pool: mx.array,
+    v_pool: mx.array,
+    block_tables: mx.array,
+    context_lens: Sequence[int] | mx.array,
+    scale: float,
+    *,
+    body: str | None = None,
+    name: str = kernels.KERNEL_NAME,
+    num_simdgroups: int = kernels.NUM_SIMDGROUPS,
+) -> str:
+    """The generated Metal source for these inputs, launched as the engine launches it."""
+    kernel = kernels.make_paged_decode_kernel("metal", body=body, name=name)
+    inputs = kernels.kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
+
+    def fn(*args: mx.array) -> mx.array:
+        q, k_pool_ = args[0], args[1]
+        grid, threadgroup = kernels.launch_dims(q, num_simdgroups=num_simdgroups)
+        return kernel(
+            inputs=list(args),
+            template=kernels.template_args(q, k_pool_, num_simdgroups=num_simdgroups),
+            grid=grid,
+            threadgroup=threadgroup,
+            output_shapes=[q.shape],
+            output_dtypes=[q.dtype],
+            verbose=True,
+        )[0]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        text = _capture_stdout_fd(
+            lambda: mx.export_function(os.path.join(tmp, "trace.mlxfn"), fn, *inputs)
+        )
+    found = _FENCE.findall(text)
+    if len(found) != 1:
+        raise RuntimeError(f"expected one generated kernel in the trace, got {len(found)}")
+    return found[0][1] + "\n"
+
+
+def _capture_stdout_fd(action: Callable[[], object]) -> str:
+    """Run `action` with file descriptor 1 redirected to a temp file; return what it wrote."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile(mode="w+b") as sink:
+        try:
+            os.dup2(sink.fileno(), 1)
+            action()
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        sink.seek(0)
+        return sink.read().decode("utf-8", errors="replace")
