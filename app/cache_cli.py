@@ -1,9 +1,11 @@
-"""`kvchat cache stats | ls | purge | verify`: the disk prefix store from the command line."""
+"""`kvchat cache stats | ls | purge | ttl | verify`: the disk prefix store from the command line."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,21 +15,51 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+from app import arg_types
 from engine.errors import KVChatError
 
 # Inspecting must not evict: the byte budget belongs to the engine that writes.
 NO_BUDGET = 1 << 62
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_TTL_S = 3650 * 86400  # ten years: anything longer is a typo
+MAX_VERIFY_PROMPT_BYTES = 1 << 20
 
 
-def open_store(args):
+def duration(text: str) -> float:
+    """An argparse type: '3600', '90s', '30m', '12h', '7d' -> seconds (positive, finite,
+    at most ten years)."""
+    body = text.strip().lower()
+    scale = DURATION_UNITS.get(body[-1:], 0)
+    try:
+        value = float(body[:-1] if scale else body) * (scale or 1)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_TTL_S):  # also refuses nan, inf, 1e400
+        raise argparse.ArgumentTypeError(
+            f"must be a duration such as 3600, 90m, 12h or 7d (at most 3650d), got {text!r}")
+    return value
+
+
+def open_store(args, *, warn: bool = True, **kw):
+    """The store at ``--cache-dir``; its ``degraded`` reason, if any, goes to stderr once."""
     from engine.kvcache.disk_store import DiskPrefixStore
 
     root = Path(args.cache_dir).expanduser() if args.cache_dir else None
-    return DiskPrefixStore(root, budget_bytes=NO_BUDGET)
+    store = DiskPrefixStore(root, budget_bytes=NO_BUDGET, **kw)
+    if store.degraded and warn:
+        print(f"kvchat: warning: {store.degraded}", file=sys.stderr)
+    return store
 
 
 def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
+
+
+def _span(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{seconds / size:g}{unit}"
+    return f"{seconds:g}s"
 
 
 def cmd_stats(args) -> int:
@@ -43,6 +75,9 @@ def cmd_stats(args) -> int:
         "models": dict(Counter(e.model[:16] for e in entries)),
         "removed_at_open": st.removed_by_reason,
         "next_expiry": min((e.expires for e in entries), default=None),
+        "tenant_ttl_s": store.ttls.by_tenant,
+        "write_errors": st.write_errors,
+        "degraded": store.degraded,
     }
     store.close()
     if args.json:
@@ -54,10 +89,13 @@ def cmd_stats(args) -> int:
         print(f"  tenant {tenant}: {n} blocks")
     for model, n in sorted(out["models"].items()):
         print(f"  model {model}: {n} blocks")
+    for tenant, ttl in sorted(out["tenant_ttl_s"].items()):
+        print(f"  tenant {tenant}: TTL {_span(ttl)}")
     if out["next_expiry"]:
         print(f"  next expiry {_when(out['next_expiry'])}")
     if out["removed_at_open"]:
         print(f"  removed on open: {out['removed_at_open']}")
+    print(f"  write errors: {out['write_errors']}")
     return 0
 
 
@@ -76,30 +114,66 @@ def cmd_ls(args) -> int:
     return 0
 
 
+def _writable_store(args):
+    # Expired entries stay indexed at open, so the command that deletes them counts them.
+    store = open_store(args, warn=False, expire_at_open=False)
+    if store.degraded:  # the error says why: no warning line before it
+        store.close()
+        raise KVChatError(f"nothing changed: {store.degraded}")
+    return store
+
+
 def cmd_purge(args) -> int:
+    if args.permission_below is not None and args.tenant is None:
+        raise KVChatError("--permission-below needs --tenant (permission versions are per tenant)")
     if not (args.tenant or args.model or args.expired or args.all):
-        raise KVChatError("purge needs --tenant, --model, --expired or --all")
-    store = open_store(args)
+        raise KVChatError("purge needs --tenant, --model, --expired, --permission-below or --all")
+    store = _writable_store(args)
     n = store.purge(tenant=args.tenant, model=args.model, expired_only=args.expired,
-                    all=args.all)
+                    all=args.all, permission_below=args.permission_below)
+    at_open = store.stats().removed_by_reason  # unreadable entries and stale temp files
     store.close()
     print(f"removed {n} entries")
+    if at_open:
+        print(f"  also removed on open: {at_open}")
+    return 0
+
+
+def cmd_ttl(args) -> int:
+    """Show the per-tenant TTLs, or set / clear one (saved with the store for every engine)."""
+    if args.ttl is None and not args.clear:
+        store = open_store(args)
+        ttls = store.ttls.by_tenant
+        store.close()
+        if args.json:
+            print(json.dumps(ttls))
+            return 0
+        for tenant, ttl in sorted(ttls.items()):
+            print(f"tenant {tenant}: {_span(ttl)}")
+        if not ttls:
+            print("no tenant TTLs: entries live as long as the engine's default TTL")
+        return 0
+    if args.tenant is None:
+        raise KVChatError("setting a TTL needs --tenant")
+    store = _writable_store(args)
+    n = store.set_tenant_ttl(args.tenant, None if args.clear else args.ttl)
+    store.close()
+    what = "the default" if args.clear else _span(args.ttl)
+    print(f"tenant {args.tenant}: TTL {what}; removed {n} entries older than that")
     return 0
 
 
 def generate_in_fresh_process(prompt: str, model: str | None, max_tokens: int,
                               cache_dir: str) -> dict:
     """`kvchat generate --json` in a new interpreter: nothing in RAM, only the disk store."""
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
-        f.write(prompt)
-    try:
+    with tempfile.TemporaryDirectory(prefix="kvchat-prompt-") as tmp:
+        prompt_file = Path(tmp) / "prompt.txt"
+        prompt_file.write_text(prompt)
         child = subprocess.run(
-            [sys.executable, "-m", "app.cli", "generate", "--json", "--prompt-file", f.name,
-             "--model", model or "default", "--max-tokens", str(max_tokens),
+            [sys.executable, "-m", "app.cli", "generate", "--json", "--prompt-file",
+             str(prompt_file), "--model", model or "default", "--max-tokens", str(max_tokens),
              "--cache-dir", cache_dir],
             capture_output=True, text=True, env=dict(os.environ), check=False)
-    finally:
-        os.unlink(f.name)
     if child.returncode != 0:
         raise KVChatError(f"the fresh process failed: {child.stderr.strip()}")
     return json.loads(child.stdout)
@@ -107,10 +181,19 @@ def generate_in_fresh_process(prompt: str, model: str | None, max_tokens: int,
 
 def cmd_verify(args) -> int:
     """Cold, warm from RAM, warm from disk in a fresh process: identical greedy tokens."""
+    if args.prompt_file:
+        prompt = arg_types.read_text_file(args.prompt_file, MAX_VERIFY_PROMPT_BYTES)
+    else:
+        prompt = args.prompt
+    with contextlib.ExitStack() as cleanup:  # a temporary store is removed however we leave
+        cache_dir = args.cache_dir or cleanup.enter_context(
+            tempfile.TemporaryDirectory(prefix="kvchat-verify-"))
+        return _verify(args, prompt, cache_dir, temporary=not args.cache_dir)
+
+
+def _verify(args, prompt: str, cache_dir: str, *, temporary: bool) -> int:
     from engine import Engine, EngineConfig, SamplingParams, load_model
 
-    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvchat-verify-")
     loaded = load_model(args.model)
     params = SamplingParams(max_tokens=args.max_tokens)
     cold_engine = Engine(loaded, EngineConfig(prefix_cache=False))
@@ -132,8 +215,9 @@ def cmd_verify(args) -> int:
     ok = cold == warm == disk["tokens"]
     sources_ok = s_ram.cache_source == "memory" and disk["cache_source"] == "disk"
     if ok and sources_ok:
+        where = "a temporary store, now removed" if temporary else cache_dir
         print(f"OK: identical greedy tokens; {disk['cached_tokens']} of {len(ids)} prompt tokens "
-              f"restored from disk ({cache_dir})")
+              f"restored from disk ({where})")
         return 0
     why = "tokens differ" if not ok else "a warm run did not hit the cache"
     print(f"FAILED: {why}", file=sys.stderr)
@@ -141,7 +225,7 @@ def cmd_verify(args) -> int:
 
 
 def add_parser(sub) -> None:
-    c = sub.add_parser("cache", help="the disk prefix cache: stats, ls, purge, verify")
+    c = sub.add_parser("cache", help="the disk prefix cache: stats, ls, purge, ttl, verify")
     cs = c.add_subparsers(dest="cache_command", required=True)
 
     def common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -149,21 +233,36 @@ def add_parser(sub) -> None:
                        help="the store's directory (default ~/.cache/kvchat/prefix)")
         return p
 
-    p = common(cs.add_parser("stats", help="entries, bytes, tenants, models"))
+    p = common(cs.add_parser("stats", help="entries, bytes, tenants, models, write errors"))
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stats)
     p = common(cs.add_parser("ls", help="list entries, most recently used first"))
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ls)
     p = common(cs.add_parser("purge", help="delete entries"))
-    p.add_argument("--tenant", help="only this tenant's entries")
-    p.add_argument("--model", help="only entries of this model fingerprint (or a prefix)")
+    p.add_argument("--tenant", type=arg_types.tenant, help="only this tenant's entries")
+    p.add_argument("--model", type=arg_types.non_empty,
+                   help="only entries of this model fingerprint (or a prefix)")
+    p.add_argument("--permission-below", type=arg_types.int_in(1, (1 << 63) - 1), metavar="N",
+                   help="only the tenant's entries of permission versions below N (with --tenant)")
     p.add_argument("--expired", action="store_true", help="only expired entries")
     p.add_argument("--all", action="store_true", help="everything")
     p.set_defaults(func=cmd_purge)
+    p = common(cs.add_parser(
+        "ttl", help="per-tenant lifetimes of cached blocks, kept with the store",
+        description="Without SECONDS: list the tenant TTLs. With --tenant and SECONDS (or 90m, "
+                    "12h, 7d): every engine using this directory writes the tenant's blocks with "
+                    "that lifetime, and older blocks of the tenant are deleted now."))
+    p.add_argument("--tenant", type=arg_types.tenant, help="the tenant to set or clear")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("ttl", nargs="?", type=duration, metavar="SECONDS",
+                      help="the lifetime: seconds, or with a unit s, m, h, d")
+    what.add_argument("--clear", action="store_true", help="back to the engine's default TTL")
+    p.add_argument("--json", action="store_true", help="list as one JSON object")
+    p.set_defaults(func=cmd_ttl)
     p = common(cs.add_parser("verify", help="cold == warm (RAM) == warm (disk) greedy tokens"))
     p.add_argument("--model", default=None)
     p.add_argument("--prompt", default="Summarize in one sentence why caches matter. " * 20)
-    p.add_argument("--prompt-file", default=None)
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--prompt-file", type=arg_types.regular_file, default=None)
+    p.add_argument("--max-tokens", type=arg_types.int_in(1, 4096), default=24)
     p.set_defaults(func=cmd_verify)

@@ -71,13 +71,17 @@ def cmd_generate(args) -> int:
         eng.shutdown()  # releases the pool and drains the disk writer
     if result.finish_reason == "error":
         raise KVChatError(f"generation failed: {result.error}")
-    print_result(eng, result, as_json=args.json)
+    metrics = eng.metrics()  # after the drain: every write has succeeded or failed
+    if metrics.disk_warning:  # the answer came; the disk cache did not work as asked
+        print(f"kvchat: warning: disk prefix cache: {metrics.disk_warning}", file=sys.stderr)
+    print_result(eng, result, as_json=args.json, metrics=metrics)
     return 0
 
 
-def print_result(eng: EngineLike, result, *, as_json: bool) -> None:
+def print_result(eng: EngineLike, result, *, as_json: bool, metrics=None) -> None:
     """The answer's stats: one JSON object on stdout, or one summary line on stderr."""
     stats = result.stats
+    metrics = metrics or eng.metrics()
     if as_json:
         loaded = eng.loaded
         print(json.dumps({
@@ -92,6 +96,12 @@ def print_result(eng: EngineLike, result, *, as_json: bool) -> None:
             "cached_tokens": stats.cached_tokens,
             "cache_source": stats.cache_source,
             "kv": stats.kv_dict(),
+            "disk_cache": {
+                "entries": metrics.disk_entries,
+                "bytes": metrics.disk_bytes,
+                "write_errors": metrics.disk_write_errors,
+                "warning": metrics.disk_warning,
+            },
             "model": {
                 "name": loaded.name,
                 "path": str(loaded.path),
@@ -106,7 +116,9 @@ def print_result(eng: EngineLike, result, *, as_json: bool) -> None:
         f"{stats.generation_tokens} tokens, {stats.decode_tps:.1f} tok/s decode | "
         f"TTFT {stats.ttft_s:.2f}s | cached {stats.cached_tokens} ({stats.cache_source}) | "
         f"KV {stats.blocks_used} blocks, "
-        f"{stats.bytes_used / 2**20:.1f} MiB | {result.finish_reason}]",
+        f"{stats.bytes_used / 2**20:.1f} MiB | {result.finish_reason}"
+        + (f" | {metrics.disk_write_errors} disk write errors"
+           if metrics.disk_write_errors else "") + "]",
         file=sys.stderr,
     )
 

@@ -75,6 +75,8 @@ class EngineMetrics:
     disk_hits: int = 0
     disk_entries: int = 0
     disk_bytes: int = 0
+    disk_write_errors: int = 0  # writes that failed (full or read-only disk, ...)
+    disk_warning: str | None = None  # why the disk store runs degraded or off, once known
     # scheduler
     waiting: int = 0
     running: int = 0
@@ -175,4 +177,5 @@ def _disk_metrics(store) -> dict:
     if store is None:
         return {}
     st = store.stats()
-    return {"disk_entries": st.entries, "disk_bytes": st.bytes}
+    return {"disk_entries": st.entries, "disk_bytes": st.bytes,
+            "disk_write_errors": st.write_errors, "disk_warning": store.degraded}

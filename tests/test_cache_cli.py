@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
 import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +89,164 @@ def test_cache_verify_cold_warm_ram_warm_disk(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "OK: identical greedy tokens" in proc.stdout
     assert "warm (disk, new process)" in proc.stdout
+
+
+# ---- the store's commands, in-process on stores filled by the test (no model) ---------------
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    from app.cli import main
+
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def fill(root, blocks, *, age_s: float = 0.0, ttl_s: float | None = None) -> None:
+    """Write blocks as if ``age_s`` ago (so a short ``ttl_s`` has them expired now)."""
+    from test_disk_store import Clock, put
+
+    from engine.kvcache.disk_store import DiskPrefixStore
+
+    with DiskPrefixStore(root, clock=Clock(time.time() - age_s)) as s:
+        for b in blocks:
+            assert put(s, b, ttl_s=ttl_s)
+
+
+def tenant_blocks(tenant: str, first: int, n: int = 1, **salt):
+    from test_disk_store import SALT, make_block
+
+    return [make_block(first + i, dataclasses.replace(SALT, tenant=tenant, **salt))
+            for i in range(n)]
+
+
+def assert_one_line_error(code: int, err: str, *words: str) -> None:
+    assert code == 2 and err.startswith("kvchat: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err and all(w in err for w in words), err
+
+
+def test_stats_shows_write_errors(tmp_path, capsys):
+    d = tmp_path / "prefix"
+    fill(d, tenant_blocks("alice", 0, 2))
+    code, out, err = run_cli(capsys, "cache", "stats", "--json", "--cache-dir", str(d))
+    st = json.loads(out)
+    assert code == 0 and err == ""
+    assert (st["entries"], st["write_errors"], st["degraded"]) == (2, 0, None)
+    code, out, _ = run_cli(capsys, "cache", "stats", "--cache-dir", str(d))
+    assert code == 0 and "write errors: 0" in out
+
+
+def test_purge_expired_reports_true_counts(tmp_path, capsys):
+    d = tmp_path / "prefix"
+    fill(d, tenant_blocks("alice", 20))  # alive
+    fill(d, tenant_blocks("alice", 0, 2) + tenant_blocks("bob", 10), age_s=100, ttl_s=10)
+    code, out, _ = run_cli(capsys, "cache", "purge", "--expired", "--tenant", "alice",
+                           "--cache-dir", str(d))
+    assert code == 0 and "removed 2 entries" in out  # bob's expired one is not alice's
+    code, out, _ = run_cli(capsys, "cache", "purge", "--expired", "--cache-dir", str(d))
+    assert code == 0 and "removed 1 entries" in out
+    _, out, _ = run_cli(capsys, "cache", "stats", "--json", "--cache-dir", str(d))
+    assert json.loads(out)["entries"] == 1
+
+
+def test_purge_below_a_permission_version(tmp_path, capsys):
+    d = tmp_path / "prefix"
+    old = [*tenant_blocks("alice", 0), *tenant_blocks("alice", 1, permission_version=1)]
+    fill(d, old + tenant_blocks("alice", 2, permission_version=2) + tenant_blocks("bob", 3))
+    code, out, _ = run_cli(capsys, "cache", "purge", "--tenant", "alice",
+                           "--permission-below", "2", "--cache-dir", str(d))
+    assert code == 0 and "removed 2 entries" in out
+    _, out, _ = run_cli(capsys, "cache", "ls", "--json", "--cache-dir", str(d))
+    assert sorted((r["tenant"], r["permission_version"]) for r in json.loads(out)) == [
+        ("alice", 2), ("bob", 0)]
+    code, _, err = run_cli(capsys, "cache", "purge", "--permission-below", "2",
+                           "--cache-dir", str(d))
+    assert_one_line_error(code, err, "--permission-below needs --tenant")
+
+
+@pytest.mark.parametrize("args", [
+    ["purge", "--tenant", "a", "--permission-below", "-1"],
+    ["purge", "--tenant", "a", "--permission-below", "0"],
+    ["purge", "--tenant", "a", "--permission-below", "1.5"],
+    ["purge", "--tenant", "a", "--permission-below", "x"],
+    ["purge", "--tenant", "a", "--permission-below", str(2**70)],
+    ["purge", "--tenant", "", "--all"],
+    ["purge", "--model", "", "--all"],
+    ["ttl", "--tenant", "a", "0"],
+    ["ttl", "--tenant", "a", "-5"],
+    ["ttl", "--tenant", "a", "inf"],
+    ["ttl", "--tenant", "a", "nan"],
+    ["ttl", "--tenant", "a", "1e400"],
+    ["ttl", "--tenant", "a", "5y"],
+    ["ttl", "--tenant", "a", "3651d"],
+    ["ttl", "--tenant", "a", "soon"],
+    ["ttl", "--tenant", "a", "60", "--clear"],
+    ["ttl", "--tenant", "", "60"],
+    ["ttl", "60"],
+    ["verify", "--max-tokens", "0"],
+    ["verify", "--prompt-file", "/dev/zero"],
+])
+def test_bad_values_get_one_line_and_exit_2(tmp_path, capsys, args):
+    d = tmp_path / "prefix"
+    code, out, err = run_cli(capsys, "cache", *args, "--cache-dir", str(d))
+    assert_one_line_error(code, err)
+    assert out == ""
+
+
+def test_ttl_set_list_and_clear(tmp_path, capsys):
+    d = tmp_path / "prefix"
+    fill(d, tenant_blocks("alice", 0), age_s=7200)  # two hours old, default TTL of 24 h
+    fill(d, tenant_blocks("alice", 1) + tenant_blocks("bob", 2))
+    code, out, _ = run_cli(capsys, "cache", "ttl", "--tenant", "alice", "1h",
+                           "--cache-dir", str(d))
+    assert code == 0 and "tenant alice: TTL 1h; removed 1 entries" in out
+    code, out, _ = run_cli(capsys, "cache", "ttl", "--json", "--cache-dir", str(d))
+    assert code == 0 and json.loads(out) == {"alice": 3600}
+    _, out, _ = run_cli(capsys, "cache", "stats", "--cache-dir", str(d))
+    assert "tenant alice: TTL 1h" in out
+    from engine.kvcache.disk_store import DiskPrefixStore
+
+    expires = {e.tenant: e.expires - e.created for e in DiskPrefixStore(d).entries()}
+    assert expires == {"alice": 3600, "bob": 24 * 3600}  # the cap applies to older entries
+    code, out, _ = run_cli(capsys, "cache", "ttl", "--tenant", "alice", "--clear",
+                           "--cache-dir", str(d))
+    assert code == 0 and "TTL the default" in out
+    _, out, _ = run_cli(capsys, "cache", "ttl", "--cache-dir", str(d))
+    assert "no tenant TTLs" in out
+
+
+def test_a_foreign_directory_is_reported_once_and_left_alone(tmp_path, capsys):
+    d = tmp_path / "shared"
+    fill(d, tenant_blocks("alice", 0))
+    os.chmod(d, 0o1777)
+    before = sorted(p for p in d.rglob("*"))
+    code, out, err = run_cli(capsys, "cache", "stats", "--json", "--cache-dir", str(d))
+    assert code == 0 and err.count("kvchat: warning: disk cache off") == 1
+    assert json.loads(out)["degraded"].startswith("disk cache off")
+    for cmd in (["purge", "--all"], ["ttl", "--tenant", "a", "60"]):
+        code, _, err = run_cli(capsys, "cache", *cmd, "--cache-dir", str(d))
+        assert_one_line_error(code, err, "nothing changed: disk cache off")
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o1777
+    assert sorted(p for p in d.rglob("*")) == before
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_verify_removes_its_temporary_store(tmp_path, capsys, monkeypatch, fails):
+    from app import cache_cli
+    from engine.errors import KVChatError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    used = []
+
+    def fake_verify(args, prompt, cache_dir, *, temporary):
+        used.append(cache_dir)
+        assert temporary and os.path.isdir(cache_dir)
+        (Path(cache_dir) / "big").write_bytes(b"x" * 1000)
+        if fails:
+            raise KVChatError("the fresh process failed")
+        return 0
+
+    monkeypatch.setattr(cache_cli, "_verify", fake_verify)
+    code, _, _ = run_cli(capsys, "cache", "verify")
+    assert code == (2 if fails else 0) and used
+    assert list(tmp_path.iterdir()) == []  # nothing left behind, even after a failure

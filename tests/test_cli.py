@@ -274,3 +274,21 @@ def test_hub_repo_id_from_local_cache(tmp_path, default_model):
     out = json.loads(proc.stdout)
     assert out["model"]["path"] == str(snap)
     assert out["kv"]["bytes_per_token"] == 1 * 2 * 1 * 16 * 4
+
+
+def test_unusable_cache_dir_still_answers_with_one_warning(tmp_path):
+    # a world-writable cache dir could hold planted entries: the store is off, the answer comes
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    out = subprocess.run(
+        [sys.executable, "-m", "app", "generate", "--prompt", "Hi", "--max-tokens", "2",
+         "--cache-dir", str(shared), "--kv-budget", "64M", "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    warnings = [line for line in out.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "disk prefix cache" in warnings[0], out.stderr
+    data = json.loads(out.stdout)
+    assert data["generation_tokens"] == 2 and data["disk_cache"]["warning"]
+    assert (shared.stat().st_mode & 0o777) == 0o777  # a foreign dir keeps its mode
+    assert not any(shared.iterdir())  # and nothing was written into it

@@ -22,8 +22,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.kvcache import disk_entry
-from engine.kvcache.disk_store import TEMP_GRACE_S, DiskPrefixStore
+from engine.kvcache.disk_root import TEMP_NAME
+from engine.kvcache.disk_store import TEMP_GRACE_S, TTL_FILE, DiskPrefixStore
 from engine.kvcache.prefix_key import CacheSalt, chain_hash
+from engine.paths import temp_path
 
 BS = 4
 SALT = CacheSalt(
@@ -114,7 +116,7 @@ def assert_miss_removed(store: DiskPrefixStore, b: Block, reason: str, **kw):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
 def test_round_trip(store, dtype):
-    b = make_block(1, dtype=dtype)
+    b = make_block(1, dataclasses.replace(SALT, kv_format=np.dtype(dtype).name), dtype=dtype)
     assert put(store, b)
     assert not put(store, b)  # already present
     assert same(get(store, b), b.arrays)
@@ -436,22 +438,32 @@ def test_purge(tmp_path, clock):
 
 
 def test_modes(tmp_path, clock):
-    root = tmp_path / "prefix"
-    root.mkdir(mode=0o755)
-    os.chmod(root, 0o755)
-    (root / "ab").mkdir()
-    os.chmod(root / "ab", 0o755)
+    root = tmp_path / "new" / "prefix"  # a missing parent too
     old = os.umask(0)  # even with a permissive umask
     try:
         store = DiskPrefixStore(root, clock=clock)
         put(store, make_block(70))
     finally:
         os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
-    assert stat.S_IMODE((root / "ab").stat().st_mode) == 0o700
     for p in all_files(root):
         assert stat.S_IMODE(p.stat().st_mode) == 0o600
         assert stat.S_IMODE(p.parent.stat().st_mode) == 0o700
+
+
+def test_existing_directories_keep_their_modes(tmp_path, clock):
+    root = tmp_path / "prefix"
+    b = make_block(71)
+    shard = root / b.hash.hex()[:2]
+    shard.mkdir(parents=True)
+    os.chmod(root, 0o755)
+    os.chmod(shard, 0o750)
+    store = DiskPrefixStore(root, clock=clock)
+    assert put(store, b) and same(get(store, b), b.arrays)  # an existing private shard is used
+    store.sweep()
+    assert stat.S_IMODE(root.stat().st_mode) == 0o755
+    assert stat.S_IMODE(shard.stat().st_mode) == 0o750
 
 
 def test_garbage_in_the_directory_is_tolerated(tmp_path, clock):
@@ -489,18 +501,24 @@ def test_stale_temp_files_are_removed(tmp_path, clock):
         b = make_block(90)
         put(s, b)
     shard = entry_path(s, b).parent
-    fresh = shard / f".{b.hash.hex()}.aaaa.tmp"
-    stale = shard / f".{b.hash.hex()}.bbbb.tmp"
-    fresh.write_bytes(b"partial")
-    stale.write_bytes(b"partial")
+    h = b.hash.hex()
+    fresh, stale = temp_path(entry_path(s, b)), temp_path(entry_path(s, b))
+    legacy = shard / f".{h}.cccccccccccc.tmp"  # the name kvchat used before
+    at_root = temp_path(root / TTL_FILE)
+    foreign = [shard / "notes.tmp", shard / f".{h}.x.tmp", shard / ".kvchat-x.tmp",
+               temp_path(shard / "notes.txt"), root / f"{h}.kvb"]  # not where entries live
     old = time.time() - TEMP_GRACE_S - 5
-    os.utime(stale, (old, old))
+    for p in (fresh, stale, legacy, at_root, *foreign):
+        p.write_bytes(b"partial")
+        if p is not fresh:
+            os.utime(p, (old, old))
     s2 = DiskPrefixStore(root, clock=clock)
-    assert fresh.exists() and not stale.exists()  # a young one may be another writer's
+    assert fresh.exists() and not (stale.exists() or legacy.exists() or at_root.exists())
     os.utime(fresh, (old, old))
     s2.sweep()
     assert not fresh.exists()
-    assert s2.stats().removed_by_reason == {"temp": 2}
+    assert all(p.exists() for p in foreign)  # kvchat deletes only what it writes
+    assert s2.stats().removed_by_reason == {"temp": 4}
     assert same(get(s2, b), b.arrays)
 
 
@@ -580,6 +598,7 @@ from pathlib import Path
 import numpy as np
 from engine.kvcache.disk_store import DiskPrefixStore
 from engine.kvcache.prefix_key import CacheSalt, chain_hash
+from engine.paths import temp_path
 salt = CacheSalt("m", "t", "raw", "rope", "float32", 4)
 store = DiskPrefixStore(Path(sys.argv[2]), budget_bytes=1 << 40)
 run = int(sys.argv[3])
@@ -616,7 +635,7 @@ def test_sigkill_mid_write_never_serves_a_torn_entry(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
-        temps_left |= {p for p in all_files(root) if p.name.endswith(".tmp")}
+        temps_left |= {p for p in all_files(root) if TEMP_NAME.fullmatch(p.name)}
     assert temps_left, "no kill landed mid-write; the test lost its point"
 
     store = DiskPrefixStore(root, budget_bytes=1 << 40)

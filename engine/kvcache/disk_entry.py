@@ -11,7 +11,9 @@ numpy has no bfloat16, so bfloat16 tensors travel as their uint16 bit patterns: 
 array handed to `write_entry` is recorded as "bfloat16" and read back as uint16.
 
 Decoding never trusts the file: anything unexpected raises `EntryError` with a reason
-("corrupt" or "old_format"), never another exception.
+("corrupt" or "old_format"), never another exception. A checksum proves only that the bytes
+are the ones written, so `check_entry` then checks them against what the reader asked for
+(salt, block, token ids, tensor structure: `EntrySpec`).
 """
 
 from __future__ import annotations
@@ -19,24 +21,21 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import secrets
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
-from engine.kvcache.prefix_key import HASH_SIZE, CacheSalt
+from engine.kvcache.prefix_key import HASH_SIZE, CacheSalt, chain_hash
 
 MAGIC = b"KVCB"
 FORMAT_VERSION = 1
 PREFIX = struct.Struct("<4sHI")
 DIGEST_SIZE = 32
-TEMP_SUFFIX = ".tmp"
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+# Token ids are hashed as int32 (`prefix_key.chain_hash`); vocabularies are far smaller.
+TOKEN_ID_LIMIT = 1 << 31
 # Bounds garbage: a header is a few KiB, so a bigger length means the file is not ours.
 _MAX_HEADER = 1 << 20
 # header dtype name -> how the bytes are stored
@@ -46,11 +45,12 @@ _NAME_OF = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
 
 
 class EntryError(Exception):
-    """A file that must not be served; ``reason`` is the miss counter it feeds."""
+    """A file that must not be served; ``reason`` is the miss counter it feeds, ``inode``
+    the file judged (if known: the reader deletes only that one)."""
 
-    def __init__(self, reason: str, detail: str = ""):
+    def __init__(self, reason: str, detail: str = "", inode: int | None = None):
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.inode = reason, inode
 
 
 @dataclass(slots=True)
@@ -86,6 +86,28 @@ class EntryHeader:
         return PREFIX.size + len(self.to_json()) + self.payload_bytes + DIGEST_SIZE
 
 
+@dataclass(frozen=True, slots=True)
+class EntrySpec:
+    """What a reader expects of an entry's tensors (`check_structure`).
+
+    The prefix cache asks for ``num_arrays = 2 * layers`` (keys, then values),
+    ``shape = (kv_heads, block_size, head_dim)`` and ``dtype = salt.kv_format``.
+    """
+
+    num_arrays: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self):
+        if type(self.num_arrays) is not int or self.num_arrays < 1:
+            raise ValueError(f"num_arrays must be a positive int, got {self.num_arrays!r}")
+        dims = self.shape if isinstance(self.shape, tuple) else (0,)
+        if any(type(d) is not int or d < 1 for d in dims):
+            raise ValueError(f"shape must be a tuple of positive ints, got {self.shape!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+
 def dtype_name(a: np.ndarray) -> str:
     """The header name of an array's dtype (uint16 means bfloat16 bits)."""
     try:
@@ -95,9 +117,31 @@ def dtype_name(a: np.ndarray) -> str:
         raise ValueError(msg) from None
 
 
-def write_entry(
-    f: BinaryIO, header: EntryHeader, arrays: Sequence[np.ndarray], *, version: int = FORMAT_VERSION
-) -> None:
+def make_header(salt: CacheSalt, block_hash: bytes, parent_hash: bytes,
+                token_ids: Sequence[int], arrays: Sequence[np.ndarray], created: float,
+                ttl_s: float) -> EntryHeader:
+    """The header for writing a block: only one that `check_entry` will accept.
+
+    Raises:
+        ValueError: arrays not numpy, a block `check_structure` refuses, or ``block_hash``
+            not ``chain_hash(parent_hash, token_ids)``.
+    """
+    if not all(isinstance(a, np.ndarray) for a in arrays):
+        raise ValueError("arrays must be numpy (heads, block_size, dim)")
+    tokens = [int(t) for t in token_ids]
+    header = EntryHeader(salt, bytes(block_hash), bytes(parent_hash), tokens, created,
+                         created + ttl_s, [(dtype_name(a), tuple(a.shape)) for a in arrays])
+    try:
+        check_structure(header)
+    except EntryError as e:
+        raise ValueError(f"not a block of this salt: {e}") from None
+    if len(block_hash) != HASH_SIZE or chain_hash(parent_hash, tokens) != block_hash:
+        raise ValueError("block_hash is not chain_hash(parent_hash, token_ids)")
+    return header
+
+
+def write_entry(f: BinaryIO, header: EntryHeader, arrays: Sequence[np.ndarray], *,
+                version: int = FORMAT_VERSION) -> None:
     """Write one entry to ``f``; ``version`` exists so tests can forge other formats."""
     digest = hashlib.sha256()
 
@@ -109,7 +153,7 @@ def write_entry(
     out(PREFIX.pack(MAGIC, version, len(raw)))
     out(raw)
     for (name, _), a in zip(header.tensors, arrays, strict=True):
-        out(memoryview(np.ascontiguousarray(a, dtype=DTYPES[name])).cast("B"))
+        out(np.ascontiguousarray(a, dtype=DTYPES[name]).reshape(-1).view(np.uint8))
     f.write(digest.digest())
 
 
@@ -125,7 +169,7 @@ def _time_field(value) -> float:
     return float(value)
 
 
-def _int_list(value, *, min_value: int) -> list[int]:
+def _int_list(value, *, min_value: float) -> list[int]:
     if not isinstance(value, list) or any(type(v) is not int or v < min_value for v in value):
         raise ValueError("bad int list")
     return value
@@ -144,7 +188,7 @@ def parse_header(raw: bytes) -> EntryHeader:
             salt=CacheSalt.from_dict(doc["salt"]),
             block_hash=_hash_field(doc["block_hash"]),
             parent_hash=_hash_field(doc["parent_hash"]),
-            token_ids=_int_list(doc["token_ids"], min_value=-(1 << 31)),
+            token_ids=_int_list(doc["token_ids"], min_value=-math.inf),  # range: `check_structure`
             created=_time_field(doc["created"]),
             expires=_time_field(doc["expires"]),
             tensors=tensors,
@@ -202,56 +246,48 @@ def decode_entry(data: bytearray) -> tuple[EntryHeader, list[np.ndarray]]:
     return header, arrays
 
 
-def write_temp(path: Path, header: EntryHeader, arrays: Sequence[np.ndarray]) -> Path:
-    """Write the entry for ``path`` to a fresh temp file beside it, durable and mode 0600.
+def check_structure(header: EntryHeader, expect: EntrySpec | None = None) -> None:
+    """Check what the salt implies, and ``expect`` if given; raises `EntryError("malformed")`.
 
-    The caller renames it into place (`os.replace`) and fsyncs the directory; until then a
-    crash leaves only a temp file, which readers never open. Returns the temp path.
+    Always: a full block of token ids in ``[0, 2**31)``, at least one tensor, every tensor
+    3-D ``(heads, block_size, dim)`` with no empty dimension and of the salt's ``kv_format``.
+    With ``expect``: exactly its number of tensors, each of its shape and dtype.
     """
-    tmp = path.with_name(f".{path.stem}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
-    try:
-        with open(fd, "wb") as f:
-            os.fchmod(fd, 0o600)  # exact mode whatever the umask
-            write_entry(f, header, arrays)
-            f.flush()
-            os.fsync(fd)
-        # mtime is the store's "last used"; start it at the entry's creation
-        os.utime(tmp, (header.created, header.created))
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return tmp
+    salt, tensors = header.salt, header.tensors
+    if len(header.token_ids) != salt.block_size:
+        raise EntryError("malformed", f"{len(header.token_ids)} token ids in a block")
+    if any(not 0 <= t < TOKEN_ID_LIMIT for t in header.token_ids):
+        raise EntryError("malformed", "token id out of range")
+    if not tensors:
+        raise EntryError("malformed", "no tensors")
+    for name, shape in tensors:
+        if name != salt.kv_format:
+            raise EntryError("malformed", f"{name} tensor under a {salt.kv_format} salt")
+        if len(shape) != 3 or shape[1] != salt.block_size or 0 in shape:
+            raise EntryError("malformed", f"tensor shape {shape}")
+    if expect is None:
+        return
+    if len(tensors) != expect.num_arrays:
+        raise EntryError("malformed", f"{len(tensors)} tensors, expected {expect.num_arrays}")
+    for name, shape in tensors:
+        if shape != expect.shape or name != expect.dtype:
+            raise EntryError("malformed", f"{name}{shape}, expected {expect.dtype}{expect.shape}")
 
 
-def read_file(path: Path, max_bytes: int) -> tuple[bytearray | None, os.stat_result]:
-    """The bytes of an entry file (None if over ``max_bytes``) and its stat; never follows links.
+def check_entry(header: EntryHeader, salt: CacheSalt, block_hash: bytes,
+                token_ids: Sequence[int], expect: EntrySpec | None = None) -> None:
+    """Check a decoded entry against the block the reader asked for (all but expiry).
 
     Raises:
-        OSError: FileNotFoundError when absent, others on I/O errors.
+        EntryError: "foreign" (another salt), "malformed" (`check_structure`), "corrupt"
+            (hashes that do not chain) or "mismatch" (other token ids: a hash collision).
     """
-    with open(path, "rb", opener=nofollow) as f:
-        st = os.fstat(f.fileno())
-        if st.st_size > max_bytes:
-            return None, st  # no valid entry is this big: don't read garbage into memory
-        data = bytearray(st.st_size)
-        return (data if f.readinto(data) == st.st_size else None), st
-
-
-def nofollow(path, flags: int) -> int:
-    """`open` opener refusing symlinks."""
-    return os.open(path, flags | _NOFOLLOW)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make renames in ``path`` durable; best effort (some filesystems refuse)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    if header.salt != salt:
+        raise EntryError("foreign")
+    check_structure(header, expect)
+    if header.block_hash != block_hash:
+        raise EntryError("corrupt", "block hash")
+    if chain_hash(header.parent_hash, header.token_ids) != block_hash:
+        raise EntryError("corrupt", "chain hash")
+    if header.token_ids != [int(t) for t in token_ids]:
+        raise EntryError("mismatch")

@@ -1,271 +1,179 @@
-"""Disk prefix store: one file per KV block, named by its chained hash, under a 0700 directory.
+"""Disk prefix store: one file per KV block, named by its chained hash, under a private directory.
 
-Entries (format in `disk_entry`) live at ``<root>/<hex[:2]>/<hex>.kvb``, mode 0600. Writes are
-atomic (O_EXCL temp file, fsync, rename, directory fsync): a crash leaves a complete entry or a
-stray temp file, never a torn entry under a real name. Reads verify everything; an entry that
-fails any check is a miss, is deleted and is counted by reason.
+Entries (format and checks in `disk_entry`) live at ``<root>/<hex[:2]>/<hex>.kvb``, mode 0600.
+Writes are atomic (temp file, fsync, rename, directory fsync): a crash leaves a complete entry
+or a stray temp file, never a torn entry under a real name. Reads verify everything; an entry
+that fails any check is a miss, is deleted and is counted by reason. `get` never raises.
 
-Cached K/V is user data: nothing is served past its expiry, and a byte budget is enforced in
-LRU order at start-up and after every write. "Last used" is kept in the file's mtime so LRU
-order survives restarts without a separate index file (atime is often disabled).
+Cached K/V is user data: nothing is served past its expiry or its tenant's TTL (`disk_index`),
+and a byte budget is enforced in LRU order at start-up and after every write. "Last used" is
+the file's mtime, so LRU order survives restarts without a separate index file. Foreign
+directories are respected (`disk_root`, `disk_files`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import queue
-import re
+import math
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from engine.errors import KVChatError
 from engine.kvcache import disk_entry
-from engine.kvcache.disk_entry import EntryError, EntryHeader
-from engine.kvcache.prefix_key import HASH_SIZE, CacheSalt, chain_hash
-from engine.paths import cache_root, private_dir
+from engine.kvcache.disk_entry import EntryError, EntrySpec
+from engine.kvcache.disk_files import TEMP_GRACE_S, EntryFiles
+from engine.kvcache.disk_index import EntryIndex, EntryInfo, StoreStats, TenantTTLs
+from engine.kvcache.disk_root import TTL_FILE
+from engine.kvcache.disk_writer import BackgroundWriter
+from engine.kvcache.prefix_key import CacheSalt
+from engine.paths import cache_root
 
-_ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.kvb")
-_SHARD_NAME = re.compile(r"[0-9a-f]{2}")
-# A younger temp file may be another process's write in flight: leave it alone.
-TEMP_GRACE_S = 60.0
-
-
-@dataclass(slots=True)
-class EntryInfo:
-    """One stored block as `DiskPrefixStore.entries` lists it (token count, not the ids)."""
-
-    hash: str
-    tenant: str
-    permission_version: int
-    model: str
-    tokens: int
-    bytes: int
-    created: float
-    expires: float
-    last_used: float
-
-
-@dataclass(slots=True)
-class StoreStats:
-    """Counters since this store object was opened, plus its current size."""
-
-    entries: int = 0
-    bytes: int = 0
-    budget_bytes: int = 0
-    hits: int = 0
-    misses: int = 0
-    writes: int = 0
-    write_errors: int = 0
-    dropped_writes: int = 0
-    evictions: int = 0  # deleted to stay within the byte budget
-    expired_removed: int = 0
-    misses_by_reason: dict[str, int] = field(default_factory=dict)
-    removed_by_reason: dict[str, int] = field(default_factory=dict)  # every file deletion
-    pending_writes: int = 0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(slots=True)
-class _Entry:
-    size: int
-    last_used: float
-    header: EntryHeader
+__all__ = ["TEMP_GRACE_S", "TTL_FILE", "DiskPrefixStore", "EntryInfo", "EntrySpec", "StoreStats"]
 
 
 class DiskPrefixStore:
     """A crash-safe, budgeted, expiring store of KV blocks keyed by `prefix_key.chain_hash`.
 
+    Opening never fails on the directory: one that cannot be used safely leaves the store
+    read-only or off (`disk_root.open_root`), and ``degraded`` says why.
+
     Args:
         root (Path, optional): the store's directory. Default: ``cache_root() / "prefix"``.
         budget_bytes (int): total file bytes kept; least recently used entries go first.
         default_ttl_s (float): lifetime of an entry. Default: 24 h.
-        tenant_ttl_s (dict[str, float], optional): per-tenant lifetimes overriding the default.
+        tenant_ttl_s (dict[str, float], optional): per-tenant lifetimes; against one saved
+            in the directory (`set_tenant_ttl`) the shorter wins.
         max_pending (int): bound of the background write queue (each item holds a block).
         clock (Callable[[], float]): unix time for created / expires / last used.
+        expire_at_open (bool): delete expired entries when opening; False indexes them so
+            that ``purge(expired_only=True)`` counts them. Default: ``True``.
     """
 
-    def __init__(
-        self,
-        root: Path | None = None,
-        *,
-        budget_bytes: int = 2 << 30,
-        default_ttl_s: float = 24 * 3600,
-        tenant_ttl_s: dict[str, float] | None = None,
-        max_pending: int = 64,
-        clock: Callable[[], float] = time.time,
-    ):
-        self.root = private_dir(Path(root) if root is not None else cache_root() / "prefix")
+    def __init__(self, root: Path | None = None, *, budget_bytes: int = 2 << 30,
+                 default_ttl_s: float = 24 * 3600, tenant_ttl_s: dict[str, float] | None = None,
+                 max_pending: int = 64, clock: Callable[[], float] = time.time,
+                 expire_at_open: bool = True):
+        self.files = EntryFiles(Path(root) if root is not None else cache_root() / "prefix")
+        self.root = self.files.root
         self.budget_bytes = budget_bytes
-        self.default_ttl_s = default_ttl_s
-        self.tenant_ttl_s = dict(tenant_ttl_s or {})
+        self.ttls = TenantTTLs(self.root / TTL_FILE if self.files.readable else None,
+                               default_ttl_s, tenant_ttl_s)
         self._clock = clock
         self._lock = threading.Lock()  # index, counters; also held for renames and deletions
-        self._idle = threading.Condition(self._lock)  # a queued write finished
-        self._index: dict[bytes, _Entry] = {}
-        self._bytes = 0
+        self._index = EntryIndex()
         self._writing: set[bytes] = set()
         self._stats = StoreStats(budget_bytes=budget_bytes)
-        self._misses: Counter[str] = Counter()
-        self._removed: Counter[str] = Counter()
-        self._queue: queue.Queue = queue.Queue(max_pending)
-        self._pending = 0
-        self._writer: threading.Thread | None = None
-        self._closed = False
-        now = self._clock()
-        for p in self._shard_files():
-            if _ENTRY_NAME.fullmatch(p.name) and p.is_file(follow_symlinks=False):
-                self._scan_entry(Path(p.path), now)
-            else:
-                self._remove_if_stale_temp(p)
+        self._writer = BackgroundWriter(self.put, max_pending)
+        now = self._clock() if expire_at_open else -math.inf
         with self._lock:
+            for path, header, st, reason in self.files.scan():
+                if reason is None and now >= self.ttls.expiry(header):
+                    reason = "expired"
+                if reason is None:
+                    self._index.add(header.block_hash, st.st_size, st.st_mtime, header)
+                else:
+                    self._remove_file(path, reason)
             self._enforce_budget_locked()
 
-    def get(
-        self, salt: CacheSalt, block_hash: bytes, token_ids: Sequence[int]
-    ) -> list[np.ndarray] | None:
+    @property
+    def degraded(self) -> str | None:
+        """Why entries are not read or not written (one line, set once), or None."""
+        return self.files.degraded
+
+    @property
+    def writable(self) -> bool:
+        """Whether new entries are written (False: a read-only, full or foreign directory)."""
+        return self.files.writable
+
+    def get(self, salt: CacheSalt, block_hash: bytes, token_ids: Sequence[int], *,
+            expect: EntrySpec | None = None) -> list[np.ndarray] | None:
         """The block's arrays (``list[np.ndarray]``, uint16 for bfloat16), or None on a miss.
 
-        Verifies magic, format version, checksum, header, the whole salt (model, tokenizer,
-        prompt version, position, KV format, block size, tenant, permission version), block
-        hash, token ids, expiry and payload sizes. A failing entry is deleted and counted in
-        ``stats().misses_by_reason``. Never raises on bad file content.
+        Verifies the whole file (`disk_entry.decode_entry`), then salt, block hash, token ids
+        and tensor structure (`disk_entry.check_entry`, with ``expect`` if given), then expiry.
+        A failing entry is deleted and counted in ``stats().misses_by_reason``. Never raises:
+        anything unforeseen is a miss too ("error").
         """
-        path = self._path(block_hash)
         try:
-            data, st = disk_entry.read_file(path, max(self.budget_bytes, 1 << 20))
-        except FileNotFoundError:
-            return self._miss(block_hash, "absent")
-        except OSError:
-            return self._miss(block_hash, "io_error")
-        try:
-            if data is None:
-                raise EntryError("corrupt", "size")
-            header, arrays = disk_entry.decode_entry(data)
-            self._verify(header, salt, block_hash, token_ids)
-        except EntryError as e:
-            return self._miss(block_hash, e.reason, path, st.st_ino)
-        now = self._clock()
-        with self._lock:
-            self._stats.hits += 1
-            entry = self._index.get(block_hash)
-            if entry is None:  # another process wrote it after our scan
-                self._add_locked(block_hash, _Entry(st.st_size, now, header))
-            else:
-                entry.last_used = now
-            with contextlib.suppress(OSError):
-                os.utime(path, (now, now))  # persists LRU order across restarts
-        return arrays
+            return self._read(salt, block_hash, token_ids, expect)
+        except Exception:  # a surprise must cost a miss, never the request (or its neighbours)
+            with self._lock:
+                self._stats.count_miss("error")
+            return None
 
     def contains(self, block_hash: bytes) -> bool:
         """Whether the index holds ``block_hash`` (no disk access, no verification)."""
         with self._lock:
             return block_hash in self._index
 
-    def put(
-        self,
-        salt: CacheSalt,
-        block_hash: bytes,
-        parent_hash: bytes,
-        token_ids: Sequence[int],
-        arrays: Sequence[np.ndarray],
-        ttl_s: float | None = None,
-    ) -> bool:
-        """Write one block now; True if written.
+    def put(self, salt: CacheSalt, block_hash: bytes, parent_hash: bytes,
+            token_ids: Sequence[int], arrays: Sequence[np.ndarray],
+            ttl_s: float | None = None) -> bool:
+        """Write one block now; True if written. ``ttl_s`` defaults to the tenant's TTL.
 
-        False when the block is already stored or being written, alone exceeds the budget,
-        has a TTL that is not positive, or on an I/O error (counted in ``write_errors``).
-        ``ttl_s`` defaults to the tenant's TTL, else ``default_ttl_s``.
-
-        Raises:
-            ValueError: ``block_hash != chain_hash(parent_hash, token_ids)``, a token count
-                other than ``salt.block_size``, or arrays not numpy ``(heads, block_size,
-                dim)`` float32 / float16 / uint16 (bfloat16 bits).
+        False when the block is stored or being written, alone exceeds the budget, has a TTL
+        that is not positive, the store is not writable (``dropped_writes``), or on an I/O
+        error (``write_errors``; a read-only or full directory stops writing, see ``degraded``).
+        Raises ValueError for a block `disk_entry.make_header` refuses.
         """
-        header = self._make_header(salt, block_hash, parent_hash, token_ids, arrays, ttl_s)
+        ttl = self.ttls.for_tenant(salt.tenant) if ttl_s is None else ttl_s
+        header = disk_entry.make_header(salt, block_hash, parent_hash, token_ids, arrays,
+                                        self._clock(), ttl)
         size = header.file_size()
-        if header.expires <= header.created or size > self.budget_bytes:
-            return False
         with self._lock:
-            if block_hash in self._index or block_hash in self._writing:
+            if not self.files.writable:
+                self._stats.dropped_writes += 1
+                return False
+            if (header.expires <= header.created or size > self.budget_bytes
+                    or block_hash in self._index or block_hash in self._writing):
                 return False
             self._writing.add(block_hash)
-        path, tmp = self._path(block_hash), None
         try:
-            if not path.parent.is_dir():
-                private_dir(path.parent)
-            tmp = disk_entry.write_temp(path, header, arrays)
+            tmp = self.files.write_temp(header, arrays)
             with self._lock:
-                os.replace(tmp, path)
-                self._add_locked(header.block_hash, _Entry(size, header.created, header))
+                self.files.commit(tmp, header.block_hash)
+                self._index.add(header.block_hash, size, header.created, header)
                 self._stats.writes += 1
                 self._enforce_budget_locked()
-        except OSError:
+        except OSError:  # a directory at the entry's path, a symlinked shard, a full disk...
             with self._lock:
                 self._stats.write_errors += 1
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)
             return False
         finally:
             with self._lock:
                 self._writing.discard(block_hash)
-        disk_entry.fsync_dir(path.parent)  # makes the rename itself durable
+        self.files.sync(header.block_hash)  # makes the rename itself durable
         return True
 
-    def put_async(
-        self,
-        salt: CacheSalt,
-        block_hash: bytes,
-        parent_hash: bytes,
-        token_ids: Sequence[int],
-        arrays: Sequence[np.ndarray],
-        ttl_s: float | None = None,
-    ) -> bool:
+    def put_async(self, salt: CacheSalt, block_hash: bytes, parent_hash: bytes,
+                  token_ids: Sequence[int], arrays: Sequence[np.ndarray],
+                  ttl_s: float | None = None) -> bool:
         """Queue a `put` for the background writer thread; never blocks. True if queued.
 
-        ``arrays`` must be numpy copies the caller no longer touches. A full queue or a closed
-        store drops the write (counted in ``dropped_writes``); a stored block is skipped.
+        ``arrays`` must be numpy copies the caller no longer touches. A full queue, a closed
+        or a non-writable store drops the write (``dropped_writes``); a stored block is skipped.
         """
         if not all(isinstance(a, np.ndarray) for a in arrays):
             raise TypeError("put_async needs numpy copies, not views of the KV pool")
         with self._lock:
             if block_hash in self._index:
                 return False
-            if self._closed:
+            if not self.files.writable:
                 self._stats.dropped_writes += 1
                 return False
-            if self._writer is None:
-                self._writer = threading.Thread(
-                    target=self._run_writer, name="kvchat-prefix-writer", daemon=True
-                )
-                self._writer.start()
-            self._pending += 1
-        try:
-            self._queue.put_nowait((salt, block_hash, parent_hash, token_ids, arrays, ttl_s))
-        except queue.Full:
-            self._write_done(dropped=True)
-            return False
-        return True
+        return self._writer.submit((salt, block_hash, parent_hash, token_ids, arrays, ttl_s))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done; False if ``timeout`` ran out first."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+        return self._writer.flush(timeout)
 
     def close(self) -> None:
         """Drain the queue and stop the writer; later `put_async` calls are dropped."""
-        with self._lock:
-            writer, self._closed = (None if self._closed else self._writer), True
-        if writer is not None:
-            self._queue.put(None)
-            writer.join()
+        self._writer.close()
 
     def __enter__(self) -> DiskPrefixStore:
         return self
@@ -274,26 +182,22 @@ class DiskPrefixStore:
         self.close()
 
     def sweep(self) -> int:
-        """Delete expired entries, enforce the budget, remove temp files older than a minute.
-
-        Returns the number of entries deleted (temp files not counted).
-        """
+        """Reread the tenant TTLs, delete expired entries, enforce the budget, remove kvchat
+        temp files older than a minute. Returns the number of entries deleted."""
+        with self._lock:
+            self.ttls.reload()  # `kvchat cache ttl` may have changed them
         removed = self.purge(expired_only=True)
+        stale = list(self.files.scan(entries=False))  # outside the lock: get() need not wait
         with self._lock:
             removed += self._enforce_budget_locked()
-        for p in self._shard_files():
-            self._remove_if_stale_temp(p)
+            for path, _, _, reason in stale:
+                self._remove_file(path, reason)
         return removed
 
-    def purge(
-        self,
-        tenant: str | None = None,
-        model: str | None = None,
-        expired_only: bool = False,
-        all: bool = False,
-        permission_below: int | None = None,
-    ) -> int:
-        """Delete the entries matching every given filter; returns how many.
+    def purge(self, tenant: str | None = None, model: str | None = None,
+              expired_only: bool = False, all: bool = False,
+              permission_below: int | None = None) -> int:
+        """Delete the entries matching every filter given; returns how many (0 if read-only).
 
         Args:
             tenant (str, optional): only this tenant's entries.
@@ -303,204 +207,91 @@ class DiskPrefixStore:
             permission_below (int, optional): only entries with a lower permission version
                 (what a permission bump made unreachable; combine with ``tenant``).
 
-        Raises:
-            ValueError: no filter given and ``all`` is False, so nothing is wiped by mistake.
+        Raises ValueError when no filter is given and ``all`` is False.
         """
         filters = (tenant, model, permission_below)
         if not (all or expired_only or any(f is not None for f in filters)):
             raise ValueError("purge needs tenant, model, expired_only, permission_below or all")
-        now = self._clock()
+        if not self.files.tidy:
+            return 0
         with self._lock:
-            doomed = [
-                h
-                for h, e in self._index.items()
-                if (tenant is None or e.header.salt.tenant == tenant)
-                and (model is None or e.header.salt.model_fingerprint.startswith(model))
-                and (not expired_only or now >= e.header.expires)
-                and (permission_below is None
-                     or e.header.salt.permission_version < permission_below)
-            ]
+            doomed = self._index.select(
+                self.ttls, tenant=tenant, model=model, permission_below=permission_below,
+                expired_at=self._clock() if expired_only else None)
             for h in doomed:
                 self._drop_locked(h, "expired" if expired_only else "purge")
         return len(doomed)
 
+    def set_tenant_ttl(self, tenant: str, ttl_s: float | None) -> int:
+        """Set (None: clear) the tenant's TTL for every store on this directory.
+
+        Saved in the directory: engines opened later write with it, running ones take it at
+        their next `sweep`. It also caps the age of existing entries: those past it are
+        deleted now; returns how many. Raises KVChatError in a read-only or disabled store,
+        ValueError for a TTL that is not a positive finite number, OSError if not saved.
+        """
+        if not self.files.tidy:
+            raise KVChatError(f"cannot set a TTL: {self.degraded}")
+        with self._lock:
+            self.ttls.save(tenant, ttl_s)
+        return self.purge(tenant=tenant, expired_only=True)
+
     def entries(self) -> list[EntryInfo]:
         """Every indexed entry, most recently used first."""
         with self._lock:
-            items = sorted(self._index.items(), key=lambda kv: -kv[1].last_used)
-        return [
-            EntryInfo(
-                hash=h.hex(),
-                tenant=e.header.salt.tenant,
-                permission_version=e.header.salt.permission_version,
-                model=e.header.salt.model_fingerprint,
-                tokens=len(e.header.token_ids),
-                bytes=e.size,
-                created=e.header.created,
-                expires=e.header.expires,
-                last_used=e.last_used,
-            )
-            for h, e in items
-        ]
+            return self._index.infos(self.ttls)
 
     def stats(self) -> StoreStats:
         """A snapshot of the counters and the current size."""
+        w = self._writer
         with self._lock:
             return replace(
-                self._stats,
-                entries=len(self._index),
-                bytes=self._bytes,
-                pending_writes=self._pending,
-                misses_by_reason=dict(self._misses),
-                removed_by_reason=dict(self._removed),
-            )
+                self._stats, entries=len(self._index), bytes=self._index.bytes,
+                write_errors=self._stats.write_errors + w.failed,
+                dropped_writes=self._stats.dropped_writes + w.dropped, pending_writes=w.pending,
+                misses_by_reason=dict(self._stats.misses_by_reason),
+                removed_by_reason=dict(self._stats.removed_by_reason))
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _path(self, block_hash: bytes) -> Path:
-        name = bytes(block_hash).hex()
-        return self.root / name[:2] / f"{name}.kvb"
-
-    def _shard_files(self) -> Iterator[os.DirEntry]:
-        """Everything inside the shard directories; other names under the root are not ours."""
-        for shard in _scandir(self.root):
-            if _SHARD_NAME.fullmatch(shard.name) and shard.is_dir(follow_symlinks=False):
-                with contextlib.suppress(OSError):
-                    os.chmod(shard.path, 0o700)
-                yield from _scandir(shard.path)
-
-    def _remove_if_stale_temp(self, p: os.DirEntry) -> None:
-        # Real time, not self._clock: this compares against the filesystem's own mtime.
-        with contextlib.suppress(OSError):
-            if (
-                p.name.endswith(disk_entry.TEMP_SUFFIX)
-                and p.stat(follow_symlinks=False).st_mtime < time.time() - TEMP_GRACE_S
-            ):
-                with self._lock:
-                    self._remove_file(Path(p.path), "temp")
-
-    def _scan_entry(self, path: Path, now: float) -> None:
-        """Index one entry from its header alone; delete it if bad or expired."""
+    def _read(self, salt, block_hash, token_ids, expect) -> list[np.ndarray] | None:
+        limit = max(self.budget_bytes, 1 << 20)
         try:
-            with open(path, "rb", opener=disk_entry.nofollow) as f:
-                st = os.fstat(f.fileno())
-                header = disk_entry.read_header(f, st.st_size)
-            if header.block_hash.hex() != path.stem:
-                raise EntryError("corrupt", "file name")
-            reason = "expired" if now >= header.expires else None
+            header, arrays, st = self.files.load(block_hash, limit, salt, token_ids, expect)
+            if self._clock() >= self.ttls.expiry(header):
+                raise EntryError("expired", inode=st.st_ino)
         except EntryError as e:
-            reason = e.reason
-        except OSError:
-            reason = "corrupt"  # unreadable: it could only ever be a miss
+            return self._miss(block_hash, e.reason, e.inode)
+        now = self._clock()
         with self._lock:
-            if reason is not None:
-                self._remove_file(path, reason)
+            self._stats.hits += 1
+            entry = self._index.get(block_hash)
+            if entry is None:  # another process wrote it after our scan
+                self._index.add(block_hash, st.st_size, now, header)
             else:
-                self._add_locked(header.block_hash, _Entry(st.st_size, st.st_mtime, header))
+                entry.last_used = now
+            self.files.touch(block_hash, now)  # persists LRU order across restarts
+        return arrays
 
-    def _verify(self, header: EntryHeader, salt, block_hash, token_ids) -> None:
-        if header.salt != salt:
-            raise EntryError("foreign")
-        if header.block_hash != block_hash or len(header.token_ids) != salt.block_size:
-            raise EntryError("corrupt", "block hash or size")
-        if chain_hash(header.parent_hash, header.token_ids) != block_hash:
-            raise EntryError("corrupt", "chain hash")
-        if header.token_ids != [int(t) for t in token_ids]:
-            raise EntryError("mismatch")
-        if self._clock() >= header.expires:
-            raise EntryError("expired")
-
-    def _miss(self, block_hash, reason, path=None, inode=None) -> None:
+    def _miss(self, block_hash, reason, inode=None) -> None:
         with self._lock:
-            self._stats.misses += 1
-            self._misses[reason] += 1
+            self._stats.count_miss(reason)
             if reason == "absent":
-                self._pop_locked(block_hash)
-            elif path is not None:
-                # Delete only the file we judged: our writer may have replaced it since.
-                with contextlib.suppress(OSError):
-                    if os.stat(path, follow_symlinks=False).st_ino == inode:
-                        self._drop_locked(block_hash, reason)
+                self._index.pop(block_hash)
+            elif inode is not None:  # only the file judged: our writer may have replaced it
+                self._drop_locked(block_hash, reason, inode)
         return None
 
-    def _make_header(self, salt, block_hash, parent_hash, token_ids, arrays, ttl_s):
-        tokens = [int(t) for t in token_ids]
-        if len(block_hash) != HASH_SIZE or chain_hash(parent_hash, tokens) != block_hash:
-            raise ValueError("block_hash is not chain_hash(parent_hash, token_ids)")
-        if len(tokens) != salt.block_size:
-            raise ValueError(f"{len(tokens)} token ids for block size {salt.block_size}")
-        if not arrays or any(
-            not isinstance(a, np.ndarray) or a.ndim != 3 or a.shape[1] != salt.block_size
-            for a in arrays
-        ):
-            raise ValueError("arrays must be numpy (kv_heads, block_size, head_dim)")
-        if ttl_s is None:
-            ttl_s = self.tenant_ttl_s.get(salt.tenant, self.default_ttl_s)
-        now = self._clock()
-        return EntryHeader(
-            salt=salt,
-            block_hash=bytes(block_hash),
-            parent_hash=bytes(parent_hash),
-            token_ids=tokens,
-            created=now,
-            expires=now + ttl_s,
-            tensors=[(disk_entry.dtype_name(a), tuple(a.shape)) for a in arrays],
-        )
+    def _drop_locked(self, block_hash: bytes, reason: str, inode: int | None = None) -> None:
+        self._index.pop(block_hash)
+        self._remove_file(self.files.path(block_hash), reason, inode)
 
-    def _run_writer(self) -> None:
-        while (item := self._queue.get()) is not None:
-            try:
-                self.put(*item)
-            except Exception:  # a malformed block must not kill the writer
-                with self._lock:
-                    self._stats.write_errors += 1
-            finally:
-                self._write_done()
-
-    def _write_done(self, dropped: bool = False) -> None:
-        with self._idle:
-            self._pending -= 1
-            self._stats.dropped_writes += int(dropped)
-            self._idle.notify_all()
-
-    def _add_locked(self, block_hash: bytes, entry: _Entry) -> None:
-        self._pop_locked(block_hash)
-        self._index[block_hash] = entry
-        self._bytes += entry.size
-
-    def _pop_locked(self, block_hash: bytes) -> None:
-        entry = self._index.pop(block_hash, None)
-        if entry is not None:
-            self._bytes -= entry.size
-
-    def _drop_locked(self, block_hash: bytes, reason: str) -> None:
-        self._pop_locked(block_hash)
-        self._remove_file(self._path(block_hash), reason)
-
-    def _remove_file(self, path: Path, reason: str) -> None:
-        try:
-            path.unlink()
-        except OSError:  # already gone
-            return
-        self._removed[reason] += 1
-        self._stats.expired_removed += int(reason == "expired")
-        self._stats.evictions += int(reason == "budget")
+    def _remove_file(self, path: Path, reason: str, inode: int | None = None) -> None:
+        if self.files.remove(path, inode):
+            self._stats.count_removal(reason)
 
     def _enforce_budget_locked(self) -> int:
-        if self._bytes <= self.budget_bytes:
-            return 0
-        evicted = 0
-        for h, _ in sorted(self._index.items(), key=lambda kv: kv[1].last_used):
-            if self._bytes <= self.budget_bytes:
-                break
+        doomed = self._index.over_budget(self.budget_bytes) if self.files.tidy else []
+        for h in doomed:
             self._drop_locked(h, "budget")
-            evicted += 1
-        return evicted
-
-
-def _scandir(path) -> list[os.DirEntry]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except OSError:
-        return []
+        return len(doomed)

@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.disk_entry import EntrySpec
 from engine.kvcache.disk_store import DiskPrefixStore
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.kvcache.prefix_key import CacheSalt, chain_hash
@@ -47,6 +48,10 @@ class PrefixCache:
         self.enabled = enabled
         self.base = salt_base
         self.store = store if enabled else None
+        L = kv.layout
+        # what a disk entry of this pool must hold: anything else is a miss, never served
+        self.entry_spec = EntrySpec(2 * L.num_layers, (L.num_kv_heads, L.block_size, L.head_dim),
+                                    salt_base["kv_format"])
         self.disk_hits = 0
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
 
@@ -98,7 +103,7 @@ class PrefixCache:
             if not self.store.contains(hashes[i]) or not self.blocks.can_append(seq_id, bs):
                 break
             tokens = self._block_tokens(token_ids, i)
-            arrays = self.store.get(seq.salt, hashes[i], tokens)
+            arrays = self.store.get(seq.salt, hashes[i], tokens, expect=self.entry_spec)
             if arrays is None:  # corrupt, foreign or expired: a miss, removed by the store
                 break
             slots = mx.array(self.blocks.append(seq_id, bs).slots, dtype=mx.int32)

@@ -48,6 +48,10 @@ def metrics_table(m, last_turn: tuple[int, int] | None) -> Table:
     t.add_row("evictions", f"{m.evictions} · preempted {m.preemptions} · "
                            f"rejected {getattr(m, 'rejections', 0)}")
     t.add_row("release", f"{m.release_latency_ms:.2f} ms (last)")
+    errors, warning = getattr(m, "disk_write_errors", 0), getattr(m, "disk_warning", None)
+    if errors or warning:  # only when the disk cache is not working as asked
+        t.add_row("disk", Text(f"{errors} write errors" + (f" · {warning}" if warning else ""),
+                               style="bold yellow", overflow="fold"))
     latency = getattr(m, "latency", {}) or {}
     for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL")):
         p = latency.get(key)

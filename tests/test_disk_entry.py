@@ -1,0 +1,182 @@
+"""Structural checks of disk entries: checksum-VALID files (re-signed after tampering) whose
+content does not fit the salt or the reader's `EntrySpec` are misses, deleted and counted."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_disk_store import BS, SALT, Clock, entry_path, get, make_block, put, same
+
+from engine.kvcache import disk_entry
+from engine.kvcache.disk_entry import DTYPES, EntryHeader, EntrySpec
+from engine.kvcache.disk_store import DiskPrefixStore
+
+HEADS, DIM = 2, 8
+SPEC = EntrySpec(num_arrays=4, shape=(HEADS, BS, DIM), dtype="float32")
+
+
+def resign(path: Path, arrays: list[np.ndarray] | None = None, **changes) -> None:
+    """Rewrite an entry with header ``changes`` and/or new ``arrays``, checksum recomputed."""
+    header, old = disk_entry.decode_entry(bytearray(path.read_bytes()))
+    arrays = [np.array(a) for a in old] if arrays is None else arrays
+    if "tensors" not in changes:
+        changes["tensors"] = [(disk_entry.dtype_name(a), tuple(a.shape)) for a in arrays]
+    with open(path, "wb") as f:
+        disk_entry.write_entry(f, dataclasses.replace(header, **changes), arrays)
+    disk_entry.decode_entry(bytearray(path.read_bytes()))  # the checksum is valid
+
+
+def block_arrays(shape=(HEADS, BS, DIM), dtype=np.float32, n=4) -> list[np.ndarray]:
+    return [np.full(shape, k, dtype) for k in range(n)]
+
+
+TOKENS = make_block(0).tokens
+# name -> (resign kwargs, caught by the start-up scan without an EntrySpec)
+CASES = {
+    "59 tensors": (dict(arrays=block_arrays(n=59)), False),
+    "3 tensors": (dict(arrays=block_arrays(n=3)), False),
+    "no tensors": (dict(arrays=[]), True),
+    "token id 2**40": (dict(token_ids=[2**40, *TOKENS[1:]]), True),
+    "token id 2**31": (dict(token_ids=[*TOKENS[:-1], 2**31]), True),
+    "negative token id": (dict(token_ids=[-1, *TOKENS[1:]]), True),
+    "short block": (dict(token_ids=TOKENS[:-1]), True),
+    "transposed (dim, block)": (dict(arrays=block_arrays((HEADS, DIM, BS))), True),
+    "transposed (dim, heads)": (dict(arrays=block_arrays((DIM, BS, HEADS))), False),
+    "more heads": (dict(arrays=block_arrays((HEADS + 1, BS, DIM))), False),
+    "2-D tensors": (dict(arrays=block_arrays((HEADS, BS))), True),
+    "4-D tensors": (dict(arrays=block_arrays((1, HEADS, BS, DIM))), True),
+    "empty heads": (dict(arrays=block_arrays((0, BS, DIM))), True),
+    "float16 under a float32 salt": (dict(arrays=block_arrays(dtype=np.float16)), True),
+    "bfloat16 under a float32 salt": (dict(arrays=block_arrays(dtype=np.uint16)), True),
+    "mixed dtypes": (dict(arrays=[*block_arrays(n=3), *block_arrays(n=1, dtype=np.float16)]),
+                     True),
+}
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = DiskPrefixStore(tmp_path / "prefix", clock=Clock())
+    yield s
+    s.close()
+
+
+def test_a_good_entry_meets_its_spec(store):
+    b = make_block(1)
+    assert put(store, b)
+    assert same(store.get(b.salt, b.hash, b.tokens, expect=SPEC), b.arrays)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_malformed_entry_is_a_miss_removed_and_counted(store, case):
+    b = make_block(2)
+    put(store, b)
+    path = entry_path(store, b)
+    resign(path, **CASES[case][0])
+    assert store.get(b.salt, b.hash, b.tokens, expect=SPEC) is None
+    assert not path.exists() and not store.contains(b.hash)
+    st_ = store.stats()
+    assert st_.misses_by_reason == {"malformed": 1}
+    assert st_.removed_by_reason == {"malformed": 1} and st_.hits == 0
+    assert store.get(b.salt, b.hash, b.tokens, expect=SPEC) is None  # gone for good
+
+
+@pytest.mark.parametrize("case", [c for c, (_, scan) in CASES.items() if scan])
+def test_malformed_entry_is_removed_at_start_up(tmp_path, case):
+    root = tmp_path / "prefix"
+    b = make_block(3)
+    with DiskPrefixStore(root, clock=Clock()) as s:
+        put(s, b)
+    resign(entry_path(s, b), **CASES[case][0])
+    s2 = DiskPrefixStore(root, clock=Clock())
+    assert s2.stats().removed_by_reason == {"malformed": 1}
+    assert not entry_path(s2, b).exists()
+
+
+@pytest.mark.parametrize("case", ["float16 under a float32 salt", "transposed (dim, block)",
+                                  "token id 2**40", "short block"])
+def test_checked_against_the_salt_even_without_a_spec(store, case):
+    b = make_block(4)
+    put(store, b)
+    resign(entry_path(store, b), **CASES[case][0])
+    assert get(store, b) is None
+    assert store.stats().misses_by_reason == {"malformed": 1}
+
+
+def test_expect_must_match_exactly(store):
+    b = make_block(5)
+    put(store, b)
+    wrong = dataclasses.replace(SPEC, dtype="float16")
+    assert store.get(b.salt, b.hash, b.tokens, expect=wrong) is None
+    assert store.stats().misses_by_reason == {"malformed": 1}
+
+
+def test_get_never_raises(store, monkeypatch):
+    b = make_block(6)
+    put(store, b)
+
+    def boom(*args, **kw):
+        raise RuntimeError("a bug in a check")
+
+    monkeypatch.setattr(disk_entry, "check_entry", boom)
+    assert get(store, b) is None  # a surprise is a miss ...
+    assert not entry_path(store, b).exists()  # ... and the file that caused it is gone
+    assert store.stats().misses_by_reason == {"error": 1}
+    monkeypatch.undo()
+    assert store.get(SALT, None, b.tokens) is None  # nonsense from the caller: a miss too
+    assert store.get(SALT, b.hash, None) is None
+    assert store.stats().misses == 3
+
+
+@pytest.mark.parametrize("bad", [dict(num_arrays=0), dict(num_arrays=True),
+                                 dict(shape=(2, 0, 8)), dict(shape=[2, 4, 8]),
+                                 dict(dtype="float64"), dict(dtype="q8g64")])
+def test_entry_spec_rejects_nonsense(bad):
+    with pytest.raises(ValueError):
+        EntrySpec(**{**dataclasses.asdict(SPEC), **bad})
+
+
+@pytest.mark.parametrize("change", [
+    {"tokens": [2**31, 1, 2, 3]},
+    {"tokens": [-1, 1, 2, 3]},
+    {"arrays": block_arrays(dtype=np.float16)},  # not the salt's kv_format
+    {"arrays": block_arrays((0, BS, DIM))},
+])
+def test_put_writes_only_what_get_accepts(store, change):
+    b = make_block(7)._replace(**change)
+    with pytest.raises(ValueError):
+        store.put(b.salt, b.hash, b.parent, b.tokens, b.arrays)
+    assert store.stats().entries == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(0, 6),
+    dtype=st.sampled_from(sorted(DTYPES)),
+    shape=st.sampled_from([(HEADS, BS, DIM), (DIM, BS, HEADS), (HEADS, DIM, BS), (HEADS, BS),
+                           (1, HEADS, BS, DIM), (HEADS, BS, 0), (HEADS, BS, DIM + 1)]),
+    tokens=st.one_of(st.just(TOKENS), st.lists(st.integers(-(2**40), 2**40), max_size=6)),
+)
+def test_checksum_valid_content_is_served_only_as_expected(tmp_path_factory, n, dtype, shape,
+                                                           tokens):
+    store = DiskPrefixStore(tmp_path_factory.mktemp("fuzz"), clock=Clock())
+    b = make_block(0)
+    put(store, b)
+    arrays = [np.zeros(shape, DTYPES[dtype]) for _ in range(n)]
+    resign(entry_path(store, b), arrays=arrays, token_ids=tokens,
+           tensors=[(dtype, shape)] * n)
+    got = store.get(b.salt, b.hash, b.tokens, expect=SPEC)
+    fits = (n, dtype, shape, tokens) == (4, "float32", SPEC.shape, TOKENS)
+    assert (got is not None) == fits
+    assert entry_path(store, b).exists() == fits
+
+
+def test_header_round_trip_is_unchanged():
+    b = make_block(8)
+    header = disk_entry.make_header(b.salt, b.hash, b.parent, b.tokens, b.arrays, 1.0, 2.0)
+    assert isinstance(header, EntryHeader) and header.expires == 3.0
+    assert disk_entry.parse_header(header.to_json()) == header
