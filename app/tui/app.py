@@ -185,7 +185,10 @@ class ChatApp(App):
     def action_toggle_theme(self) -> None:
         self.theme = "textual-light" if self.current_theme.dark else "textual-dark"
         if self.remember:
-            settings.save_settings(theme=self.theme)
+            try:
+                settings.save_settings(theme=self.theme)
+            except OSError as e:  # a read-only cache root must not end the chat
+                self.notify(f"Could not save the theme: {e}", severity="warning", timeout=4)
 
     def action_cancel_generation(self) -> None:
         self.chat.action_cancel_generation()
