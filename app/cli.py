@@ -58,6 +58,8 @@ def cmd_generate(args) -> int:
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             stop=args.stop or [])
     eng = build_engine(args)
+    for notice in eng.notices:  # e.g. a KV format this model cannot use
+        print(f"kvchat: note: {notice}", file=sys.stderr)
     try:
         prompt = read_prompt(args, eng.max_context)
         if not prompt.strip():

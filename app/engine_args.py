@@ -33,6 +33,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
                    help=f"bytes for the KV pool, e.g. 512M, 2G ({DEFAULT_KV_BUDGET})")
     p.add_argument("--weights", choices=["auto", "float32", "shipped"], default="auto",
                    help="weight format: auto picks float32 on CPU, shipped on GPU")
+    p.add_argument("--kv-bits", type=int, choices=[16, 8, 4], default=None,
+                   help="store the KV cache quantized at 8 or 4 bits (16: unquantized)")
+    p.add_argument("--k-bits", type=int, choices=[16, 8, 4], default=None,
+                   help="K's bits alone (overrides --kv-bits for K)")
+    p.add_argument("--v-bits", type=int, choices=[16, 8, 4], default=None,
+                   help="V's bits alone (overrides --kv-bits for V)")
     if disk:
         p.add_argument("--cache-dir", default=None,
                        help="disk prefix cache directory (default ~/.cache/kvchat/prefix)")
@@ -49,6 +55,9 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
         kv_budget_bytes=args.kv_budget,
         disk_cache=not getattr(args, "no_disk_cache", True),
         disk_cache_dir=getattr(args, "cache_dir", None),
+        kv_bits=getattr(args, "kv_bits", None),
+        k_bits=getattr(args, "k_bits", None),
+        v_bits=getattr(args, "v_bits", None),
     )
     return dataclasses.replace(config, **overrides)
 

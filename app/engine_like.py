@@ -36,6 +36,7 @@ class EngineLike(Protocol):
 
     loaded: Any  # the LoadedModel: name, path, weight_format, fingerprints
     max_context: int  # tokens one sequence may hold (prompt + output)
+    notices: list[str]  # what the engine changed from its config (a KV format that fell back)
 
     def start(self) -> None:
         """Run steps on a background thread (idempotent)."""

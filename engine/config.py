@@ -15,6 +15,14 @@ class EngineConfig:
     """Bytes for the KV pool; the number of blocks is derived from it."""
     kv_dtype: str | None = None
     """KV storage dtype ("float32", "float16", "bfloat16"); None = the model's compute dtype."""
+    kv_bits: int | None = None
+    """Store K and V quantized at 8 or 4 bits (MLX affine, float16 scales); None = kv_dtype."""
+    k_bits: int | None = None
+    """K's bits alone (overrides kv_bits for K; 16 = unquantized), like llama.cpp's cache-type-k."""
+    v_bits: int | None = None
+    """V's bits alone (overrides kv_bits for V; 16 = unquantized)."""
+    kv_group_size: int = 64
+    """Elements per quantization group (32, 64 or 128); head_dim must divide by it."""
     prefill_chunk: int = 512
     """Prompt tokens per prefill step (bounds memory and cancel latency)."""
     max_context: int | None = None
@@ -30,8 +38,10 @@ class EngineConfig:
     (a 512-token chunk takes seconds on a CPU); a lone prompt still prefills in full chunks."""
     watermark: float = 0.01
     """Fraction of the pool kept free at admission so running sequences can grow."""
-    preempt_mode: str = "recompute"
-    """How a preempted sequence gives its blocks back: "recompute" or "swap" (to host)."""
+    preempt_mode: str | None = None
+    """How a preempted sequence gives its blocks back: "recompute" or "swap" (to host).
+    None: recompute for a float pool, swap for a quantized one (recomputed K/V come from a
+    prefill, not decode steps, and re-quantizing them can change later tokens)."""
     swap_budget_bytes: int = 1 << 30
     """Host memory for swapped-out K/V; beyond it, preemption falls back to recompute."""
     prefix_cache: bool = True
@@ -58,9 +68,14 @@ class EngineConfig:
             raise ValueError("max_running must be positive")
         if not 0 <= self.watermark < 1:
             raise ValueError("watermark must be in [0, 1)")
-        if self.preempt_mode not in ("recompute", "swap"):
+        if self.preempt_mode not in (None, "recompute", "swap"):
             raise ValueError("preempt_mode must be recompute or swap")
         if self.overflow not in ("truncate", "reject"):
             raise ValueError("overflow must be truncate or reject")
+        for name in ("kv_bits", "k_bits", "v_bits"):
+            if getattr(self, name) not in (None, 4, 8, 16):
+                raise ValueError(f"{name} must be 4, 8 or 16")
+        if self.kv_group_size not in (32, 64, 128):
+            raise ValueError("kv_group_size must be 32, 64 or 128")
         if self.kv_dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError("kv_dtype must be float32, float16 or bfloat16")

@@ -42,6 +42,7 @@ class Engine(EngineLoop):
         self.runner, self.layout, self.kv, self.blocks = (parts.runner, parts.layout,
                                                           parts.kv, parts.blocks)
         self.prefix, self.swap = parts.prefix, parts.swap
+        self.notices = parts.notices  # e.g. a KV format that fell back: the front end says it
         self.max_context = parts.scheduler_config.max_context
         self.vocab_size = self.runner.embed_tokens.weight.shape[0]
         self.recorder = MetricsRecorder()
@@ -113,7 +114,7 @@ class Engine(EngineLoop):
                       notice=notice)
         s = req.stats
         s.prompt_tokens, s.block_size = len(ids), self.layout.block_size
-        s.bytes_per_token = self.layout.bytes_per_token
+        s.bytes_per_token, s.kv_format = self.layout.bytes_per_token, self.layout.kv_format
         with self._wake:  # ordered with shutdown: nothing is queued after it
             if self._stopped:
                 raise EngineStoppedError("the engine has shut down")
@@ -242,7 +243,7 @@ class Engine(EngineLoop):
         """A snapshot of the pool, the prefix cache, the queues and the latencies."""
         with self._lock:
             inbox = len(self._inbox)
-        return snapshot(self.blocks, self.recorder, self.layout.bytes_per_block,
+        return snapshot(self.blocks, self.recorder, self.layout,
                         self.scheduler, self.prefix, inbox)
 
     def block_map(self) -> str:

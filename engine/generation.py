@@ -23,6 +23,7 @@ class RequestStats:
     block_size: int = 0
     blocks_used: int = 0  # blocks the sequence held at its largest
     bytes_per_token: int = 0
+    kv_format: str = ""  # the pool's K/V format, e.g. "float32" or "k=q8g64,v=q4g64"
     bytes_used: int = 0  # blocks_used x bytes per block
     blocks_released: int = 0
     inter_token_s: list[float] = field(default_factory=list)
@@ -43,6 +44,7 @@ class RequestStats:
             "blocks_used": self.blocks_used,
             "bytes_per_token": self.bytes_per_token,
             "bytes_used": self.bytes_used,
+            "format": self.kv_format,
             "blocks_released": self.blocks_released,
         }
 

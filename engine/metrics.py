@@ -64,6 +64,9 @@ class EngineMetrics:
     # pool
     budget_bytes: int = 0
     bytes_per_block: int = 0
+    bytes_per_token: int = 0
+    kv_format: str = ""  # "float32", "float16", or e.g. "k=q8g64,v=q4g64"
+    bytes_per_token_fp16: int = 0  # the same pool in float16: what a quantized format saves
     blocks_total: int = 0
     blocks_free: int = 0
     blocks_used: int = 0
@@ -139,10 +142,10 @@ class MetricsRecorder:
         return {k: Percentiles.of(v) for k, v in windows.items()}
 
 
-def snapshot(blocks, recorder: MetricsRecorder, bytes_per_block: int, scheduler, prefix,
+def snapshot(blocks, recorder: MetricsRecorder, layout, scheduler, prefix,
              inbox: int = 0) -> EngineMetrics:
     """The engine's metrics now: cheap (no MLX work), safe from any thread."""
-    b, rec, bpb = blocks, recorder, bytes_per_block
+    b, rec, bpb = blocks, recorder, layout.bytes_per_block
     return EngineMetrics(
         used_bytes=b.num_used_blocks * bpb,
         peak_bytes=rec.peak_blocks * bpb,
@@ -152,6 +155,9 @@ def snapshot(blocks, recorder: MetricsRecorder, bytes_per_block: int, scheduler,
         release_latency_ms=rec.release_latency_ms,
         budget_bytes=b.num_blocks * bpb,
         bytes_per_block=bpb,
+        bytes_per_token=layout.bytes_per_token,
+        kv_format=layout.kv_format,
+        bytes_per_token_fp16=layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * 2,
         blocks_total=b.num_blocks,
         blocks_free=b.num_free_blocks,
         blocks_used=b.num_used_blocks,

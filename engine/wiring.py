@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.errors import KVChatError
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.disk_store import DiskPrefixStore
-from engine.kvcache.kv_cache import KVLayout, PagedKVCache
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache, QuantSpec
 from engine.kvcache.prefix_cache import PrefixCache
 from engine.kvcache.prefix_key import salt_base
 from engine.kvcache.swap import HostSwap
@@ -24,6 +24,26 @@ from engine.model import memory
 from engine.model.loader import LoadedModel
 from engine.model.model_runner import PagedModel
 from engine.scheduler import SchedulerConfig
+
+
+def kv_quant(config: EngineConfig, head_dim: int) -> tuple[QuantSpec | None, QuantSpec | None,
+                                                          str | None, str | None]:
+    """(K format, V format, a dtype override, a notice) from the config's bits.
+
+    A head dim the group does not divide cannot be quantized: the pool falls back to
+    float16 (half of float32, no quantization error) and says so.
+    """
+    k = config.k_bits or config.kv_bits
+    v = config.v_bits or config.kv_bits
+    if not any(b in (4, 8) for b in (k, v)):
+        return None, None, None, None
+    g = config.kv_group_size
+    if head_dim % g:
+        return None, None, "float16", (f"KV quantization needs a head dim divisible by the "
+                                       f"group size {g} (this model: {head_dim}); "
+                                       f"the KV cache uses float16 instead")
+    spec = {b: QuantSpec(b, g) for b in (4, 8)}
+    return spec.get(k), spec.get(v), None, None
 
 
 @dataclass(slots=True)
@@ -35,6 +55,7 @@ class EngineParts:
     prefix: PrefixCache
     swap: HostSwap
     scheduler_config: SchedulerConfig
+    notices: list[str]
 
 
 def _gib(n: int) -> str:
@@ -63,8 +84,11 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     runner = PagedModel(loaded.model, loaded.model_type)
     if config.fuse_projections:
         runner.fuse_projections()
-    dtype = getattr(mx, config.kv_dtype) if config.kv_dtype else None
-    layout = runner.kv_layout(config.block_size, dtype)
+    k_quant, v_quant, fallback, notice = kv_quant(config, runner.head_dim)
+    notices = [notice] if notice else []
+    dtype_name = fallback or config.kv_dtype
+    dtype = getattr(mx, dtype_name) if dtype_name else None
+    layout = runner.kv_layout(config.block_size, dtype, k_quant=k_quant, v_quant=v_quant)
     num_blocks = layout.num_blocks_for(config.kv_budget_bytes)
     if num_blocks < 1:
         raise KVChatError(f"a KV budget of {config.kv_budget_bytes} bytes holds no block of "
@@ -72,7 +96,10 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     kv = PagedKVCache(layout, num_blocks)
     blocks = BlockManager(num_blocks, config.block_size)
     store = None
-    if config.prefix_cache and config.disk_cache:
+    if config.prefix_cache and config.disk_cache and layout.quantized:
+        notices.append("the disk prefix cache stores float formats only: quantized prefix "
+                       "blocks are reused from RAM but not written to disk")
+    elif config.prefix_cache and config.disk_cache:
         root = Path(config.disk_cache_dir).expanduser() if config.disk_cache_dir else None
         store = DiskPrefixStore(root, budget_bytes=config.disk_budget_bytes,
                                 default_ttl_s=config.disk_ttl_s, max_pending=256)
@@ -80,7 +107,7 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
                      tokenizer_fingerprint=loaded.tokenizer_fingerprint,
                      chat_template=getattr(loaded.tokenizer, "chat_template", None),
                      model_config=loaded.config,
-                     kv_format=str(layout.dtype).removeprefix("mlx.core."),
+                     kv_format=layout.kv_format,
                      block_size=layout.block_size)
     prefix = PrefixCache(kv, blocks, base, enabled=config.prefix_cache, store=store)
     swap = HostSwap(kv, blocks, config.swap_budget_bytes)
@@ -91,7 +118,7 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         prefill_chunk=config.prefill_chunk,
         max_prefill_tokens_decoding=config.max_step_tokens_decoding,
         watermark_blocks=max(1, int(config.watermark * num_blocks)),
-        preempt_mode=config.preempt_mode,
+        preempt_mode=config.preempt_mode or ("swap" if layout.quantized else "recompute"),
         overflow=config.overflow,
     )
-    return EngineParts(runner, layout, kv, blocks, prefix, swap, sched)
+    return EngineParts(runner, layout, kv, blocks, prefix, swap, sched, notices)

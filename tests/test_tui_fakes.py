@@ -76,6 +76,7 @@ class FakeEngine:
         self.prefill_events = prefill_events
         self.loaded = SimpleNamespace(weight_format="fake", name="fake")
         self.max_context = max_prompt_tokens
+        self.notices: list[str] = []
         self.started = self.stopped = False
         self.cancelled: set[int] = set()
         self.submitted: list[list[int]] = []

@@ -1,10 +1,15 @@
-"""The paged KV pool: per layer, one K and one V array of fixed-size blocks.
+"""The paged KV pool: per layer, one K and one V store of fixed-size blocks.
 
 Layout per layer: ``(num_kv_heads, num_blocks * block_size, head_dim)``, viewed
 as ``(num_kv_heads, num_blocks, block_size, head_dim)`` by attention: head-major,
 so one sequence's gathered blocks are contiguous per head without a transpose. Writes go
 through MLX indexing (``pool[slots] = rows``), which updates in place when the
 pool has a single owner, so a step never copies the whole pool.
+
+K and V may each be stored quantized in MLX's affine format (`mx.quantize`: packed
+uint32 rows plus one float16 scale and bias per group of ``group_size`` elements),
+like llama.cpp's separate K and V cache types. Writes quantize the new rows in their
+slots; attention dequantizes only the blocks it reads (`QuantizedBlocks`).
 """
 
 from __future__ import annotations
@@ -13,21 +18,68 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+SCALE_DTYPE = mx.float16  # per-group scale and bias, as llama.cpp's q8_0 / q4_1 keep them
+
+
+@dataclass(frozen=True, slots=True)
+class QuantSpec:
+    """An affine quantized format: ``bits`` per element, one scale and bias per group."""
+
+    bits: int
+    group_size: int = 64
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"KV bits must be 4 or 8, got {self.bits}")
+        if self.group_size not in (32, 64, 128):
+            raise ValueError(f"KV group size must be 32, 64 or 128, got {self.group_size}")
+
+    @property
+    def name(self) -> str:
+        return f"q{self.bits}g{self.group_size}"
+
+    def bytes_per_row(self, head_dim: int) -> int:
+        """Packed elements plus the float16 scale and bias of each group."""
+        return head_dim * self.bits // 8 + head_dim // self.group_size * 2 * SCALE_DTYPE.size
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """Shape and format of the KV pool; everything needed for byte accounting."""
+    """Shape and format of the KV pool; everything needed for byte accounting.
+
+    ``dtype`` is the compute dtype K and V are read in; ``k_quant`` / ``v_quant``, when
+    set, store that side quantized instead of in ``dtype``.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: mx.Dtype
+    k_quant: QuantSpec | None = None
+    v_quant: QuantSpec | None = None
+
+    def _row_bytes(self, quant: QuantSpec | None) -> int:
+        return quant.bytes_per_row(self.head_dim) if quant else self.head_dim * self.dtype.size
 
     @property
     def bytes_per_token(self) -> int:
-        """layers x 2 (K and V) x kv_heads x head_dim x bytes per element."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.size
+        """layers x kv_heads x (K row + V row) bytes; a quantized row counts its scales."""
+        rows = self._row_bytes(self.k_quant) + self._row_bytes(self.v_quant)
+        return self.num_layers * self.num_kv_heads * rows
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_quant is not None or self.v_quant is not None
+
+    @property
+    def kv_format(self) -> str:
+        """The prefix-cache key's KV format: the dtype, or each side's quantized format."""
+        dtype = str(self.dtype).removeprefix("mlx.core.")
+        if not self.quantized:
+            return dtype
+        side = [q.name if q else dtype for q in (self.k_quant, self.v_quant)]
+        return f"k={side[0]},v={side[1]}"
 
     @property
     def bytes_per_block(self) -> int:
@@ -38,6 +90,54 @@ class KVLayout:
         return budget_bytes // self.bytes_per_block
 
 
+Store = mx.array | tuple[mx.array, mx.array, mx.array]  # plain, or (data, scales, biases)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedBlocks:
+    """One layer's quantized K or V viewed as ``(kv_heads, num_blocks, block_size, ·)``.
+
+    ``dtype`` is uint32 (the packed data), so kernels that take float pools decline it
+    and attention reads it through `gather` / `run`, which dequantize only what they read.
+    """
+
+    data: mx.array
+    scales: mx.array
+    biases: mx.array
+    quant: QuantSpec
+    head_dim: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        H, nb, bs, _ = self.data.shape
+        return (H, nb, bs, self.head_dim)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.data.dtype
+
+    def _dequantize(self, data, scales, biases) -> mx.array:
+        q = self.quant
+        return mx.dequantize(data, scales, biases, group_size=q.group_size, bits=q.bits)
+
+    def gather(self, block_table: mx.array) -> mx.array:
+        """Rows of the blocks ``block_table`` (any index shape), dequantized."""
+        return self._dequantize(self.data[:, block_table], self.scales[:, block_table],
+                                self.biases[:, block_table])
+
+    def run(self, start: int, stop: int) -> mx.array:
+        """Token rows ``start:stop`` of a contiguous run, as (kv_heads, n, head_dim)."""
+        H = self.data.shape[0]
+        parts = [a.reshape(H, -1, a.shape[-1])[:, start:stop]
+                 for a in (self.data, self.scales, self.biases)]
+        return self._dequantize(*parts)
+
+
+def _quantize(rows: mx.array, q: QuantSpec) -> tuple[mx.array, mx.array, mx.array]:
+    data, scales, biases = mx.quantize(rows, group_size=q.group_size, bits=q.bits)
+    return data, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)
+
+
 class PagedKVCache:
     """K/V block storage for every layer of one model."""
 
@@ -46,26 +146,69 @@ class PagedKVCache:
             raise ValueError("the KV pool needs at least one block")
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (layout.num_kv_heads, num_blocks * layout.block_size, layout.head_dim)
-        self.keys = [mx.zeros(shape, layout.dtype) for _ in range(layout.num_layers)]
-        self.values = [mx.zeros(shape, layout.dtype) for _ in range(layout.num_layers)]
+        self.keys: list[Store] = [self._empty(layout.k_quant) for _ in range(layout.num_layers)]
+        self.values: list[Store] = [self._empty(layout.v_quant)
+                                    for _ in range(layout.num_layers)]
         mx.eval(self.keys, self.values)
+
+    def _empty(self, quant: QuantSpec | None) -> Store:
+        L = self.layout
+        rows = (L.num_kv_heads, self.num_blocks * L.block_size)
+        if quant is None:
+            return mx.zeros((*rows, L.head_dim), L.dtype)
+        groups = L.head_dim // quant.group_size
+        return (mx.zeros((*rows, L.head_dim * quant.bits // 32), mx.uint32),
+                mx.zeros((*rows, groups), SCALE_DTYPE), mx.zeros((*rows, groups), SCALE_DTYPE))
 
     @property
     def nbytes(self) -> int:
         """Bytes the pool holds (all blocks, used or not)."""
         return self.num_blocks * self.layout.bytes_per_block
 
-    def block_view(self, layer: int) -> tuple[mx.array, mx.array]:
-        """Layer ``layer``'s pools as ``(kv_heads, num_blocks, block_size, head_dim)``."""
+    def _view(self, store: Store, quant: QuantSpec | None):
         L = self.layout
-        shape = (L.num_kv_heads, self.num_blocks, L.block_size, L.head_dim)
-        return self.keys[layer].reshape(shape), self.values[layer].reshape(shape)
+        if quant is None:
+            return store.reshape(L.num_kv_heads, self.num_blocks, L.block_size, L.head_dim)
+        parts = [a.reshape(L.num_kv_heads, self.num_blocks, L.block_size, a.shape[-1])
+                 for a in store]
+        return QuantizedBlocks(*parts, quant, L.head_dim)
+
+    def block_view(self, layer: int):
+        """Layer ``layer``'s K and V as ``(kv_heads, num_blocks, block_size, head_dim)``:
+        arrays, or `QuantizedBlocks` for a quantized side."""
+        L = self.layout
+        return (self._view(self.keys[layer], L.k_quant),
+                self._view(self.values[layer], L.v_quant))
+
+    @staticmethod
+    def _put(store: Store, slots, rows) -> None:
+        if isinstance(store, tuple):
+            for part, new in zip(store, rows, strict=True):
+                part[:, slots] = new
+        else:
+            store[:, slots] = rows
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store ``keys``/``values`` of shape (kv_heads, N, head_dim) at ``slots``."""
-        self.keys[layer][:, slots] = keys.astype(self.layout.dtype)
-        self.values[layer][:, slots] = values.astype(self.layout.dtype)
+        L = self.layout
+        for store, rows, quant in ((self.keys[layer], keys, L.k_quant),
+                                   (self.values[layer], values, L.v_quant)):
+            self._put(store, slots, _quantize(rows, quant) if quant else rows.astype(L.dtype))
+
+    def take(self, slots: mx.array) -> tuple[list[Store], list[Store]]:
+        """Every layer's stored K and V rows at ``slots``, in their stored format."""
+        def rows(store: Store) -> Store:
+            if isinstance(store, tuple):
+                return tuple(a[:, slots] for a in store)
+            return store[:, slots]
+
+        return [rows(k) for k in self.keys], [rows(v) for v in self.values]
+
+    def put(self, slots: mx.array, keys: list[Store], values: list[Store]) -> None:
+        """Write back rows from `take` (the exact stored bytes) at ``slots``."""
+        for layer in range(self.layout.num_layers):
+            self._put(self.keys[layer], slots, keys[layer])
+            self._put(self.values[layer], slots, values[layer])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (src -> dst) in every layer: the copy-on-write step."""
@@ -74,7 +217,6 @@ class PagedKVCache:
         bs = self.layout.block_size
         src = mx.array([s * bs + i for s, _ in copies for i in range(bs)])
         dst = mx.array([d * bs + i for _, d in copies for i in range(bs)])
-        for layer in range(self.layout.num_layers):
-            self.keys[layer][:, dst] = self.keys[layer][:, src]
-            self.values[layer][:, dst] = self.values[layer][:, src]
+        keys, values = self.take(src)
+        self.put(dst, keys, values)
         mx.eval(self.keys, self.values)

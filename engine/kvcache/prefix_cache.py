@@ -50,8 +50,8 @@ class PrefixCache:
         self.store = store if enabled else None
         L = kv.layout
         # what a disk entry of this pool must hold: anything else is a miss, never served
-        self.entry_spec = EntrySpec(2 * L.num_layers, (L.num_kv_heads, L.block_size, L.head_dim),
-                                    salt_base["kv_format"])
+        self.entry_spec = None if self.store is None else EntrySpec(
+            2 * L.num_layers, (L.num_kv_heads, L.block_size, L.head_dim), salt_base["kv_format"])
         self.disk_hits = 0
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
 

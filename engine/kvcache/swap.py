@@ -12,15 +12,15 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.kvcache.block_manager import BlockManager
-from engine.kvcache.kv_cache import PagedKVCache
+from engine.kvcache.kv_cache import PagedKVCache, Store
 
 
 @dataclass(slots=True)
 class SwappedKV:
-    """A swapped-out sequence's K/V: per layer, its first ``num_tokens`` rows."""
+    """A swapped-out sequence's K/V: per layer, its first ``num_tokens`` rows as stored."""
 
-    keys: list[mx.array]
-    values: list[mx.array]
+    keys: list[Store]
+    values: list[Store]
     num_tokens: int
 
 
@@ -42,8 +42,7 @@ class HostSwap:
     def swap_out(self, seq_id: int, num_tokens: int) -> SwappedKV:
         """Copy the sequence's first ``num_tokens`` K/V rows to host and free its blocks."""
         slots = mx.array(self.blocks.slots(seq_id, 0, num_tokens), dtype=mx.int32)
-        keys = [k[:, slots] for k in self.kv.keys]
-        values = [v[:, slots] for v in self.kv.values]
+        keys, values = self.kv.take(slots)
         mx.eval(keys, values)
         self.used_bytes += self._bytes(num_tokens)
         self.blocks.free(seq_id)
@@ -54,9 +53,7 @@ class HostSwap:
         n = saved.num_tokens
         self.blocks.allocate(seq_id, n)
         slots = mx.array(self.blocks.slots(seq_id, 0, n), dtype=mx.int32)
-        for layer, (k, v) in enumerate(zip(saved.keys, saved.values, strict=True)):
-            self.kv.keys[layer][:, slots] = k
-            self.kv.values[layer][:, slots] = v
+        self.kv.put(slots, saved.keys, saved.values)
         mx.eval(self.kv.keys, self.kv.values)
         self.drop(saved)
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from engine.kvcache.kv_cache import KVLayout, PagedKVCache
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache, QuantSpec
 from engine.model.paged_attention import paged_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -118,13 +118,17 @@ class PagedModel:
         mx.eval(self.model.parameters())
         return all(self.fused)
 
-    def kv_layout(self, block_size: int, dtype: mx.Dtype | None = None) -> KVLayout:
+    def kv_layout(self, block_size: int, dtype: mx.Dtype | None = None, *,
+                  k_quant: QuantSpec | None = None, v_quant: QuantSpec | None = None,
+                  ) -> KVLayout:
         return KVLayout(
             num_layers=len(self.layers),
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             block_size=block_size,
             dtype=dtype or self.dtype,
+            k_quant=k_quant,
+            v_quant=v_quant,
         )
 
     def _qkv(self, attn, x: mx.array, fused: FusedLayer | None):

@@ -23,16 +23,29 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.model import kernels
 
 
-def gather_blocks(pool: mx.array, block_tables: mx.array) -> mx.array:
-    """(H, num_blocks, bs, D) pool -> (B, H, max_blocks * bs, D) K or V."""
+def gather_blocks(pool: mx.array | QuantizedBlocks, block_tables: mx.array) -> mx.array:
+    """(H, num_blocks, bs, D) pool -> (B, H, max_blocks * bs, D) K or V.
+
+    A quantized pool is dequantized after the gather: only the blocks read.
+    """
     B, nb = block_tables.shape
     H, _, bs, D = pool.shape
+    take = pool.gather if isinstance(pool, QuantizedBlocks) else (lambda t: pool[:, t])
     if B == 1:
-        return pool[:, block_tables[0]].reshape(1, H, nb * bs, D)
-    return pool[:, block_tables].reshape(H, B, nb * bs, D).transpose(1, 0, 2, 3)
+        return take(block_tables[0]).reshape(1, H, nb * bs, D)
+    return take(block_tables).reshape(H, B, nb * bs, D).transpose(1, 0, 2, 3)
+
+
+def _run_rows(pool: mx.array | QuantizedBlocks, start: int, stop: int) -> mx.array:
+    """(1, H, stop - start, D): a contiguous run of token rows, a view when not quantized."""
+    if isinstance(pool, QuantizedBlocks):
+        return pool.run(start, stop)[None]
+    H, _, _, D = pool.shape
+    return pool.reshape(H, -1, D)[None, :, start:stop]
 
 
 def causal_mask(context_lens: Sequence[int], L: int, T: int) -> mx.array:
@@ -107,11 +120,11 @@ def paged_attention_ref(
             return _grouped_decode(queries, k_pool, v_pool, block_tables, context_lens, scale,
                                    groups)
     if B == 1 and block_run is not None:
-        H, _, bs, D = k_pool.shape
+        bs = k_pool.shape[2]
         n = int(context_lens[0])
         start, stop = block_run * bs, block_run * bs + n
-        keys = k_pool.reshape(H, -1, D)[None, :, start:stop].astype(queries.dtype)
-        values = v_pool.reshape(H, -1, D)[None, :, start:stop].astype(queries.dtype)
+        keys = _run_rows(k_pool, start, stop).astype(queries.dtype)
+        values = _run_rows(v_pool, start, stop).astype(queries.dtype)
         mask = "causal" if L > 1 else None
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
                                                     mask=mask)
@@ -147,6 +160,7 @@ def paged_attention(
         queries.shape[2] == 1
         and kernels.kernel_available() is not None
         and kernels.supports(queries, k_pool)
+        and kernels.supports(queries, v_pool)  # a quantized side (uint32) stays on the reference
     ):
         return kernels.paged_decode_attention(
             queries, k_pool, v_pool, block_tables, context_lens, scale

@@ -27,6 +27,11 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def per_token_fp16(m) -> int:
+    """Bytes per token of the same pool in float16: 2 bytes per element, no scales."""
+    return getattr(m, "bytes_per_token_fp16", 0)
+
+
 def metrics_table(m, last_turn: tuple[int, int] | None) -> Table:
     """The panel's numbers as a two-column grid (label, value)."""
     t = Table.grid(padding=(0, 1))
@@ -39,6 +44,13 @@ def metrics_table(m, last_turn: tuple[int, int] | None) -> Table:
                   f"({100 * m.blocks_used / total:.0f}% used)")
     t.add_row("memory", f"{fmt_bytes(m.used_bytes)} / {fmt_bytes(m.budget_bytes)}")
     t.add_row("peak", fmt_bytes(m.peak_bytes))
+    fmt, per_token = getattr(m, "kv_format", ""), getattr(m, "bytes_per_token", 0)
+    if fmt:
+        saved = ""
+        if fmt.startswith("k="):  # quantized: what it saves against a float16 cache
+            fp16 = per_token_fp16(m)
+            saved = f" · {100 * (1 - per_token / fp16):.0f}% under fp16" if fp16 else ""
+        t.add_row("format", f"{fmt} · {fmt_bytes(per_token)}/tok{saved}")
     t.add_row("hit rate", f"{100 * m.hit_rate:.0f}% · {m.cached_tokens_total:,} tok cached")
     if last_turn is not None:
         cached, prompt = last_turn
