@@ -208,6 +208,9 @@ def make_parser() -> argparse.ArgumentParser:
 
     estimate.add_parser(sub)
     bench.add_parser(sub)
+    from app.eval import add_parser as add_eval_parser
+
+    add_eval_parser(sub)
     cache_cli.add_parser(sub)
     return parser
 

@@ -1,0 +1,21 @@
+"""kvchat's quality evaluations, one module per `kvchat eval` mode.
+
+- `kv`: ``kvchat eval kv`` — KV cache formats compared by quality, size and speed
+  (`measure` runs one format, `perplexity` scores texts through the paged pool,
+  `probes` and `docs` hold the prompt sets and documents, `report` writes the outputs)
+
+Nothing here imports the engine at package import: building the CLI's parser must
+stay cheap and must not load MLX.
+"""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    """Register ``eval`` and its modes on the CLI's subparsers object."""
+    from app.eval import kv
+
+    p = sub.add_parser("eval", help="quality evaluations (KV cache formats)",
+                       description="Quality evaluations of kvchat's settings.")
+    modes = p.add_subparsers(dest="eval_mode", metavar="{kv}", required=True)
+    kv.add_parser(modes)
