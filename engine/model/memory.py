@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from engine.kvcache.kv_cache import QuantSpec
+
 ENGINE_MEMORY_FRACTION = 0.75  # of physical RAM (CPU) or Metal's working-set limit
 FLOAT_WEIGHT_FRACTION = 0.25  # float32 weights on CPU only while they fit this share
 
@@ -49,7 +51,8 @@ def kv_bytes_per_element(kv_bits: int, group_size: int = 64) -> float:
         return 2.0
     if kv_bits == 32:
         return 4.0
-    return kv_bits / 8 + 2 * 2 / group_size  # fp16 scale and bias per group
+    # the pool's own accounting: packed bits plus a float16 scale and bias per group
+    return QuantSpec(kv_bits, group_size).bytes_per_row(group_size) / group_size
 
 
 @dataclass(slots=True)
