@@ -1,9 +1,11 @@
 """Kernel sources for `mx.fast.metal_kernel` / `mx.fast.cuda_kernel` (no MLX import here).
 
 - `paged_attention.metal`: body of the paged decode-attention kernel (plain MSL;
-  the same text compiles as CUDA through `cuda_backend.h`);
+  the same text compiles as CUDA through `cuda_backend.h`), for float or
+  4/8-bit quantized K and V, each side chosen by template values;
 - `metal_backend.h` / `cuda_backend.h`: per-backend builtins and helpers;
-- `common.h`: backend-neutral helpers, placed after the backend header.
+- `common.h`: backend-neutral helpers, placed after the backend header,
+  among them the K/V row reader that dequantizes in registers.
 """
 
 from __future__ import annotations

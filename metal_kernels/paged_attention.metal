@@ -1,12 +1,18 @@
 // Paged decode attention: one query token per sequence against its block table.
 // Body for mx.fast.metal_kernel (the same text runs on CUDA via cuda_backend.h).
-//   inputs:  queries (B, Hq, 1, D) T; k_pool, v_pool (Hkv, num_blocks, BS, D) KV
-//            (head-major: one head's block is BS * D contiguous values);
+//   inputs:  queries (B, Hq, 1, D) T; k_pool, v_pool (Hkv, num_blocks, BS, W)
+//            with W = D plain values or D * bits / 32 packed words per row
+//            (head-major: one head's block is BS contiguous rows);
 //            block_tables (B, max_blocks) int32; context_lens (B,) int32;
-//            scale (1,) float32
+//            scale (1,) float32; k_scales, k_biases, v_scales, v_biases
+//            (Hkv, num_blocks, BS, D / group) for a quantized side, else one
+//            unused placeholder element
 //   output:  out (B, Hq, 1, D) T
-//   template: T, KV (dtypes), D (head dim, multiple of 32), BS (block size),
-//             NSG (simdgroups per threadgroup)
+//   template: T (queries dtype), D (head dim, multiple of 32), BS (block
+//             size), NSG (simdgroups per threadgroup), KB / VB (bits of the K /
+//             V side: 0 = plain float rows of D values, 4 or 8 = mx.quantize
+//             rows of D * bits / 32 uint32 words, dequantized in registers),
+//             KG / VG (their group sizes)
 //   grid (32 * NSG, Hq, B), threadgroup (32 * NSG, 1, 1): one threadgroup per
 //   (query head, sequence); simdgroup g takes tokens g, g + NSG, ...; lane l
 //   owns dims [l * EPL, (l + 1) * EPL).
@@ -47,21 +53,23 @@
   // only, so simd_sum runs in control flow uniform across the simdgroup.
   float m = PA_FINITE_MIN;
   float l = 0.0f;
-  const int64_t kv_offset = int64_t(kv_head) * num_blocks * BS * D + lane * EPL;
+  const int64_t head_row = int64_t(kv_head) * num_blocks * BS;
   for (int t = sg; t < num_tokens; t += NSG) {
     const int block = block_tables[seq * max_blocks + t / BS];
-    const int64_t base = kv_offset + (int64_t(block) * BS + t % BS) * D;
+    const int64_t row = head_row + int64_t(block) * BS + t % BS;
+    const PaLaneRow<EPL> k = PaRowReader<KB, KG, D>::read(k_pool, k_scales, k_biases, row, lane);
     float s = 0.0f;
     for (int i = 0; i < EPL; ++i) {
-      s += q[i] * pa_to_float(k_pool[base + i]);
+      s += q[i] * k.v[i];
     }
     s = simd_sum(s);
     const float m_new = pa_max(m, s);
     const float alpha = pa_exp(m - m_new);
     const float p = pa_exp(s - m_new);
     l = l * alpha + p;
+    const PaLaneRow<EPL> v = PaRowReader<VB, VG, D>::read(v_pool, v_scales, v_biases, row, lane);
     for (int i = 0; i < EPL; ++i) {
-      o[i] = o[i] * alpha + p * pa_to_float(v_pool[base + i]);
+      o[i] = o[i] * alpha + p * v.v[i];
     }
     m = m_new;
   }

@@ -7,6 +7,10 @@ reference): fp16 2e-3, fp32 1e-5, bf16 1.6e-2 (the fp16 bound scaled by bf16's
 8x larger epsilon: the reference itself rounds to bf16 inside SDPA). Every
 case must also be within half an ulp (+1e-5) of an fp32 oracle on the same
 values, i.e. the kernel accumulates in fp32 and rounds once.
+
+Quantized pools (QUANT_* cases) keep the same bounds, unloosened: the kernel
+dequantizes in registers to exactly the float16 values mx.dequantize gives
+the reference, so only the accumulation differs, as for a float16 pool.
 """
 
 from __future__ import annotations
@@ -18,13 +22,19 @@ from kernel_harness import emulator, paged
 from kernel_harness.cases import (
     CUDA_CASES,
     EMULATED_CASES,
+    QUANT_CASES,
+    QUANT_CUDA_CASES,
+    QUANT_SANITIZER_CASES,
     SANITIZER_CASES,
     Case,
     make_inputs,
 )
 
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
-CUDA_SANITIZER_CASES = CUDA_CASES[:1]
+METAL_CASES = EMULATED_CASES + QUANT_CASES
+METAL_SANITIZER_CASES = SANITIZER_CASES + QUANT_SANITIZER_CASES
+ALL_CUDA_CASES = CUDA_CASES + QUANT_CUDA_CASES
+CUDA_SANITIZER_CASES = CUDA_CASES[:1] + QUANT_CUDA_CASES[:1]
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +45,12 @@ def work_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def binaries(work_dir):
     """All emulator builds for this module, compiled concurrently."""
-    metal = {c: paged.metal_source(c, make_inputs(c)) for c in EMULATED_CASES + SANITIZER_CASES}
-    cuda = {c: paged.cuda_source(c, make_inputs(c)) for c in CUDA_CASES}
+    metal = {c: paged.metal_source(c, make_inputs(c)) for c in METAL_CASES + METAL_SANITIZER_CASES}
+    cuda = {c: paged.cuda_source(c, make_inputs(c)) for c in ALL_CUDA_CASES}
     jobs = {
-        "metal": ([metal[c] for c in EMULATED_CASES], None),
-        "metal-address": ([metal[c] for c in SANITIZER_CASES], "address"),
-        "metal-thread": ([metal[c] for c in SANITIZER_CASES], "thread"),
+        "metal": ([metal[c] for c in METAL_CASES], None),
+        "metal-address": ([metal[c] for c in METAL_SANITIZER_CASES], "address"),
+        "metal-thread": ([metal[c] for c in METAL_SANITIZER_CASES], "thread"),
         "cuda": (list(cuda.values()), None),
         "cuda-address": ([cuda[c] for c in CUDA_SANITIZER_CASES], "address"),
         "cuda-thread": ([cuda[c] for c in CUDA_SANITIZER_CASES], "thread"),
@@ -63,7 +73,7 @@ def check_case(case: Case, out, result: emulator.RunResult, inputs: dict) -> Non
     assert excess <= 0.0, f"{case.id}: {excess:.3g} ulp beyond half an ulp of the fp32 oracle"
 
 
-@pytest.mark.parametrize("case", EMULATED_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", METAL_CASES, ids=lambda c: c.id)
 def test_metal_kernel_matches_reference(case, binaries, work_dir):
     built, metal, _ = binaries
     inputs = make_inputs(case)
@@ -71,7 +81,7 @@ def test_metal_kernel_matches_reference(case, binaries, work_dir):
     check_case(case, out, result, inputs)
 
 
-@pytest.mark.parametrize("case", CUDA_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", ALL_CUDA_CASES, ids=lambda c: c.id)
 def test_cuda_kernel_matches_reference(case, binaries, work_dir):
     built, _, cuda = binaries
     inputs = make_inputs(case)
@@ -92,9 +102,25 @@ def test_emulated_cases_cover_the_matrix():
     assert 1 in lens and any(len(set(c.context_lens)) > 1 for c in cases)
 
 
+def test_quantized_cases_cover_the_matrix():
+    cases = QUANT_CASES
+    sides = [q for c in cases for q in (c.k_quant, c.v_quant) if q]
+    assert {bits for bits, _ in sides} == {4, 8}
+    assert {group for _, group in sides} >= {32, 64, 128}
+    assert any(c.k_quant and c.v_quant and c.k_quant != c.v_quant for c in cases)  # k8/v4
+    assert any(c.k_quant and not c.v_quant for c in cases)  # V plain
+    assert any(c.v_quant and not c.k_quant for c in cases)  # K plain
+    assert {c.dtype for c in cases} == {"float16", "bfloat16", "float32"}
+    assert any(c.num_q_heads > c.num_kv_heads for c in cases)  # GQA
+    assert any(len(set(c.context_lens)) > 1 for c in cases)  # ragged
+    assert any(n > 2 * c.block_size for c in cases for n in c.context_lens)  # several blocks
+    # D = 96: EPL = 3 dims per lane, straddling packed words and groups.
+    assert any(c.head_dim // 32 % 2 for c in cases)
+
+
 def _sanitizer_params():
     for san in ("address", "thread"):
-        for case in SANITIZER_CASES:
+        for case in METAL_SANITIZER_CASES:
             yield pytest.param("metal", san, case, id=f"metal-{san}-{case.id}")
         for case in CUDA_SANITIZER_CASES:
             yield pytest.param("cuda", san, case, id=f"cuda-{san}-{case.id}")

@@ -5,6 +5,13 @@
 - missing threadgroup_barrier before the merge: ThreadSanitizer data race;
 - simd_sum in lane-dependent control flow: the shim's barrier call-site check
   (different call sites) or its barrier timeout (lanes that skip it).
+
+Quantized variant (mutations of the dequantizing row reader in common.h):
+- every dim takes the group of dim 0: wrong numbers (Metal and CUDA);
+- group index off by one: wrong numbers, and an AddressSanitizer overflow on
+  the scales when the pool's last row is read;
+- dequantize in fp32 without mx.dequantize's float16 roundings: the fp32
+  bound (1e-5) catches the drift from the reference.
 """
 
 from __future__ import annotations
@@ -34,6 +41,40 @@ SIMD_SKIPPED = paged.mutate(
     "    s = simd_sum(s);\n", "    if (t + lane < num_tokens) {\n      s = simd_sum(s);\n    }\n"
 )
 
+# D = 64 with group 32: lanes 16-31 own dims of the second group.
+QCASE = Case("float16", 64, 8, 4, 2, (21, 9), k_quant=(8, 32), v_quant=(4, 32))
+QCASE_FP32 = Case("float32", 64, 8, 4, 2, (21, 9), k_quant=(8, 32), v_quant=(4, 32))
+# No spare blocks and whole blocks only: the pool's last row is read, so the
+# group past it lies past the end of the scales.
+QASAN_CASE = Case("float16", 64, 8, 2, 1, (16, 8), k_quant=(8, 32), v_quant=(8, 32))
+GROUP_LINE = "      const int group = dim / GROUP;\n"
+GROUP_OF_DIM0 = "      const int group = 0;\n"
+GROUP_PLUS_ONE = "      const int group = dim / GROUP + 1;\n"
+DEQUANT_ROUNDED = (
+    "  const float scaled = pa_to_float(pa_from_float<S>(pa_to_float(scale) * float(q)));\n"
+    "  return pa_to_float(pa_from_float<S>(scaled + pa_to_float(bias)));\n"
+)
+DEQUANT_FP32 = "  return pa_to_float(scale) * float(q) + pa_to_float(bias);\n"
+
+
+def _quant_mutants() -> dict[str, emulator.KernelSource]:
+    """name -> source of the quantized-variant mutants (common.h edited)."""
+    inputs, fp32 = make_inputs(QCASE), make_inputs(QCASE_FP32)
+    tight = make_inputs(QASAN_CASE, spare_blocks=0)
+
+    def metal(case, case_inputs, old, new, name):
+        header = paged.mutate_header(old, new)
+        return paged.metal_source(case, case_inputs, header=header, name=name)
+
+    cuda_header = paged.mutate_header(GROUP_LINE, GROUP_OF_DIM0, backend="cuda")
+    return {
+        "group_dim0": metal(QCASE, inputs, GROUP_LINE, GROUP_OF_DIM0, "mut_gdim0"),
+        "group_plus_one": metal(QCASE, inputs, GROUP_LINE, GROUP_PLUS_ONE, "mut_gp1"),
+        "dequant_fp32": metal(QCASE_FP32, fp32, DEQUANT_ROUNDED, DEQUANT_FP32, "mut_deq32"),
+        "group_plus_one_tight": metal(QASAN_CASE, tight, GROUP_LINE, GROUP_PLUS_ONE, "mut_gp1"),
+        "cuda_group_dim0": paged.cuda_source(QCASE, inputs, header=cuda_header, name="mut_gdim0"),
+    }
+
 
 @pytest.fixture(scope="module")
 def work_dir(tmp_path_factory):
@@ -54,20 +95,25 @@ def mutants(work_dir):
             TSAN_CASE, make_inputs(TSAN_CASE), body=NO_BARRIER, name="mut_nobar"
         ),
     }
-    plain = [srcs["off_by_one"], srcs["simd_two_sites"], srcs["simd_skipped"]]
+    srcs.update(_quant_mutants())
+    # Kernels in one binary share the include-guarded header text of the first,
+    # so each header mutant gets a binary of its own.
+    jobs = {
+        "plain": (["off_by_one", "simd_two_sites", "simd_skipped"], None),
+        "off_by_one_tight": (["off_by_one_tight"], "address"),
+        "no_barrier": (["no_barrier"], "thread"),
+        "group_dim0": (["group_dim0"], None),
+        "group_plus_one": (["group_plus_one"], None),
+        "group_plus_one_tight": (["group_plus_one_tight"], "address"),
+        "dequant_fp32": (["dequant_fp32"], None),
+        "cuda_group_dim0": (["cuda_group_dim0"], None),
+    }
     with ThreadPoolExecutor(max_workers=3) as pool:
-        plain_bin = pool.submit(emulator.build, plain, work_dir)
-        asan_bin = pool.submit(
-            emulator.build, [srcs["off_by_one_tight"]], work_dir, sanitizer="address"
-        )
-        tsan_bin = pool.submit(emulator.build, [srcs["no_barrier"]], work_dir, sanitizer="thread")
-        bins = {
-            "off_by_one": plain_bin.result(),
-            "simd_two_sites": plain_bin.result(),
-            "simd_skipped": plain_bin.result(),
-            "off_by_one_tight": asan_bin.result(),
-            "no_barrier": tsan_bin.result(),
+        futures = {
+            job: pool.submit(emulator.build, [srcs[n] for n in names], work_dir, sanitizer=san)
+            for job, (names, san) in jobs.items()
         }
+        bins = {name: futures[job].result() for job, (names, _) in jobs.items() for name in names}
     return {name: (bins[name], src) for name, src in srcs.items()}
 
 
@@ -119,3 +165,28 @@ def test_simd_sum_skipped_by_some_lanes_times_out(mutants, work_dir):
 def test_lint_flags_lane_dependent_simd(body):
     problems = msl_lint.lint_msl(kernel_header("metal") + body)
     assert any("lane-dependent" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("name", ["group_dim0", "group_plus_one", "cuda_group_dim0"])
+def test_wrong_group_index_gives_wrong_numbers(name, mutants, work_dir):
+    binary, src = mutants[name]
+    inputs = make_inputs(QCASE)
+    out, result = paged.emulate(binary, src, QCASE, inputs, work_dir)
+    assert result.ok, result.stderr[-2000:]  # in-bounds scales: only the numbers show it
+    assert paged.max_abs_error(out, paged.reference(inputs)) > 0.05
+
+
+def test_group_index_past_the_row_overflows_scales_under_asan(mutants, work_dir):
+    binary, src = mutants["group_plus_one_tight"]
+    inputs = make_inputs(QASAN_CASE, spare_blocks=0)
+    _, result = paged.emulate(binary, src, QASAN_CASE, inputs, work_dir, timeout_s=300)
+    assert not result.ok
+    assert "AddressSanitizer: heap-buffer-overflow" in result.stderr, result.stderr[-3000:]
+
+
+def test_dequantizing_without_float16_rounding_drifts_from_reference(mutants, work_dir):
+    binary, src = mutants["dequant_fp32"]
+    inputs = make_inputs(QCASE_FP32)
+    out, result = paged.emulate(binary, src, QCASE_FP32, inputs, work_dir)
+    assert result.ok, result.stderr[-2000:]
+    assert paged.max_abs_error(out, paged.reference(inputs)) > 1e-5  # the fp32 bound

@@ -17,12 +17,15 @@ from metal_kernels import kernel_header, read_source
 BODY = read_source("paged_attention.metal")
 MSL_TEXT = kernel_header("metal") + BODY
 
-# What MLX 0.32 generates for fp16, D=64, block size 16, B=2, 5-column tables.
+# What MLX 0.32 generates for fp16, D=64, block size 16, B=2, 5-column tables:
+# plain pools (KB = VB = 0), so the scales inputs are 1-element placeholders
+# that MLX binds as constant memory.
 GOLDEN_NAME = (
-    "custom_kernel_paged_decode__float16_t_float16_t_64_16_8_"
-    "float16_t_float16_t_float16_t_int32_t_int32_tc_floatc_float16_t"
+    "custom_kernel_paged_decode__float16_t_64_16_8_0_0_0_0_"
+    "float16_t_float16_t_float16_t_int32_t_int32_tc_floatc_"
+    "float16_tc_float16_tc_float16_tc_float16_tc_float16_t"
 )
-GOLDEN_SIGNATURE = f"""template <typename T, typename KV, int D, int BS, int NSG>
+GOLDEN_SIGNATURE = f"""template <typename T, int D, int BS, int NSG, int KB, int KG, int VB, int VG>
 [[kernel]] void {GOLDEN_NAME}(
   const device float16_t* queries [[buffer(0)]],
   const constant int* queries_shape [[buffer(1)]],
@@ -33,7 +36,11 @@ GOLDEN_SIGNATURE = f"""template <typename T, typename KV, int D, int BS, int NSG
   const constant int* block_tables_shape [[buffer(6)]],
   const constant int32_t* context_lens [[buffer(7)]],
   const constant float* scale [[buffer(8)]],
-  device float16_t* out [[buffer(9)]],
+  const constant float16_t* k_scales [[buffer(9)]],
+  const constant float16_t* k_biases [[buffer(10)]],
+  const constant float16_t* v_scales [[buffer(11)]],
+  const constant float16_t* v_biases [[buffer(12)]],
+  device float16_t* out [[buffer(13)]],
   uint simdgroup_index_in_threadgroup [[simdgroup_index_in_threadgroup]],
   uint thread_index_in_simdgroup [[thread_index_in_simdgroup]],
   uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]) {{
@@ -58,8 +65,8 @@ def test_golden_metal_signature():
     assert text.index(kernel_header("metal").strip()) < text.index(GOLDEN_SIGNATURE)
     assert BODY.strip() in text
     assert (
-        f"decltype({GOLDEN_NAME}<float16_t, float16_t, 64, 16, 8>) "
-        f"{GOLDEN_NAME}<float16_t, float16_t, 64, 16, 8>;"
+        f"decltype({GOLDEN_NAME}<float16_t, 64, 16, 8, 0, 0, 0, 0>) "
+        f"{GOLDEN_NAME}<float16_t, 64, 16, 8, 0, 0, 0, 0>;"
     ) in text
 
 
@@ -89,33 +96,45 @@ def test_generated_signature_tracks_sizes_and_dtypes():
         "k_pool_shape",
         "block_tables_shape",
     }
-    assert src.template_call == "<bfloat16_t, float, 128, 16, 8>"
+    assert src.template_call == "<bfloat16_t, 128, 16, 8, 0, 0, 0, 0>"
 
 
 def test_cuda_source_shape():
     case = Case("bfloat16", 128, 16, 4, 2, (5, 9))
     src = paged.cuda_source(case, make_inputs(case))
-    assert src.name == "custom_kernel_paged_decode_bfloat16_t_bfloat16_t_128_16_2"
+    assert src.name == "custom_kernel_paged_decode_bfloat16_t_128_16_2_0_0_0_0"
     for line in (
         "  using T = __nv_bfloat16;",
-        "  using KV = __nv_bfloat16;",
         "  constexpr int D = 128;",
         "  constexpr int BS = 16;",
         "  constexpr int NSG = 2;",
+        "  constexpr int KB = 0;",
+        "  constexpr int VG = 0;",
         "    const __grid_constant__ Shape queries_shape,",
         "    const float* scale,",
+        "    const __half* k_scales,",
         "    __nv_bfloat16* out) {",
     ):
         assert line in src.text
     assert src.text.index("KVCHAT_CUDA_BACKEND_H") < src.text.index("namespace mlx::core::cu")
 
 
+NVCC_CASES = [
+    Case("float16", 128, 16, 4, 2, (5, 9)),
+    Case("bfloat16", 96, 16, 4, 2, (5, 9), k_quant=(8, 32), v_quant=(4, 32)),
+    Case("float32", 128, 16, 4, 1, (5, 9), k_quant=(4, 64)),
+]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs the CUDA toolkit (nvcc)")
 def test_cuda_source_compiles_with_nvcc(tmp_path):
-    """Device-compile the CUDA text (MLX headers replaced by a minimal stand-in)."""
-    case = Case("float16", 128, 16, 4, 2, (5, 9))
+    """Device-compile the CUDA texts (MLX headers replaced by a minimal stand-in).
+
+    One translation unit for plain and quantized variants: the kernel names
+    differ and the headers are include-guarded, so one nvcc run checks all.
+    """
     cu = tmp_path / "paged_decode.cu"
-    cu.write_text(paged.cuda_source(case, make_inputs(case)).text)
+    cu.write_text("\n".join(paged.cuda_source(c, make_inputs(c)).text for c in NVCC_CASES))
     include = emulator.HARNESS_DIR / "nvcc_include"
     proc = subprocess.run(
         [
@@ -138,6 +157,23 @@ def test_cuda_source_compiles_with_nvcc(tmp_path):
 
 def test_msl_lint_is_clean():
     assert msl_lint.lint_msl(MSL_TEXT) == []
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case("float16", 64, 16, 4, 2, (9, 17)),
+        Case("float16", 96, 16, 4, 2, (9, 17), k_quant=(8, 32), v_quant=(4, 32)),
+        Case("bfloat16", 128, 8, 4, 1, (9,), v_quant=(4, 128)),
+    ],
+    ids=lambda c: c.id,
+)
+def test_generated_msl_lint_is_clean(case):
+    """The whole text MLX would compile, plain and quantized variants alike."""
+    text = metal_source.generated_metal_source(
+        **make_inputs(case), num_simdgroups=case.num_simdgroups
+    )
+    assert msl_lint.lint_msl(text) == []
 
 
 def test_msl_lint_catches_what_metal_rejects():
@@ -178,6 +214,9 @@ def test_body_avoids_accidental_shape_params():
         if f"{n}_{s}" in BODY
     }
     assert used == {"queries_shape", "k_pool_shape", "block_tables_shape"}
+    # No input name ends another, so "<a>_shape" is never inside "<b>_shape".
+    names = kernels.INPUT_NAMES
+    assert not [(a, b) for a in names for b in names if a != b and b.endswith(a)]
 
 
 def test_read_source_and_headers():

@@ -3,6 +3,10 @@
 The kernel bodies live in `metal_kernels/`; the pure-MLX reference (CPU
 fallback and test oracle) is `engine.model.paged_attention.paged_attention_ref`.
 Prefill (L > 1) stays on the reference path.
+
+One kernel serves plain and quantized pools: K and V are each either float rows
+(bits 0) or `QuantizedBlocks` (4/8-bit `mx.quantize` rows, dequantized in
+registers), chosen by template values; a plain side gets placeholder scales.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.model import memory
 from metal_kernels import kernel_header, read_source
 
@@ -21,11 +26,29 @@ SIMD_WIDTH = 32
 NUM_SIMDGROUPS = 8
 MAX_THREADS_PER_GROUP = 1024
 KERNEL_NAME = "paged_decode"
-INPUT_NAMES = ["queries", "k_pool", "v_pool", "block_tables", "context_lens", "scale"]
+# The quantized sides' extras come last so the plain inputs keep their buffer
+# slots. No input name may end another: MLX adds "<name>_shape" (and _strides,
+# _ndim) parameters on a substring match, so with a "scales" input the text
+# "k_scales_shape" would add its shape too. Hence the k_ / v_ prefixes.
+INPUT_NAMES = [
+    "queries",
+    "k_pool",
+    "v_pool",
+    "block_tables",
+    "context_lens",
+    "scale",
+    "k_scales",
+    "k_biases",
+    "v_scales",
+    "v_biases",
+]
 OUTPUT_NAMES = ["out"]
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+QUANT_BITS = (4, 8)
+PLACEHOLDER_DTYPE = mx.float16  # a plain side's unused scales/biases input
 
 KernelFn = Callable[..., list[mx.array]]
+Pool = mx.array | QuantizedBlocks
 
 
 def kernel_available() -> str | None:
@@ -34,21 +57,47 @@ def kernel_available() -> str | None:
     return backend if backend in ("metal", "cuda") else None
 
 
-def supports(queries: mx.array, k_pool: mx.array) -> bool:
-    """Whether `paged_decode_attention` handles these shapes and dtypes."""
+def _side_supported(pool: Pool, head_dim: int) -> bool:
+    if isinstance(pool, QuantizedBlocks):
+        quant = pool.quant
+        return (
+            pool.head_dim == head_dim
+            and quant.bits in QUANT_BITS
+            and head_dim % quant.group_size == 0
+            and pool.data.dtype == mx.uint32
+            and pool.scales.dtype in SUPPORTED_DTYPES
+            and pool.biases.dtype == pool.scales.dtype
+        )
+    return pool.dtype in SUPPORTED_DTYPES
+
+
+def supports(queries: mx.array, k_pool: Pool, v_pool: Pool | None = None) -> bool:
+    """Whether `paged_decode_attention` handles these shapes and dtypes.
+
+    Each pool may be a float array or `QuantizedBlocks` (4/8-bit, its group
+    dividing the head dim); `v_pool`, when given, is checked the same way.
+    """
     _, num_q_heads, L, D = queries.shape
     num_kv_heads = k_pool.shape[0]
+    pools = [k_pool] if v_pool is None else [k_pool, v_pool]
     return (
         L == 1
         and D % SIMD_WIDTH == 0
         and num_q_heads % num_kv_heads == 0
         and queries.dtype in SUPPORTED_DTYPES
-        and k_pool.dtype in SUPPORTED_DTYPES
+        and all(_side_supported(p, D) for p in pools)
+        and all(p.shape[:3] == k_pool.shape[:3] for p in pools)
     )
 
 
-def make_paged_decode_kernel(backend: str, *, body: str | None = None, name: str = KERNEL_NAME):
-    """Construct (not compile) the kernel; `body` overrides the source (test mutants)."""
+def make_paged_decode_kernel(
+    backend: str,
+    *,
+    body: str | None = None,
+    header: str | None = None,
+    name: str = KERNEL_NAME,
+):
+    """Construct (not compile) the kernel; `body` / `header` override the sources (test mutants)."""
     source = read_source("paged_attention.metal") if body is None else body
     if backend not in ("metal", "cuda"):
         raise ValueError(f"unknown kernel backend {backend!r}")
@@ -61,7 +110,7 @@ def make_paged_decode_kernel(backend: str, *, body: str | None = None, name: str
         input_names=INPUT_NAMES,
         output_names=OUTPUT_NAMES,
         source=source,
-        header=kernel_header(backend),
+        header=kernel_header(backend) if header is None else header,
         ensure_row_contiguous=True,
     )
 
@@ -71,16 +120,28 @@ def _paged_decode_kernel(backend: str) -> KernelFn:
     return make_paged_decode_kernel(backend)
 
 
+def _quant_template(pool: Pool) -> tuple[int, int]:
+    """(bits, group size) of one side; (0, 0) for plain rows."""
+    if isinstance(pool, QuantizedBlocks):
+        return pool.quant.bits, pool.quant.group_size
+    return 0, 0
+
+
 def template_args(
-    queries: mx.array, k_pool: mx.array, *, num_simdgroups: int = NUM_SIMDGROUPS
+    queries: mx.array, k_pool: Pool, v_pool: Pool, *, num_simdgroups: int = NUM_SIMDGROUPS
 ) -> list[tuple[str, Any]]:
-    """Template parameters, in the body's order: T, KV, D, BS, NSG."""
+    """Template parameters, in the body's order: T, D, BS, NSG, KB, KG, VB, VG."""
+    k_bits, k_group = _quant_template(k_pool)
+    v_bits, v_group = _quant_template(v_pool)
     return [
         ("T", queries.dtype),
-        ("KV", k_pool.dtype),
         ("D", queries.shape[-1]),
         ("BS", k_pool.shape[2]),
         ("NSG", num_simdgroups),
+        ("KB", k_bits),
+        ("KG", k_group),
+        ("VB", v_bits),
+        ("VG", v_group),
     ]
 
 
@@ -94,10 +155,18 @@ def launch_dims(
     return (threads, num_q_heads, B), (threads, 1, 1)
 
 
+def _side_inputs(pool: Pool) -> tuple[mx.array, mx.array, mx.array]:
+    """(rows, scales, biases) of one side; a plain side's scales are a placeholder."""
+    if isinstance(pool, QuantizedBlocks):
+        return pool.data, pool.scales, pool.biases
+    placeholder = mx.zeros((1,), dtype=PLACEHOLDER_DTYPE)
+    return pool, placeholder, placeholder
+
+
 def kernel_inputs(
     queries: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     block_tables: mx.array,
     context_lens: Sequence[int] | mx.array,
     scale: float | mx.array,
@@ -107,30 +176,37 @@ def kernel_inputs(
         context_lens = mx.array([int(n) for n in context_lens], dtype=mx.int32)
     if not isinstance(scale, mx.array):
         scale = mx.array([float(scale)], dtype=mx.float32)
+    k_rows, k_scales, k_biases = _side_inputs(k_pool)
+    v_rows, v_scales, v_biases = _side_inputs(v_pool)
     # scale is a 1-element array, not a 0-d one: Metal binds 0-d inputs by
     # reference but CUDA by pointer, and one body must index it the same way.
     return [
         queries,
-        k_pool,
-        v_pool,
+        k_rows,
+        v_rows,
         block_tables.astype(mx.int32),
         context_lens.astype(mx.int32),
         scale.astype(mx.float32).reshape(1),
+        k_scales,
+        k_biases,
+        v_scales,
+        v_biases,
     ]
 
 
 def _launch(
     kernel: KernelFn,
     inputs: list[mx.array],
+    template: list[tuple[str, Any]],
     *,
     num_simdgroups: int = NUM_SIMDGROUPS,
     verbose: bool = False,
 ) -> mx.array:
-    queries, k_pool = inputs[0], inputs[1]
+    queries = inputs[0]
     grid, threadgroup = launch_dims(queries, num_simdgroups=num_simdgroups)
     return kernel(
         inputs=inputs,
-        template=template_args(queries, k_pool, num_simdgroups=num_simdgroups),
+        template=template,
         grid=grid,
         threadgroup=threadgroup,
         output_shapes=[queries.shape],
@@ -141,8 +217,8 @@ def _launch(
 
 def paged_decode_attention(
     queries: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
     block_tables: mx.array,
     context_lens: Sequence[int],
     scale: float,
@@ -151,7 +227,8 @@ def paged_decode_attention(
 
     Args:
         queries: (B, Hq, 1, D); D a multiple of 32.
-        k_pool, v_pool: (Hkv, num_blocks, block_size, D), Hq % Hkv == 0.
+        k_pool, v_pool: (Hkv, num_blocks, block_size, D), Hq % Hkv == 0; each a
+            float array or `QuantizedBlocks` (4/8-bit, dequantized in registers).
         block_tables: (B, max_blocks) int32 physical block ids.
         context_lens: B host ints, tokens per sequence including the new one.
         scale: softmax scale.
@@ -162,11 +239,11 @@ def paged_decode_attention(
     backend = kernel_available()
     if backend is None:
         raise RuntimeError("no Metal or CUDA back-end for custom kernels")
-    if not supports(queries, k_pool):
+    if not supports(queries, k_pool, v_pool):
         raise ValueError(
             f"unsupported decode shapes: queries {queries.shape} {queries.dtype}, "
-            f"k_pool {k_pool.shape} {k_pool.dtype}"
+            f"k_pool {k_pool.shape} {k_pool.dtype}, v_pool {v_pool.shape} {v_pool.dtype}"
         )
     inputs = kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
-    return _launch(_paged_decode_kernel(backend), inputs)
-
+    template = template_args(queries, k_pool, v_pool)
+    return _launch(_paged_decode_kernel(backend), inputs, template)

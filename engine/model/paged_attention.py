@@ -5,7 +5,9 @@ Contract shared with the Metal/CUDA kernels (metal_kernels/):
 - queries: (B, Hq, L, D), the L newest positions of each sequence;
 - k_pool, v_pool: (Hkv, num_blocks, block_size, D), Hq % Hkv == 0 (GQA).
   Head-major so that one sequence's gathered blocks are already the
-  contiguous (Hkv, T, D) that attention wants: no transpose copy per step;
+  contiguous (Hkv, T, D) that attention wants: no transpose copy per step.
+  Either may be `QuantizedBlocks` (mx.quantize rows): the reference dequantizes
+  the gathered blocks, the kernels dequantize in registers;
 - block_tables: (B, max_blocks) int32, physical block ids; entries past a
   sequence's last block are padding (any valid id, never read unmasked);
 - context_lens: B host ints, tokens in each sequence *including* the L new ones
@@ -154,13 +156,13 @@ def paged_attention(
     """Paged attention on the best path for this backend (see module docstring).
 
     Decode (one query per sequence) runs the Metal or CUDA kernel where MLX has
-    that backend; prefill and the CPU backend use the reference.
+    that backend, plain or quantized (`QuantizedBlocks`) pools alike; prefill,
+    the CPU backend and shapes the kernel declines use the reference.
     """
     if (
         queries.shape[2] == 1
         and kernels.kernel_available() is not None
-        and kernels.supports(queries, k_pool)
-        and kernels.supports(queries, v_pool)  # a quantized side (uint32) stays on the reference
+        and kernels.supports(queries, k_pool, v_pool)
     ):
         return kernels.paged_decode_attention(
             queries, k_pool, v_pool, block_tables, context_lens, scale

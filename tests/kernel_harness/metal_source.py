@@ -22,26 +22,29 @@ _FENCE = re.compile(r"Generated source code for `([^`]+)`:\n```\n(.*?)\n```", re
 
 def generated_metal_source(
     queries: mx.array,
-    k_pool: mx.array,
-    v_pool: mx.array,
+    k_pool: kernels.Pool,
+    v_pool: kernels.Pool,
     block_tables: mx.array,
     context_lens: Sequence[int] | mx.array,
     scale: float,
     *,
     body: str | None = None,
+    header: str | None = None,
     name: str = kernels.KERNEL_NAME,
     num_simdgroups: int = kernels.NUM_SIMDGROUPS,
 ) -> str:
     """The generated Metal source for these inputs, launched as the engine launches it."""
-    kernel = kernels.make_paged_decode_kernel("metal", body=body, name=name)
+    kernel = kernels.make_paged_decode_kernel("metal", body=body, header=header, name=name)
     inputs = kernels.kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
+    # From the pools, before tracing: the traced args are the flat arrays.
+    template = kernels.template_args(queries, k_pool, v_pool, num_simdgroups=num_simdgroups)
 
     def fn(*args: mx.array) -> mx.array:
-        q, k_pool_ = args[0], args[1]
+        q = args[0]
         grid, threadgroup = kernels.launch_dims(q, num_simdgroups=num_simdgroups)
         return kernel(
             inputs=list(args),
-            template=kernels.template_args(q, k_pool_, num_simdgroups=num_simdgroups),
+            template=template,
             grid=grid,
             threadgroup=threadgroup,
             output_shapes=[q.shape],

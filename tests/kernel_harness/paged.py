@@ -7,6 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.model import kernels
 from engine.model.paged_attention import paged_attention_ref
 from metal_kernels import kernel_header, read_source
@@ -19,34 +20,51 @@ BODY = read_source("paged_attention.metal")
 
 
 def mutate(old: str, new: str, body: str = BODY) -> str:
-    """The kernel body with one exact edit (fails if the text moved)."""
+    """The kernel body (or other source text) with one exact edit (fails if the text moved)."""
     assert body.count(old) == 1, f"mutation anchor not found once: {old!r}"
     return body.replace(old, new)
 
 
+def mutate_header(old: str, new: str, backend: str = "metal") -> str:
+    """`backend`'s kernel header (backend header + common.h) with one exact edit."""
+    return mutate(old, new, kernel_header(backend))
+
+
 def metal_source(
-    case: Case, inputs: dict, *, body: str | None = None, name: str = kernels.KERNEL_NAME
+    case: Case,
+    inputs: dict,
+    *,
+    body: str | None = None,
+    header: str | None = None,
+    name: str = kernels.KERNEL_NAME,
 ) -> emulator.KernelSource:
     text = generated_metal_source(
-        **inputs, body=body, name=name, num_simdgroups=case.num_simdgroups
+        **inputs, body=body, header=header, name=name, num_simdgroups=case.num_simdgroups
     )
     return emulator.parse_metal(text, kernels.INPUT_NAMES, kernels.OUTPUT_NAMES)
 
 
 def cuda_source(
-    case: Case, inputs: dict, *, body: str | None = None, name: str = kernels.KERNEL_NAME
+    case: Case,
+    inputs: dict,
+    *,
+    body: str | None = None,
+    header: str | None = None,
+    name: str = kernels.KERNEL_NAME,
 ) -> emulator.KernelSource:
     args = kernels.kernel_inputs(**inputs)
-    queries, k_pool = args[0], args[1]
+    template = kernels.template_args(
+        inputs["queries"], inputs["k_pool"], inputs["v_pool"], num_simdgroups=case.num_simdgroups
+    )
     return emulator.cuda_generated_source(
         name,
         kernels.INPUT_NAMES,
         args,
         kernels.OUTPUT_NAMES,
-        [queries.dtype],
+        [args[0].dtype],
         BODY if body is None else body,
-        kernel_header("cuda"),
-        kernels.template_args(queries, k_pool, num_simdgroups=case.num_simdgroups),
+        kernel_header("cuda") if header is None else header,
+        template,
     )
 
 
@@ -77,12 +95,29 @@ def emulate(
     return emulator.to_array(result.outputs[0], queries.shape, queries.dtype), result
 
 
+def dense_pool(pool: mx.array | QuantizedBlocks) -> mx.array:
+    """A pool as plain rows: a quantized one dequantized (mx.dequantize, scales' dtype).
+
+    On the CPU stream: the kernel reproduces the CPU's float16 arithmetic
+    (round scale * q, then round + bias), which a GPU build of mx.dequantize
+    may fuse into one rounding.
+    """
+    if isinstance(pool, QuantizedBlocks):
+        with mx.stream(mx.cpu):
+            return pool.gather(mx.arange(pool.shape[1]))
+    return pool
+
+
 def reference(inputs: dict, *, fp32: bool = False) -> mx.array:
-    """The contract's reference; with fp32=True on the same values upcast (the oracle)."""
+    """The contract's reference; with fp32=True on the same values upcast (the oracle).
+
+    For a quantized pool "the same values" are its dequantized rows, which the
+    kernel reproduces exactly before accumulating in fp32.
+    """
     if not fp32:
         return paged_attention_ref(**inputs)
     up = {
-        k: v.astype(mx.float32) if k in ("queries", "k_pool", "v_pool") else v
+        k: dense_pool(v).astype(mx.float32) if k in ("queries", "k_pool", "v_pool") else v
         for k, v in inputs.items()
     }
     return paged_attention_ref(**up)
