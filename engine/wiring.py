@@ -96,10 +96,7 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     kv = PagedKVCache(layout, num_blocks)
     blocks = BlockManager(num_blocks, config.block_size)
     store = None
-    if config.prefix_cache and config.disk_cache and layout.quantized:
-        notices.append("the disk prefix cache stores float formats only: quantized prefix "
-                       "blocks are reused from RAM but not written to disk")
-    elif config.prefix_cache and config.disk_cache:
+    if config.prefix_cache and config.disk_cache:
         root = Path(config.disk_cache_dir).expanduser() if config.disk_cache_dir else None
         store = DiskPrefixStore(root, budget_bytes=config.disk_budget_bytes,
                                 default_ttl_s=config.disk_ttl_s, max_pending=256)

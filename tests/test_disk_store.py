@@ -256,7 +256,9 @@ def test_foreign_entry_is_a_miss(store, field, value):
     assert_miss_removed(store, b, "foreign", salt=other)
 
 
-@pytest.mark.parametrize("version", [0, disk_entry.FORMAT_VERSION + 1])
+# FORMAT_VERSION - 1: the float-only format before entries recorded their KV format
+@pytest.mark.parametrize("version", [0, disk_entry.FORMAT_VERSION - 1,
+                                     disk_entry.FORMAT_VERSION + 1])
 def test_other_format_version_is_a_miss(tmp_path, clock, version):
     root = tmp_path / "prefix"
     b, b2 = make_block(10), make_block(11)
@@ -291,6 +293,7 @@ def test_old_format_written_by_helper_is_removed(store):
         token_ids=b.tokens,
         created=T0,
         expires=T0 + 100,
+        spec=disk_entry.EntrySpec.infer(b.arrays),
         tensors=[(disk_entry.dtype_name(a), a.shape) for a in b.arrays],
     )
     path = entry_path(store, b)

@@ -133,26 +133,42 @@ def test_quantized_batched_equals_quantized_alone(default_model, q8_prompts):
     assert batched.metrics().cached_tokens_total > 0
 
 
-def test_quantized_and_float_blocks_never_mix_on_disk(default_model, q8_prompts, tmp_path):
+def test_quantized_blocks_persist_and_never_mix_with_other_formats_on_disk(
+        default_model, q8_prompts, tmp_path):
     ids, p = q8_prompts[0], SamplingParams(max_tokens=8, ignore_eos=True)
     disk = dict(kv_budget_bytes=32 << 20, disk_cache=True, disk_cache_dir=str(tmp_path))
-    fp = Engine(default_model, EngineConfig(**disk))
-    fp.generate_text(ids, p)
-    fp.shutdown()  # drains the writer: float entries are on disk
-    assert fp.metrics().disk_entries > 0
+
+    def files() -> dict[str, bytes]:
+        return {f.name: f.read_bytes() for f in tmp_path.rglob("*.kvb")}
+
+    def run(**cfg):
+        engine = Engine(default_model, EngineConfig(**disk, **cfg))
+        r = engine.generate_text(ids, p)
+        engine.shutdown()  # drains the writer: its entries are on disk
+        return engine, r
+
     cold_q = Engine(default_model, EngineConfig(kv_budget_bytes=32 << 20, kv_bits=8,
                                                 prefix_cache=False))
     want = cold_q.generate_text(ids, p).tokens
-    q = Engine(default_model, EngineConfig(**disk, kv_bits=8))
-    r = q.generate_text(ids, p)
+    fp, _ = run()
+    floats = files()
+    assert floats and fp.metrics().disk_entries == len(floats)
+    q, r = run(kv_bits=8)
+    assert not q.notices  # quantized pools use the disk store
     assert r.stats.cache_source == "none" and r.tokens == want  # float entries not served
-    assert any("float formats only" in n for n in q.notices)
-    q.shutdown()
-    entries = sorted(f.name for f in tmp_path.rglob("*") if f.is_file())
-    fp2 = Engine(default_model, EngineConfig(**disk))
-    assert fp2.generate_text(ids, p).stats.cache_source == "disk"  # still the float ones
-    fp2.shutdown()
-    assert sorted(f.name for f in tmp_path.rglob("*") if f.is_file()) == entries
+    quantized = {k: v for k, v in files().items() if k not in floats}
+    assert len(quantized) == len(floats)  # its own entries, beside the float ones
+    assert {k: files()[k] for k in floats} == floats  # which it left alone
+    # a new q8 engine: only the disk can serve it, bit-exactly, so warm == cold
+    q2, r2 = run(kv_bits=8)
+    assert r2.stats.cache_source == "disk" and r2.tokens == want
+    assert r2.stats.cached_tokens == (len(ids) - 1) // 16 * 16
+    # another quantized format and the float format each see only their own
+    _, mixed = run(k_bits=8, v_bits=4)
+    assert mixed.stats.cache_source == "none"
+    _, fp2 = run()
+    assert fp2.stats.cache_source == "disk"
+    assert q2.prefix.store.stats().misses == 0  # nothing was judged foreign or malformed
 
 
 @pytest.mark.parametrize("mode", [None, "recompute"])

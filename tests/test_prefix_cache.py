@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import textwrap
 
 import pytest
+from test_disk_quant import FORMATS, IDS, prefill, prefix_cache
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.kvcache.block_manager import BlockManager
 
 
 def run(engine, ids, n=16, **kw):
@@ -139,3 +142,16 @@ def test_chat_history_reuses_the_previous_turn(default_engine):
     assert ids2[: len(ids1)] == ids1
     _, s = run(e, ids2, n=4)
     assert s.cache_source == "memory" and s.cached_tokens >= len(ids1) // 16 * 16
+
+
+@pytest.mark.parametrize("writer,reader", list(itertools.permutations(FORMATS, 2)))
+def test_ram_blocks_of_another_kv_format_are_never_served(writer, reader):
+    # Two pools over one block table space: only the key can keep their blocks apart.
+    blocks = BlockManager(16, 4)
+    first = prefix_cache(writer, None, blocks)
+    prefill(first)
+    blocks.free(0)  # its 3 full blocks stay cached, evictable
+    other = prefix_cache(reader, None, blocks)
+    assert other.ram_hits(other.new_sequence("local", 0), IDS) == []
+    same = prefix_cache(writer, None, blocks)  # the control: its own format hits
+    assert len(same.ram_hits(same.new_sequence("local", 0), IDS)) == 3

@@ -5,15 +5,18 @@ Layout, integers little-endian::
     b"KVCB" | version: u16 | header_len: u32 | header: JSON (utf-8) | payload | sha256: 32 bytes
 
 The checksum covers every byte before it. The header holds the salt's parts, the block and
-parent hashes, the token ids, created / expires (unix seconds) and each tensor's dtype and
-shape; the payload is the tensors' raw bytes back to back in header order (C order).
-numpy has no bfloat16, so bfloat16 tensors travel as their uint16 bit patterns: a uint16
-array handed to `write_entry` is recorded as "bfloat16" and read back as uint16.
+parent hashes, the token ids, created / expires (unix seconds), the block's full KV format and
+geometry (`disk_format.EntrySpec`: compute dtype, K and V each plain or bits + group size) and
+each tensor's dtype and shape; the payload is the tensors' raw bytes back to back in header
+order (C order): the pool's stored bytes, packed data, scales and biases of a quantized side
+included, so a block comes back exactly as it was. bfloat16 travels as uint16 bit patterns.
+
+Version 2 added the format (version 1 held float blocks only); other versions are misses.
 
 Decoding never trusts the file: anything unexpected raises `EntryError` with a reason
 ("corrupt" or "old_format"), never another exception. A checksum proves only that the bytes
 are the ones written, so `check_entry` then checks them against what the reader asked for
-(salt, block, token ids, tensor structure: `EntrySpec`).
+(salt, block, token ids, format and geometry: `EntrySpec`).
 """
 
 from __future__ import annotations
@@ -28,20 +31,21 @@ from typing import BinaryIO
 
 import numpy as np
 
+from engine.kvcache.disk_format import DTYPES, EntrySpec, dtype_name
 from engine.kvcache.prefix_key import HASH_SIZE, CacheSalt, chain_hash
 
+__all__ = ["DTYPES", "EntryError", "EntryHeader", "EntrySpec", "check_entry", "check_structure",
+           "decode_entry", "dtype_name", "make_header", "parse_header", "read_header",
+           "write_entry"]
+
 MAGIC = b"KVCB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the header records the KV format; quantized blocks (1: float only)
 PREFIX = struct.Struct("<4sHI")
 DIGEST_SIZE = 32
 # Token ids are hashed as int32 (`prefix_key.chain_hash`); vocabularies are far smaller.
 TOKEN_ID_LIMIT = 1 << 31
 # Bounds garbage: a header is a few KiB, so a bigger length means the file is not ours.
 _MAX_HEADER = 1 << 20
-# header dtype name -> how the bytes are stored
-DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
-_NAME_OF = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
-            np.dtype(np.uint16): "bfloat16"}
 
 
 class EntryError(Exception):
@@ -63,6 +67,7 @@ class EntryHeader:
     token_ids: list[int]
     created: float
     expires: float
+    spec: EntrySpec  # the block's KV format and geometry: what the tensors must be
     tensors: list[tuple[str, tuple[int, ...]]]  # (dtype name, shape) per payload tensor
 
     @property
@@ -77,6 +82,7 @@ class EntryHeader:
             "token_ids": self.token_ids,
             "created": self.created,
             "expires": self.expires,
+            "spec": self.spec.to_dict(),
             "tensors": [{"dtype": d, "shape": list(s)} for d, s in self.tensors],
         }
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
@@ -86,51 +92,25 @@ class EntryHeader:
         return PREFIX.size + len(self.to_json()) + self.payload_bytes + DIGEST_SIZE
 
 
-@dataclass(frozen=True, slots=True)
-class EntrySpec:
-    """What a reader expects of an entry's tensors (`check_structure`).
-
-    The prefix cache asks for ``num_arrays = 2 * layers`` (keys, then values),
-    ``shape = (kv_heads, block_size, head_dim)`` and ``dtype = salt.kv_format``.
-    """
-
-    num_arrays: int
-    shape: tuple[int, ...]
-    dtype: str
-
-    def __post_init__(self):
-        if type(self.num_arrays) is not int or self.num_arrays < 1:
-            raise ValueError(f"num_arrays must be a positive int, got {self.num_arrays!r}")
-        dims = self.shape if isinstance(self.shape, tuple) else (0,)
-        if any(type(d) is not int or d < 1 for d in dims):
-            raise ValueError(f"shape must be a tuple of positive ints, got {self.shape!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-
-
-def dtype_name(a: np.ndarray) -> str:
-    """The header name of an array's dtype (uint16 means bfloat16 bits)."""
-    try:
-        return _NAME_OF[a.dtype.newbyteorder("=")]
-    except KeyError:
-        msg = f"unsupported KV dtype {a.dtype} (float32, float16, uint16=bfloat16)"
-        raise ValueError(msg) from None
-
-
 def make_header(salt: CacheSalt, block_hash: bytes, parent_hash: bytes,
                 token_ids: Sequence[int], arrays: Sequence[np.ndarray], created: float,
-                ttl_s: float) -> EntryHeader:
+                ttl_s: float, spec: EntrySpec | None = None) -> EntryHeader:
     """The header for writing a block: only one that `check_entry` will accept.
 
+    ``arrays`` are the block's tensors in `EntrySpec.tensors` order; ``spec`` defaults to
+    `EntrySpec.infer` (plain float blocks only).
+
     Raises:
-        ValueError: arrays not numpy, a block `check_structure` refuses, or ``block_hash``
+        ValueError: arrays not numpy, a block `check_structure` refuses (arrays that are
+            not what ``spec`` says, a format that is not the salt's), or ``block_hash``
             not ``chain_hash(parent_hash, token_ids)``.
     """
     if not all(isinstance(a, np.ndarray) for a in arrays):
         raise ValueError("arrays must be numpy (heads, block_size, dim)")
+    spec = EntrySpec.infer(arrays) if spec is None else spec
     tokens = [int(t) for t in token_ids]
     header = EntryHeader(salt, bytes(block_hash), bytes(parent_hash), tokens, created,
-                         created + ttl_s, [(dtype_name(a), tuple(a.shape)) for a in arrays])
+                         created + ttl_s, spec, [(dtype_name(a), tuple(a.shape)) for a in arrays])
     try:
         check_structure(header)
     except EntryError as e:
@@ -191,6 +171,7 @@ def parse_header(raw: bytes) -> EntryHeader:
             token_ids=_int_list(doc["token_ids"], min_value=-math.inf),  # range: `check_structure`
             created=_time_field(doc["created"]),
             expires=_time_field(doc["expires"]),
+            spec=EntrySpec.from_dict(doc["spec"]),
             tensors=tensors,
         )
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
@@ -247,31 +228,29 @@ def decode_entry(data: bytearray) -> tuple[EntryHeader, list[np.ndarray]]:
 
 
 def check_structure(header: EntryHeader, expect: EntrySpec | None = None) -> None:
-    """Check what the salt implies, and ``expect`` if given; raises `EntryError("malformed")`.
+    """Check what the salt and the header's spec imply, and ``expect`` if given; raises
+    `EntryError("malformed")`.
 
-    Always: a full block of token ids in ``[0, 2**31)``, at least one tensor, every tensor
-    3-D ``(heads, block_size, dim)`` with no empty dimension and of the salt's ``kv_format``.
-    With ``expect``: exactly its number of tensors, each of its shape and dtype.
+    Always: a full block of token ids in ``[0, 2**31)``, a spec whose format is the salt's
+    ``kv_format``, and exactly the tensors (count, order, dtypes, shapes) that spec implies
+    for the salt's block size. With ``expect``: the header's spec is exactly it.
     """
-    salt, tensors = header.salt, header.tensors
+    salt, spec, tensors = header.salt, header.spec, header.tensors
     if len(header.token_ids) != salt.block_size:
         raise EntryError("malformed", f"{len(header.token_ids)} token ids in a block")
     if any(not 0 <= t < TOKEN_ID_LIMIT for t in header.token_ids):
         raise EntryError("malformed", "token id out of range")
-    if not tensors:
-        raise EntryError("malformed", "no tensors")
-    for name, shape in tensors:
-        if name != salt.kv_format:
-            raise EntryError("malformed", f"{name} tensor under a {salt.kv_format} salt")
-        if len(shape) != 3 or shape[1] != salt.block_size or 0 in shape:
-            raise EntryError("malformed", f"tensor shape {shape}")
-    if expect is None:
-        return
-    if len(tensors) != expect.num_arrays:
-        raise EntryError("malformed", f"{len(tensors)} tensors, expected {expect.num_arrays}")
-    for name, shape in tensors:
-        if shape != expect.shape or name != expect.dtype:
-            raise EntryError("malformed", f"{name}{shape}, expected {expect.dtype}{expect.shape}")
+    if spec.kv_format != salt.kv_format:
+        raise EntryError("malformed", f"a {spec.kv_format} block under a {salt.kv_format} salt")
+    # the count first: a forged spec must not make us build a huge list
+    if len(tensors) != spec.num_tensors:
+        raise EntryError("malformed", f"{len(tensors)} tensors, expected {spec.num_tensors}")
+    for i, (got, want) in enumerate(zip(tensors, spec.tensors(salt.block_size), strict=True)):
+        if got != want:
+            raise EntryError("malformed", f"tensor {i}: {got[0]}{got[1]}, expected "
+                                          f"{want[0]}{want[1]}")
+    if expect is not None and spec != expect:
+        raise EntryError("malformed", f"a block of {spec}, expected {expect}")
 
 
 def check_entry(header: EntryHeader, salt: CacheSalt, block_hash: bytes,

@@ -91,12 +91,12 @@ class DiskPrefixStore:
 
     def get(self, salt: CacheSalt, block_hash: bytes, token_ids: Sequence[int], *,
             expect: EntrySpec | None = None) -> list[np.ndarray] | None:
-        """The block's arrays (``list[np.ndarray]``, uint16 for bfloat16), or None on a miss.
+        """The block's arrays (``list[np.ndarray]`` in `EntrySpec.tensors` order), or None.
 
-        Verifies the whole file (`disk_entry.decode_entry`), then salt, block hash, token ids
-        and tensor structure (`disk_entry.check_entry`, with ``expect`` if given), then expiry.
-        A failing entry is deleted and counted in ``stats().misses_by_reason``. Never raises:
-        anything unforeseen is a miss too ("error").
+        Verifies the whole file (`disk_entry.decode_entry`), then salt, block hash, token ids,
+        format and tensors (`disk_entry.check_entry`; with ``expect``, only an entry of exactly
+        that spec is served), then expiry. A failing entry is deleted and counted in
+        ``stats().misses_by_reason``. Never raises: anything unforeseen is a miss ("error").
         """
         try:
             return self._read(salt, block_hash, token_ids, expect)
@@ -112,8 +112,9 @@ class DiskPrefixStore:
 
     def put(self, salt: CacheSalt, block_hash: bytes, parent_hash: bytes,
             token_ids: Sequence[int], arrays: Sequence[np.ndarray],
-            ttl_s: float | None = None) -> bool:
-        """Write one block now; True if written. ``ttl_s`` defaults to the tenant's TTL.
+            ttl_s: float | None = None, spec: EntrySpec | None = None) -> bool:
+        """Write one block now; True if written. ``ttl_s`` defaults to the tenant's TTL;
+        ``spec`` (format and geometry) to `EntrySpec.infer` (plain float blocks only).
 
         False when the block is stored or being written, alone exceeds the budget, has a TTL
         that is not positive, the store is not writable (``dropped_writes``), or on an I/O
@@ -122,7 +123,7 @@ class DiskPrefixStore:
         """
         ttl = self.ttls.for_tenant(salt.tenant) if ttl_s is None else ttl_s
         header = disk_entry.make_header(salt, block_hash, parent_hash, token_ids, arrays,
-                                        self._clock(), ttl)
+                                        self._clock(), ttl, spec)
         size = header.file_size()
         with self._lock:
             if not self.files.writable:
@@ -151,7 +152,7 @@ class DiskPrefixStore:
 
     def put_async(self, salt: CacheSalt, block_hash: bytes, parent_hash: bytes,
                   token_ids: Sequence[int], arrays: Sequence[np.ndarray],
-                  ttl_s: float | None = None) -> bool:
+                  ttl_s: float | None = None, spec: EntrySpec | None = None) -> bool:
         """Queue a `put` for the background writer thread; never blocks. True if queued.
 
         ``arrays`` must be numpy copies the caller no longer touches. A full queue, a closed
@@ -165,7 +166,8 @@ class DiskPrefixStore:
             if not self.files.writable:
                 self._stats.dropped_writes += 1
                 return False
-        return self._writer.submit((salt, block_hash, parent_hash, token_ids, arrays, ttl_s))
+        item = (salt, block_hash, parent_hash, token_ids, arrays, ttl_s, spec)
+        return self._writer.submit(item)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write is done; False if ``timeout`` ran out first."""
@@ -220,6 +222,16 @@ class DiskPrefixStore:
                 expired_at=self._clock() if expired_only else None)
             for h in doomed:
                 self._drop_locked(h, "expired" if expired_only else "purge")
+        return len(doomed)
+
+    def remove(self, block_hashes: Sequence[bytes]) -> int:
+        """Delete the entries named (a document session's blocks); returns how many."""
+        if not self.files.tidy:
+            return 0
+        with self._lock:
+            doomed = [h for h in dict.fromkeys(block_hashes) if h in self._index]
+            for h in doomed:
+                self._drop_locked(h, "purge")
         return len(doomed)
 
     def set_tenant_ttl(self, tenant: str, ttl_s: float | None) -> int:

@@ -6,6 +6,10 @@ tenant and permission version (`prefix_key.CacheSalt`). At admission a request
 takes the longest run of cached blocks by reference (RAM), then restores the
 next ones from the disk store; computed blocks are registered as they fill,
 and prompt blocks are persisted by the store's background writer.
+
+A disk entry holds a block's stored bytes exactly (`PagedKVCache.take` / `put`: a quantized
+side's packed data, scales and biases, never re-quantized), and the salt names the pool's
+full format (`EntrySpec.kv_format`), so no block is served to a pool of another format.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import numpy as np
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.disk_entry import EntrySpec
 from engine.kvcache.disk_store import DiskPrefixStore
-from engine.kvcache.kv_cache import PagedKVCache
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache, Store
 from engine.kvcache.prefix_key import CacheSalt, chain_hash
 
 SWEEP_EVERY_S = 60.0  # expired entries leave the disk while the app runs, not only at start
@@ -33,32 +37,46 @@ class SeqPrefix:
     salt: CacheSalt
     hashes: list[bytes] = field(default_factory=list)  # chained, per full block
     registered: int = 0  # leading blocks already named in the cache
+    ttl_s: float | None = None  # disk lifetime of its prompt blocks (None: the tenant's)
 
 
 class PrefixCache:
     """Looks up, restores and registers prefix blocks of sequences in the pool.
 
     ``salt_base`` holds the salt's parts shared by every sequence of one engine
-    (`prefix_key.salt_base`); a sequence adds its tenant and permission version.
+    (`prefix_key.salt_base`); a sequence adds its tenant and permission version. Its
+    ``kv_format`` must name the pool's (``layout.kv_format``); the salt gets the complete
+    name (`EntrySpec.kv_format`, which adds the compute dtype of a quantized pool).
+
+    Raises:
+        ValueError: ``salt_base["kv_format"]`` names another format than the pool's.
     """
 
     def __init__(self, kv: PagedKVCache, blocks: BlockManager, salt_base: dict, *,
                  enabled: bool = True, store: DiskPrefixStore | None = None):
         self.kv, self.blocks = kv, blocks
         self.enabled = enabled
-        self.base = salt_base
-        self.store = store if enabled else None
-        L = kv.layout
         # what a disk entry of this pool must hold: anything else is a miss, never served
-        self.entry_spec = None if self.store is None else EntrySpec(
-            2 * L.num_layers, (L.num_kv_heads, L.block_size, L.head_dim), salt_base["kv_format"])
+        self.entry_spec = EntrySpec.of(kv.layout)
+        full = self.entry_spec.kv_format
+        if salt_base["kv_format"] not in (kv.layout.kv_format, full):
+            raise ValueError(f"salt kv_format {salt_base['kv_format']!r} is not the pool's "
+                             f"{full!r}")
+        self.base = {**salt_base, "kv_format": full}
+        self.store = store if enabled else None
         self.disk_hits = 0
         self._next_sweep = time.monotonic() + SWEEP_EVERY_S
 
-    def new_sequence(self, tenant: str, permission_version: int) -> SeqPrefix:
-        """The prefix state of a new sequence scoped to a tenant and permission version."""
+    def new_sequence(self, tenant: str, permission_version: int, *,
+                     ttl_s: float | None = None) -> SeqPrefix:
+        """The prefix state of a new sequence scoped to a tenant and permission version;
+        ``ttl_s`` is the disk lifetime of the prompt blocks it writes (a pinned document)."""
         return SeqPrefix(CacheSalt(**self.base, tenant=tenant,
-                                   permission_version=permission_version))
+                                   permission_version=permission_version), ttl_s=ttl_s)
+
+    def hashes(self, seq: SeqPrefix, token_ids: Sequence[int]) -> list[bytes]:
+        """Chained hashes of the full blocks of ``token_ids`` (names in RAM and on disk)."""
+        return list(self._hashes(seq, token_ids))
 
     def _hashes(self, seq: SeqPrefix, token_ids: Sequence[int]) -> list[bytes]:
         """Chained hashes of the sequence's full blocks (extended as it grows)."""
@@ -107,10 +125,7 @@ class PrefixCache:
             if arrays is None:  # corrupt, foreign or expired: a miss, removed by the store
                 break
             slots = mx.array(self.blocks.append(seq_id, bs).slots, dtype=mx.int32)
-            n_layers = len(self.kv.keys)
-            for layer in range(n_layers):
-                k, v = arrays[layer], arrays[n_layers + layer]
-                self.kv.write(layer, slots, self._to_mx(k), self._to_mx(v))
+            self.kv.put(slots, *block_stores(arrays, self.kv.layout))  # the bytes as stored
             self.blocks.register(self.blocks.block_tables[seq_id][i], hashes[i], tokens)
             seq.registered += 1
             restored += 1
@@ -118,16 +133,6 @@ class PrefixCache:
             mx.eval(self.kv.keys, self.kv.values)
             self.disk_hits += restored
         return restored
-
-    def _to_mx(self, a: np.ndarray) -> mx.array:
-        if a.dtype == np.uint16:  # bfloat16 bits
-            return mx.view(mx.array(a), mx.bfloat16)
-        return mx.array(a)
-
-    def _to_np(self, a: mx.array) -> np.ndarray:
-        if a.dtype == mx.bfloat16:
-            return np.array(mx.view(a, mx.uint16))
-        return np.array(a)
 
     def on_computed(self, seq_id: int, seq: SeqPrefix, token_ids: Sequence[int],
                     num_computed: int, prompt_len: int) -> None:
@@ -145,11 +150,10 @@ class PrefixCache:
             if not self.blocks.register(table[i], hashes[i], tokens):
                 continue
             if self.store is not None and (i + 1) * bs <= prompt_len:
-                rows = slice(table[i] * bs, (table[i] + 1) * bs)
-                arrays = [self._to_np(k[:, rows]) for k in self.kv.keys]
-                arrays += [self._to_np(v[:, rows]) for v in self.kv.values]
+                arrays = block_arrays(self.kv, mx.arange(table[i] * bs, (table[i] + 1) * bs))
                 parent = hashes[i - 1] if i else seq.salt.digest()
-                self.store.put_async(seq.salt, hashes[i], parent, tokens, arrays)
+                self.store.put_async(seq.salt, hashes[i], parent, tokens, arrays,
+                                     ttl_s=seq.ttl_s, spec=self.entry_spec)
         seq.registered = full
 
     def maybe_sweep(self) -> int:
@@ -162,3 +166,39 @@ class PrefixCache:
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
+
+
+def _to_np(a: mx.array) -> np.ndarray:
+    if a.dtype == mx.bfloat16:  # numpy has none: its bits travel as uint16
+        return np.array(mx.view(a, mx.uint16))
+    return np.array(a)
+
+
+def _to_mx(a: np.ndarray) -> mx.array:
+    if a.dtype == np.uint16:  # bfloat16 bits
+        return mx.view(mx.array(a), mx.bfloat16)
+    return mx.array(a)
+
+
+def block_arrays(kv: PagedKVCache, slots: mx.array) -> list[np.ndarray]:
+    """The stored bytes of the rows at ``slots`` as a disk entry's tensors (numpy copies, in
+    `EntrySpec.tensors` order: each layer's K, then each layer's V; a quantized side as
+    data, scales, biases)."""
+    keys, values = kv.take(slots)
+    return [_to_np(a) for store in keys + values
+            for a in (store if isinstance(store, tuple) else (store,))]
+
+
+def block_stores(arrays: Sequence[np.ndarray],
+                 layout: KVLayout) -> tuple[list[Store], list[Store]]:
+    """The inverse of `block_arrays`: per-layer K and V `Store`s for `PagedKVCache.put`."""
+    parts = iter(arrays)
+
+    def side(quant) -> Store:
+        if quant is None:
+            return _to_mx(next(parts))
+        return tuple(_to_mx(next(parts)) for _ in range(3))
+
+    keys = [side(layout.k_quant) for _ in range(layout.num_layers)]
+    values = [side(layout.v_quant) for _ in range(layout.num_layers)]
+    return keys, values

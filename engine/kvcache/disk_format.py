@@ -1,0 +1,185 @@
+"""What one KV block is on disk: the pool's geometry and full format, and the tensors it implies.
+
+An entry holds, for every layer, the stored bytes of its K block and then, for every layer,
+those of its V block (`kv_cache.PagedKVCache.take` order). A plain side is one tensor of the
+compute dtype, ``(kv_heads, block_size, head_dim)``; a quantized side is three: the packed
+uint32 data ``(kv_heads, block_size, head_dim * bits / 32)`` and the float16 scales and biases
+``(kv_heads, block_size, head_dim / group_size)``. `EntrySpec` names all of it, so an entry's
+header can say exactly what its payload must be and a reader can say exactly what it accepts.
+
+No MLX here: the store's modules load without it (a crash test runs them in a bare child).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+# header dtype name -> how the bytes are stored; numpy has no bfloat16, so bfloat16 tensors
+# travel as their uint16 bit patterns (a uint16 array is recorded as "bfloat16")
+DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
+          "uint32": np.dtype("<u4")}
+_NAME_OF = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+            np.dtype(np.uint16): "bfloat16", np.dtype(np.uint32): "uint32"}
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # what K/V compute in, or a plain side holds
+PACKED_DTYPE = "uint32"  # `mx.quantize`'s packed data
+SCALE_DTYPE = "float16"  # `kv_cache.SCALE_DTYPE`: per-group scale and bias
+# A sanity bound, not a model limit: a forged header must not make a reader build a huge list.
+_MAX_LAYERS = 4096
+
+
+def dtype_name(a: np.ndarray) -> str:
+    """The header name of an array's dtype (uint16 means bfloat16 bits)."""
+    try:
+        return _NAME_OF[a.dtype.newbyteorder("=")]
+    except KeyError:
+        msg = f"unsupported KV dtype {a.dtype} (float32, float16, uint16=bfloat16, uint32)"
+        raise ValueError(msg) from None
+
+
+def _positive_int(name: str, value) -> None:
+    # bool is an int subclass: True must not pass for a layer count
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantFormat:
+    """One side's affine quantized format (`kv_cache.QuantSpec` without MLX)."""
+
+    bits: int
+    group_size: int
+
+    def __post_init__(self):
+        # every width `mx.quantize` packs, not only the pool's 4 and 8 today: the disk format
+        # must never be what refuses a pool format
+        if type(self.bits) is not int or self.bits not in (2, 3, 4, 5, 6, 8):
+            raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8, got {self.bits!r}")
+        if type(self.group_size) is not int or self.group_size not in (32, 64, 128):
+            raise ValueError(f"group size must be 32, 64 or 128, got {self.group_size!r}")
+
+    @property
+    def name(self) -> str:
+        return f"q{self.bits}g{self.group_size}"
+
+
+@dataclass(frozen=True, slots=True)
+class EntrySpec:
+    """A KV pool's geometry and full format: what each of its blocks is on disk.
+
+    Entry headers record it and `disk_entry.check_structure` holds the payload to it; a
+    reader passes its pool's (`EntrySpec.of(layout)`) and is served only an exact match.
+
+    Attributes:
+        num_layers, num_kv_heads, head_dim: the pool's geometry.
+        dtype: the compute dtype (``"float32"``, ``"float16"`` or ``"bfloat16"``).
+        k_quant, v_quant: that side's quantized format, or None for plain ``dtype``.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    k_quant: QuantFormat | None = None
+    v_quant: QuantFormat | None = None
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            _positive_int(name, getattr(self, name))
+        if self.num_layers > _MAX_LAYERS:
+            raise ValueError(f"num_layers {self.num_layers} > {_MAX_LAYERS}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {self.dtype!r}")
+        for q in (self.k_quant, self.v_quant):
+            if q is not None and (not isinstance(q, QuantFormat) or self.head_dim % q.group_size
+                                  or self.head_dim * q.bits % 32):
+                raise ValueError(f"{q!r} does not fit head_dim {self.head_dim}")
+
+    @classmethod
+    def of(cls, layout) -> EntrySpec:
+        """The spec of a `kv_cache.KVLayout` (duck-typed: this module does not load MLX)."""
+        def quant(q) -> QuantFormat | None:
+            return None if q is None else QuantFormat(q.bits, q.group_size)
+
+        return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                   str(layout.dtype).removeprefix("mlx.core."),
+                   quant(layout.k_quant), quant(layout.v_quant))
+
+    @classmethod
+    def infer(cls, arrays: Sequence[np.ndarray]) -> EntrySpec:
+        """The spec of a plain block: keys then values of each layer, one float dtype and
+        one shape ``(kv_heads, block_size, head_dim)``. Raises ValueError for anything else
+        (a quantized block cannot be inferred: pass its spec)."""
+        if not arrays or len(arrays) % 2:
+            raise ValueError(f"{len(arrays)} arrays: not keys and values of whole layers")
+        names = {dtype_name(a) for a in arrays}
+        shapes = {tuple(a.shape) for a in arrays}
+        if len(names) != 1 or len(shapes) != 1:
+            raise ValueError("plain K/V arrays differ in dtype or shape")
+        (name,), (shape,) = names, shapes
+        if len(shape) != 3:
+            raise ValueError(f"K/V arrays must be (heads, block_size, dim), got {shape}")
+        return cls(len(arrays) // 2, shape[0], shape[2], name)
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_quant is not None or self.v_quant is not None
+
+    @property
+    def kv_format(self) -> str:
+        """The KV format as the prefix key's salt names it: complete, so two pools whose
+        blocks differ never share a key (a quantized pool names its compute dtype too)."""
+        if not self.quantized:
+            return self.dtype
+        k, v = (q.name if q else self.dtype for q in (self.k_quant, self.v_quant))
+        return f"k={k},v={v},dtype={self.dtype}"
+
+    @property
+    def num_tensors(self) -> int:
+        return self.num_layers * sum(3 if q else 1 for q in (self.k_quant, self.v_quant))
+
+    def _side(self, quant: QuantFormat | None, block_size: int) -> list[tuple[str, tuple]]:
+        rows = (self.num_kv_heads, block_size)
+        if quant is None:
+            return [(self.dtype, (*rows, self.head_dim))]
+        groups = (*rows, self.head_dim // quant.group_size)
+        return [(PACKED_DTYPE, (*rows, self.head_dim * quant.bits // 32)),
+                (SCALE_DTYPE, groups), (SCALE_DTYPE, groups)]
+
+    def tensors(self, block_size: int) -> list[tuple[str, tuple[int, ...]]]:
+        """(dtype name, shape) of every tensor of one block, in payload order."""
+        return (self._side(self.k_quant, block_size) * self.num_layers
+                + self._side(self.v_quant, block_size) * self.num_layers)
+
+    def block_bytes(self, block_size: int) -> int:
+        """Payload bytes of one block: the pool's ``bytes_per_block``, scales included."""
+        return sum(DTYPES[d].itemsize * math.prod(s) for d, s in self.tensors(block_size))
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able fields (what entry headers hold)."""
+        def quant(q):
+            return None if q is None else {"bits": q.bits, "group_size": q.group_size}
+
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": self.dtype,
+                "k_quant": quant(self.k_quant), "v_quant": quant(self.v_quant)}
+
+    @classmethod
+    def from_dict(cls, doc) -> EntrySpec:
+        """Rebuild from `to_dict`; raises ValueError or TypeError on anything else."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(doc, dict) or sorted(doc) != sorted(names):
+            raise ValueError(f"spec fields {doc!r}")
+
+        def quant(q) -> QuantFormat | None:
+            if q is None:
+                return None
+            if not isinstance(q, dict) or sorted(q) != ["bits", "group_size"]:
+                raise ValueError(f"quant fields {q!r}")
+            return QuantFormat(**q)
+
+        return cls(doc["num_layers"], doc["num_kv_heads"], doc["head_dim"], doc["dtype"],
+                   quant(doc["k_quant"]), quant(doc["v_quant"]))
