@@ -155,8 +155,8 @@ def regular_file(text: str) -> str:
     return text
 
 
-def read_text_file(path: str, limit: int) -> str:
-    """At most ``limit`` bytes of a regular UTF-8 file; more, or anything else, is an error.
+def read_file_bytes(path: str, limit: int) -> bytes:
+    """At most ``limit`` bytes of a regular file; more, or anything else, is an error.
 
     Raises ValueError with one line. O_NONBLOCK keeps a FIFO swapped in after the
     os.stat check from blocking the open; fstat then refuses it.
@@ -165,12 +165,23 @@ def read_text_file(path: str, limit: int) -> str:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError:
+        regular = False
+    if not regular:
+        os.close(fd)
+        raise ValueError(f"not a regular file: {path}")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"not a regular file: {path}")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise ValueError(f"{path} is larger than {limit:,} bytes")
+    return data
+
+
+def read_text_file(path: str, limit: int) -> str:
+    """At most ``limit`` bytes of a regular UTF-8 file (see `read_file_bytes`)."""
+    data = read_file_bytes(path, limit)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

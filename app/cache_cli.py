@@ -99,18 +99,35 @@ def cmd_stats(args) -> int:
     return 0
 
 
+def _sessions(store) -> list:
+    from engine.kvcache.sessions import SessionRegistry
+
+    return sorted(SessionRegistry(store.root).load().values(), key=lambda x: x.created)
+
+
 def cmd_ls(args) -> int:
     store = open_store(args)
     entries = store.entries()
+    sessions = _sessions(store)
     store.close()
     if args.json:
-        print(json.dumps([asdict(e) for e in entries]))
+        print(json.dumps({"entries": [asdict(e) for e in entries],
+                          "sessions": [asdict(x) for x in sessions]}))
         return 0
     print(f"{'hash':14} {'tenant':10} {'perm':>4} {'model':14} {'tokens':>6} {'KiB':>7} "
           f"{'expires':16} last used")
     for e in entries:
         print(f"{e.hash[:12]:14} {e.tenant[:10]:10} {e.permission_version:>4} {e.model[:12]:14} "
               f"{e.tokens:>6} {e.bytes / 1024:>7.0f} {_when(e.expires):16} {_when(e.last_used)}")
+    if sessions:
+        print(f"\ndocument sessions ({len(sessions)}):")
+        print(f"{'name':28} {'documents':32} {'tokens':>7} {'blocks':>6} {'asked':>5} expires")
+        now = time.time()
+        for x in sessions:
+            docs = ", ".join(d["name"] for d in x.documents)
+            state = "expired" if x.expired(now) else _when(x.expires)
+            print(f"{x.name[:28]:28} {docs[:32]:32} {x.prefix_tokens:>7} "
+                  f"{len(x.block_hashes):>6} {x.questions:>5} {state}")
     return 0
 
 
@@ -126,11 +143,32 @@ def _writable_store(args):
 def cmd_purge(args) -> int:
     if args.permission_below is not None and args.tenant is None:
         raise KVChatError("--permission-below needs --tenant (permission versions are per tenant)")
-    if not (args.tenant or args.model or args.expired or args.all):
-        raise KVChatError("purge needs --tenant, --model, --expired, --permission-below or --all")
+    if not (args.tenant or args.model or args.expired or args.all or args.session):
+        raise KVChatError("purge needs --session, --tenant, --model, --expired, "
+                          "--permission-below or --all")
+    if args.session and (args.tenant or args.model or args.all or args.permission_below):
+        raise KVChatError("--session cannot be combined with other filters")
+    from engine.kvcache.sessions import SessionRegistry
+
     store = _writable_store(args)
+    registry = SessionRegistry(store.root)
+    if args.session:
+        gone = registry.remove(args.session)
+        if gone is None:
+            store.close()
+            raise KVChatError(f"no document session named {args.session!r} "
+                              "(`kvchat cache ls` lists them)")
+        n = store.remove([bytes.fromhex(h) for h in gone.block_hashes])
+        store.close()
+        print(f"removed session {gone.name!r} and its {n} entries")
+        return 0
     n = store.purge(tenant=args.tenant, model=args.model, expired_only=args.expired,
                     all=args.all, permission_below=args.permission_below)
+    if args.expired:
+        registry.sweep()
+    elif args.all:
+        for name in list(registry.load()):
+            registry.remove(name)
     at_open = store.stats().removed_by_reason  # unreadable entries and stale temp files
     store.close()
     print(f"removed {n} entries")
@@ -236,7 +274,7 @@ def add_parser(sub) -> None:
     p = common(cs.add_parser("stats", help="entries, bytes, tenants, models, write errors"))
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_stats)
-    p = common(cs.add_parser("ls", help="list entries, most recently used first"))
+    p = common(cs.add_parser("ls", help="list entries (newest use first) and document sessions"))
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_ls)
     p = common(cs.add_parser("purge", help="delete entries"))
@@ -247,6 +285,8 @@ def add_parser(sub) -> None:
                    help="only the tenant's entries of permission versions below N (with --tenant)")
     p.add_argument("--expired", action="store_true", help="only expired entries")
     p.add_argument("--all", action="store_true", help="everything")
+    p.add_argument("--session", type=arg_types.non_empty, metavar="NAME",
+                   help="a document session and its blocks (`kvchat ask --session`)")
     p.set_defaults(func=cmd_purge)
     p = common(cs.add_parser(
         "ttl", help="per-tenant lifetimes of cached blocks, kept with the store",

@@ -1,4 +1,4 @@
-"""Command line: `kvchat chat | generate | estimate | convert | bench | cache`.
+"""Command line: `kvchat chat | generate | ask | estimate | convert | bench | eval | cache`.
 
 Errors meant for the user (missing or corrupt model, empty or too long prompt)
 print one line to stderr and exit with status 2 — never a traceback.
@@ -204,8 +204,9 @@ def make_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default=None)
     c.set_defaults(func=cmd_convert)
 
-    from app import bench, cache_cli, estimate
+    from app import ask, bench, cache_cli, estimate
 
+    ask.add_parser(sub)
     estimate.add_parser(sub)
     bench.add_parser(sub)
     from app.eval import add_parser as add_eval_parser

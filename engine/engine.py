@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from functools import partial
 
+from engine import prompts
 from engine.config import EngineConfig
 from engine.decoder import Decoder
 from engine.errors import EngineStoppedError, RequestError
@@ -27,7 +28,7 @@ from engine.model.loader import LoadedModel
 from engine.request import Priority, Request, RequestHandle, RequestState
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
-from engine.validation import check_ids, check_params, check_scope
+from engine.validation import check_ids, check_params, check_scope, check_ttl
 from engine.wiring import build_kv
 
 
@@ -58,14 +59,25 @@ class Engine(EngineLoop):
     def encode_prompt(self, prompt: str, *, system: str | None = None, raw: bool = False,
                       history: list[dict] | None = None) -> list[int]:
         """Token ids for a user prompt: through the chat template unless ``raw``."""
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise RequestError("the prompt is empty")
-        tok = self.tokenizer
-        if raw or not getattr(tok, "chat_template", None):
-            return list(tok.encode(prompt))
-        messages = [{"role": "system", "content": system}] if system else []
-        messages += (history or []) + [{"role": "user", "content": prompt}]
-        return list(tok.apply_chat_template(messages, add_generation_prompt=True))
+        return prompts.chat_ids(self.tokenizer, prompt, system=system, raw=raw, history=history)
+
+    def encode_pinned(self, document: str, question: str, *, system: str,
+                      history: list[dict] | None = None) -> tuple[list[int], int]:
+        """(ids, prefix_len): ``document`` first, so its blocks serve every question on it."""
+        return prompts.pinned_ids(self.tokenizer, document, question, system=system,
+                                  history=history)
+
+    def prefix_hashes(self, prompt_ids: list[int], *, tenant: str = "local",
+                      permission_version: int = 0) -> list[bytes]:
+        """Chained hashes of the full blocks of ``prompt_ids`` under this engine's salt
+        (what names them in the prefix cache and on disk)."""
+        check_scope(tenant, permission_version, None)
+        seq = self.prefix.new_sequence(tenant, permission_version)
+        return list(self.prefix.hashes(seq, check_ids(prompt_ids, self.vocab_size)))
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes alone (no chat template, no special tokens)."""
+        return len(prompts.plain_ids(self.tokenizer, text))
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams,
                       ) -> tuple[int, str | None]:
@@ -81,17 +93,21 @@ class Engine(EngineLoop):
     # -- requests --------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
                priority: Priority = Priority.INTERACTIVE, timeout_s: float | None = None,
-               tenant: str = "local", permission_version: int = 0) -> RequestHandle:
+               tenant: str = "local", permission_version: int = 0,
+               cache_ttl_s: float | None = None) -> RequestHandle:
         """Queue a request; iterate the returned handle for its events.
 
         Every field is checked here: a bad one raises `RequestError` (and counts a
         rejection) in the caller's thread, as does a request that can never fit.
+        ``cache_ttl_s`` sets the disk lifetime of the prompt blocks it writes (a pinned
+        document session); None uses the tenant's TTL.
         """
         params = params if params is not None else SamplingParams()
         try:
             if not isinstance(params, SamplingParams):
                 raise RequestError("params must be SamplingParams")
             check_scope(tenant, permission_version, timeout_s)
+            check_ttl(cache_ttl_s)
             try:
                 priority = Priority(priority)
             except ValueError as e:
@@ -101,7 +117,7 @@ class Engine(EngineLoop):
             max_new, notice = self.scheduler.check(len(ids), params.max_tokens)
             decoder = Decoder(params, self.tokenizer.detokenizer,
                               self.tokenizer.eos_token_ids, max_new)
-            prefix = self.prefix.new_sequence(tenant, permission_version)
+            prefix = self.prefix.new_sequence(tenant, permission_version, ttl_s=cache_ttl_s)
         except RequestError:
             self.recorder.rejections += 1
             raise

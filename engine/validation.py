@@ -80,3 +80,9 @@ def check_scope(tenant, permission_version, timeout_s) -> None:
                            f"got {permission_version!r}")
     if timeout_s is not None:
         _finite("timeout_s", timeout_s, 0.0, 1e9)
+
+
+def check_ttl(ttl_s) -> None:
+    """A cache lifetime: None (the tenant's), or positive seconds up to ten years."""
+    if ttl_s is not None:
+        _finite("cache_ttl_s", ttl_s, 1e-3, 3650 * 86400.0)

@@ -56,7 +56,7 @@ def test_generate_restores_from_disk_in_a_new_process_and_purge_by_tenant(tmp_pa
         for name in files:
             assert stat.S_IMODE(os.stat(os.path.join(root, name)).st_mode) == 0o600
     ls = kvchat("cache", "ls", "--json", "--cache-dir", str(d))
-    rows = json.loads(ls.stdout)
+    rows = json.loads(ls.stdout)["entries"]
     assert len(rows) == st["entries"] and {r["tenant"] for r in rows} == {"alice", "bob"}
     purge = kvchat("cache", "purge", "--tenant", "alice", "--cache-dir", str(d))
     assert purge.returncode == 0 and f"removed {st['tenants']['alice']} entries" in purge.stdout
@@ -157,7 +157,7 @@ def test_purge_below_a_permission_version(tmp_path, capsys):
                            "--permission-below", "2", "--cache-dir", str(d))
     assert code == 0 and "removed 2 entries" in out
     _, out, _ = run_cli(capsys, "cache", "ls", "--json", "--cache-dir", str(d))
-    assert sorted((r["tenant"], r["permission_version"]) for r in json.loads(out)) == [
+    assert sorted((r["tenant"], r["permission_version"]) for r in json.loads(out)["entries"]) == [
         ("alice", 2), ("bob", 0)]
     code, _, err = run_cli(capsys, "cache", "purge", "--permission-below", "2",
                            "--cache-dir", str(d))

@@ -3,6 +3,8 @@
 - `kv`: ``kvchat eval kv`` — KV cache formats compared by quality, size and speed
   (`measure` runs one format, `perplexity` scores texts through the paged pool,
   `probes` and `docs` hold the prompt sets and documents, `report` writes the outputs)
+- `ask`: ``kvchat eval ask`` — document Q&A: needle recall through ``kvchat ask``'s
+  policy against a plain prompt, and the TTFT the pinned document prefix saves
 
 Nothing here imports the engine at package import: building the CLI's parser must
 stay cheap and must not load MLX.
@@ -13,9 +15,10 @@ from __future__ import annotations
 
 def add_parser(sub) -> None:
     """Register ``eval`` and its modes on the CLI's subparsers object."""
-    from app.eval import kv
+    from app.eval import ask, kv
 
-    p = sub.add_parser("eval", help="quality evaluations (KV cache formats)",
+    p = sub.add_parser("eval", help="quality evaluations (KV cache formats, document Q&A)",
                        description="Quality evaluations of kvchat's settings.")
-    modes = p.add_subparsers(dest="eval_mode", metavar="{kv}", required=True)
+    modes = p.add_subparsers(dest="eval_mode", metavar="{kv,ask}", required=True)
     kv.add_parser(modes)
+    ask.add_parser(modes)

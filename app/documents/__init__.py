@@ -1,0 +1,1 @@
+"""Documents for offline Q&A: loading, chunks, retrieval, the context budget policy."""

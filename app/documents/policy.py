@@ -1,0 +1,167 @@
+"""The context budget of one question, and what of the documents goes into it.
+
+A context window is a ceiling, not a quota. The budget is the smallest of the model's
+context and the free KV pool, less the answer, the question, the template and the
+conversation kept. Documents that fit go in whole, first (a pinned prefix whose blocks
+every later question reuses). Otherwise they are cut into chunks; the chunks BM25 ranks
+highest for the question fill the budget, in document order with their positions shown,
+and everything else is reported as left out. Nothing is ever cut silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from app.documents.chunks import Chunk
+from app.documents.load import Document
+from app.documents.retrieval import rank
+
+HISTORY_SHARE = 4  # earlier turns may take at most 1/4 of the budget; the oldest go first
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Token budget of one question (all counts in tokens)."""
+
+    context: int  # one sequence's limit (prompt + answer)
+    free_kv: int  # tokens the KV pool can hold now (free and evictable blocks)
+    answer: int  # reserved for the answer
+    fixed: int  # system text, template, question and the turns kept
+
+    @property
+    def total(self) -> int:
+        return min(self.context, self.free_kv)
+
+    @property
+    def documents(self) -> int:
+        """What the documents may take."""
+        return max(0, self.total - self.answer - self.fixed)
+
+    def to_dict(self) -> dict:
+        return {"context": self.context, "free_kv": self.free_kv, "answer": self.answer,
+                "fixed": self.fixed, "total": self.total, "documents": self.documents}
+
+
+@dataclass(slots=True)
+class Placement:
+    """The documents' text as placed in the prompt, and what was left out."""
+
+    mode: str  # "whole" or "retrieval"
+    text: str
+    tokens: int  # of ``text``
+    selected: list[Chunk] = field(default_factory=list)  # retrieval only
+    left_out: list[Chunk] = field(default_factory=list)
+
+    @property
+    def left_out_tokens(self) -> int:
+        return sum(c.tokens for c in self.left_out)
+
+    def summary(self, docs: Sequence[Document]) -> str:
+        """One line: what was placed and, always, what was left out."""
+        if self.mode == "whole":
+            return f"documents placed whole ({self.tokens} tokens); nothing left out"
+        parts = []
+        for i, doc in enumerate(docs):
+            out = [c for c in self.left_out if c.doc == i]
+            if out:
+                pages = sorted({c.page for c in out if c.page is not None})
+                where = f", pages {_ranges(pages)}" if pages else ""
+                parts.append(f"{doc.name}: {len(out)} chunks ({sum(c.tokens for c in out)} "
+                             f"tokens{where})")
+        return (f"retrieval: {len(self.selected)} chunks most relevant to the question "
+                f"({self.tokens} tokens); left out " + ("; ".join(parts) or "nothing"))
+
+    def to_dict(self) -> dict:
+        def row(c: Chunk) -> dict:
+            return {"doc": c.doc, "chunk": c.index, "start_token": c.start_token,
+                    "tokens": c.tokens, "start_char": c.start_char, "page": c.page}
+
+        return {"mode": self.mode, "tokens": self.tokens,
+                "selected": [row(c) for c in self.selected],
+                "left_out": [row(c) for c in self.left_out],
+                "left_out_tokens": self.left_out_tokens}
+
+
+def _ranges(numbers: list[int]) -> str:
+    out, start = [], None
+    for i, n in enumerate(numbers):
+        start = n if start is None else start
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            out.append(f"{start}" if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)
+
+
+def render_whole(docs: Sequence[Document]) -> str:
+    return "\n\n".join(f'<document name="{d.name}">\n{d.text}\n</document>' for d in docs)
+
+
+def render_chunks(docs: Sequence[Document], chunks: Sequence[Chunk],
+                  all_chunks: Sequence[Chunk]) -> str:
+    """Selected chunks in document order, each headed by its position; gaps are marked."""
+    lines: list[str] = []
+    for i, doc in enumerate(docs):
+        mine = sorted((c for c in chunks if c.doc == i), key=lambda c: c.index)
+        total = sum(1 for c in all_chunks if c.doc == i)
+        if not mine:
+            lines.append(f'<document name="{doc.name}">[no chunk selected]</document>')
+            continue
+        body, last = [], -1
+        for c in mine:
+            if c.index > last + 1:
+                body.append(f"[... {c.index - last - 1} chunks left out ...]")
+            body.append(f"[{c.label()}]\n{c.text}")
+            last = c.index
+        if last + 1 < total:
+            body.append(f"[... {total - last - 1} chunks left out ...]")
+        lines.append(f'<document name="{doc.name}" chunks="{total}">\n'
+                     + "\n\n".join(body) + "\n</document>")
+    return "\n\n".join(lines)
+
+
+def place(docs: Sequence[Document], chunks: Callable[[], list[Chunk]], question: str,
+          budget: int, count: Callable[[str], int]) -> Placement:
+    """Whole documents if they fit ``budget`` tokens, else the most relevant chunks.
+
+    ``chunks`` is called only when retrieval is needed (cutting costs tokenizer time).
+    """
+    whole = render_whole(docs)
+    n = count(whole)
+    if n <= budget:
+        return Placement("whole", whole, n)
+    every = chunks()
+    order = [every[i] for i, _ in rank(every, question)]
+    chosen: list[Chunk] = []
+    used = 0
+    for c in order:  # headers cost tokens too: keep a margin, then check the real count
+        if used + c.tokens + 24 <= budget:
+            chosen.append(c)
+            used += c.tokens + 24
+    text = render_chunks(docs, chosen, every)
+    n = count(text)
+    while chosen and n > budget:
+        chosen.pop()  # the least relevant of those chosen
+        text = render_chunks(docs, chosen, every)
+        n = count(text)
+    picked = {(c.doc, c.index) for c in chosen}
+    left = [c for c in every if (c.doc, c.index) not in picked]
+    chosen.sort(key=lambda c: (c.doc, c.index))
+    return Placement("retrieval", text, n, chosen, left)
+
+
+def trim_history(history: Sequence[dict], limit: int,
+                 count: Callable[[str], int]) -> tuple[list[dict], int, int]:
+    """The most recent turns within ``limit`` tokens: (kept, turns dropped, tokens dropped).
+
+    Turns go in user/assistant pairs so the kept history never starts mid-exchange.
+    """
+    kept = list(history)
+    sizes = [count(m["content"]) + 4 for m in kept]  # ~4 template tokens per turn
+    dropped = dropped_tokens = 0
+    while kept and sum(sizes) > limit:
+        k = 2 if len(kept) >= 2 else 1
+        dropped += k
+        dropped_tokens += sum(sizes[:k])
+        del kept[:k], sizes[:k]
+    return kept, dropped, dropped_tokens

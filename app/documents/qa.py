@@ -1,0 +1,95 @@
+"""Questions about documents through one engine: budget, placement, prompt ids.
+
+`DocumentQA.prepare` is the whole policy for one question, shared by ``kvchat ask`` and
+the TUI: it sizes the budget from the engine's context and free KV memory, keeps the
+recent conversation that fits, places the documents (whole, as a pinned prefix, or the
+most relevant chunks), and returns the prompt's ids with a report of what was left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from app.documents.chunks import DEFAULT_CHUNK_TOKENS, Chunk, split_document
+from app.documents.load import Document
+from app.documents.policy import HISTORY_SHARE, Budget, Placement, place, trim_history
+from app.engine_like import EngineLike
+
+SYSTEM = ("You answer questions about the documents below. Use only what they say, quote "
+          "numbers and names exactly, and say so when the answer is not in them.")
+TEMPLATE_TOKENS = 32  # chat-template tokens around the system text and the question
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One question, ready to submit."""
+
+    ids: list[int]
+    prefix_tokens: int  # ids[:prefix_tokens] are the same for every question (whole mode)
+    budget: Budget
+    placement: Placement
+    history: list[dict]  # the turns kept
+    dropped_turns: int = 0
+    dropped_turn_tokens: int = 0
+
+    def report(self, docs: Sequence[Document]) -> str:
+        """What went into the prompt and what did not, in one line."""
+        line = self.placement.summary(docs)
+        if self.dropped_turns:
+            line += (f"; {self.dropped_turns} earlier turns dropped "
+                     f"({self.dropped_turn_tokens} tokens)")
+        return line
+
+    def to_dict(self) -> dict:
+        return {"budget": self.budget.to_dict(), "prompt_tokens": len(self.ids),
+                "prefix_tokens": self.prefix_tokens, "placement": self.placement.to_dict(),
+                "dropped_turns": self.dropped_turns,
+                "dropped_turn_tokens": self.dropped_turn_tokens}
+
+
+class DocumentQA:
+    """Documents attached to a conversation with ``engine``."""
+
+    def __init__(self, engine: EngineLike, docs: Sequence[Document], *,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, system: str = SYSTEM):
+        if not docs:
+            raise ValueError("no documents")
+        self.engine, self.docs, self.system = engine, list(docs), system
+        self.chunk_tokens = chunk_tokens
+        self.doc_tokens = [engine.count_tokens(d.text) for d in self.docs]
+        self._chunks: list[Chunk] | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.doc_tokens)
+
+    def chunks(self) -> list[Chunk]:
+        """Every document cut into chunks (computed once)."""
+        if self._chunks is None:
+            self._chunks = [c for i, d in enumerate(self.docs)
+                            for c in split_document(d, i, self.engine.count_tokens,
+                                                    self.chunk_tokens)]
+        return self._chunks
+
+    def budget(self, answer_tokens: int, fixed: int) -> Budget:
+        m = self.engine.metrics()
+        block = m.bytes_per_block // m.bytes_per_token if m.bytes_per_token else 1
+        free = m.blocks_free * block if m.blocks_total else self.engine.max_context
+        return Budget(self.engine.max_context, free, answer_tokens, fixed)
+
+    def prepare(self, question: str, *, answer_tokens: int,
+                history: Sequence[dict] = ()) -> Prepared:
+        """Budget, placement and ids for ``question`` (see the module docstring)."""
+        count = self.engine.count_tokens
+        base = count(self.system) + count(question) + TEMPLATE_TOKENS
+        total = self.budget(answer_tokens, base).total
+        kept, dropped, dropped_tokens = trim_history(
+            history, max(0, (total - answer_tokens - base) // HISTORY_SHARE), count)
+        fixed = base + sum(count(m["content"]) + 4 for m in kept)
+        budget = self.budget(answer_tokens, fixed)
+        placement = place(self.docs, self.chunks, question, budget.documents, count)
+        ids, prefix = self.engine.encode_pinned(placement.text, question, system=self.system,
+                                                history=kept)
+        return Prepared(ids, prefix if placement.mode == "whole" else 0, budget, placement,
+                        kept, dropped, dropped_tokens)
