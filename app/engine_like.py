@@ -51,6 +51,16 @@ class EngineLike(Protocol):
         """Token ids of a user prompt (through the chat template unless ``raw``)."""
         ...
 
+    def encode_pinned(self, document: str, question: str, *, system: str,
+                      history: list[dict] | None = None) -> tuple[list[int], int]:
+        """(ids, prefix_len) with ``document`` first: ``ids[:prefix_len]`` is the same for
+        every question and history about it, so its KV blocks are reused."""
+        ...
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes alone (no chat template, no special tokens)."""
+        ...
+
     def check_request(self, prompt_ids: list[int],
                       params: SamplingParams) -> tuple[int, str | None]:
         """(max new tokens, a notice if reduced); raises RequestError if it never fits."""
@@ -58,8 +68,13 @@ class EngineLike(Protocol):
 
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
                priority: Priority = ..., timeout_s: float | None = None,
-               tenant: str = "local", permission_version: int = 0) -> HandleLike:
-        """Queue a request; raises RequestError at once if it is refused."""
+               tenant: str = "local", permission_version: int = 0,
+               cache_ttl_s: float | None = None) -> HandleLike:
+        """Queue a request; raises RequestError at once if it is refused.
+
+        ``cache_ttl_s``: how long the prompt's blocks stay in the disk cache (a pinned
+        document's prefix); None keeps the tenant's TTL.
+        """
         ...
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,

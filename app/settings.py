@@ -1,4 +1,5 @@
-"""What the app remembers between runs (theme, last model), in ``cache_root()/settings.json``.
+"""What the app remembers between runs (theme, last model, KV cache format), in
+``cache_root()/settings.json``.
 
 The file is written atomically and privately (0600) and read back only when it is
 still private: the last model is loaded at start-up, so a file others could write
@@ -13,6 +14,18 @@ from pathlib import Path
 
 from engine.paths import cache_root, private_dir, read_private, write_private
 
+KV_CACHE_FORMATS: dict[str, tuple[int | None, int | None]] = {
+    "float": (None, None),
+    "q8": (8, 8),
+    "q4": (4, 4),
+    "k8v4": (8, 4),
+}
+"""The KV cache formats the settings offer: name -> (K bits, V bits); None = unquantized.
+
+"float" stores K/V in the model's float dtype (the engine's default); the others are the
+engine's 8/4-bit affine formats, K and V chosen apart for "k8v4" (K is the more sensitive).
+"""
+
 
 @dataclass(slots=True)
 class AppSettings:
@@ -22,6 +35,8 @@ class AppSettings:
     """Textual theme name, e.g. "textual-dark"."""
     last_model: str | None = None
     """Model spec loaded last ("default", a path or a hub repo id)."""
+    kv_cache: str | None = None
+    """KV cache format, a key of `KV_CACHE_FORMATS`; the command line's KV flags override it."""
     extra: dict = field(default_factory=dict)
     """Keys written by another kvchat version, saved back unchanged."""
 
@@ -71,6 +86,11 @@ def save_settings(**changes: str | None) -> AppSettings:
     private_dir(cache_root())
     write_private(settings_path(), json.dumps(current.to_dict(), indent=1).encode("utf-8"))
     return current
+
+
+def kv_cache_bits(name: str | None) -> tuple[int | None, int | None] | None:
+    """(K bits, V bits) of a KV cache format; None when unset or unknown (a newer version's)."""
+    return KV_CACHE_FORMATS.get(name) if name else None
 
 
 def last_model() -> str | None:

@@ -1,4 +1,5 @@
-"""App settings: remembered model and theme, private atomic file, bad files ignored."""
+"""App settings: remembered model, theme and KV cache format; private atomic file, bad files
+ignored."""
 
 from __future__ import annotations
 
@@ -59,3 +60,15 @@ def test_unknown_keys_are_kept_and_bad_values_dropped(home):
         "future": [1], "theme": "textual-light"}
     with pytest.raises(TypeError):
         settings.save_settings(colour="red")
+
+
+def test_kv_cache_format_is_saved_with_the_others(home):
+    settings.remember_model("org/tiny")
+    settings.save_settings(kv_cache="k8v4")
+    assert settings.load_settings() == AppSettings(last_model="org/tiny", kv_cache="k8v4")
+    assert settings.kv_cache_bits(settings.load_settings().kv_cache) == (8, 4)
+    assert settings.kv_cache_bits("float") == (None, None)
+    # a format this version does not know (a newer one's) is kept but not applied
+    settings.save_settings(kv_cache="q2")
+    assert settings.load_settings().kv_cache == "q2"
+    assert settings.kv_cache_bits("q2") is None and settings.kv_cache_bits(None) is None

@@ -1,17 +1,21 @@
 """Pilot tests of the chat on the real engine and the embedded default model.
 
 Send and stream, Esc mid-generation (and mid-prefill) with every block back in the
-pool, a model switch that shuts the old engine down, and a huge paste refused with
-the chat kept. Each test builds a small engine on the session's loaded model.
+pool, a model switch that shuts the old engine down, a huge paste refused with the
+chat kept, and a document whose prefix the next question finds in the KV cache. Each
+test builds a small engine on the session's loaded model.
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 from test_tui_app import SIZE, boxes, wait_for
 
 from app.conversations import ConversationStore
 from app.tui.app import ChatApp
+from app.tui.screens.dialogs import ConfirmScreen
 from app.tui.screens.models import ModelsScreen
 from app.tui.widgets.prompt_input import PromptInput
 from engine import Engine, EngineConfig, SamplingParams
@@ -55,8 +59,8 @@ def shared_engine(default_model):
 def make_app(shared_engine, store):
     def build(*engines, **kwargs) -> ChatApp:
         queue = list(engines) or [Borrowed(shared_engine)]
-        return ChatApp(engine_factory=lambda spec: queue.pop(0), store=store, remember=False,
-                       **kwargs)
+        return ChatApp(engine_factory=lambda spec, kv_cache=None: queue.pop(0), store=store,
+                       remember=False, **kwargs)
 
     return build
 
@@ -158,8 +162,50 @@ async def test_huge_paste_is_refused_and_the_chat_kept(make_app, store):
         huge = boxes(app)[2]
         assert "not sent:" in stats_of(huge) and "tokens" in stats_of(huge)
         assert app.engine.metrics().blocks_used == 0
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("escape")  # not as a document either (test_tui_documents.py)
+        await wait_for(pilot, lambda: app.screen is app.chat)
         await send(pilot, app, "Still there?")
         await wait_for(pilot, lambda: not app.chat.generating and len(boxes(app)) == 5, 60)
         assert boxes(app)[4].text
     conv = store.load(conv.id)
     assert [m.content for m in conv.messages if m.role == "user"] == ["Hello", "Still there?"]
+
+
+def station_handbook(sections: int = 16) -> str:
+    """~820 tokens of made-up facts, one needle in the middle."""
+    paras = [f"Section {i + 1}. Station {i + 1} on the northern line keeps {3 * i + 4} spare "
+             f"lamps, opens at {6 + i % 4}:15 and is run by warden number {100 + 7 * i}. "
+             f"Its radio call sign is NORTH-{i + 1}." for i in range(sections)]
+    paras.insert(sections // 2, "The launch code of the expedition is AZURE-7.")
+    return "# Station handbook\n\n" + "\n\n".join(paras)
+
+
+async def test_document_prefix_is_cached_for_the_next_question(make_app, default_model,
+                                                                tmp_path):
+    doc = tmp_path / "handbook.md"
+    doc.write_text(station_handbook())
+    # its own pool, roomy enough for the document whole whatever the other tests cached
+    engine = Engine(default_model, EngineConfig(kv_budget_bytes=96 << 20, prefill_chunk=256))
+    app = make_app(engine, max_tokens=8)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None, 60)
+        await send(pilot, app, f"/doc {doc}")
+        bar = app.chat.documents
+        await wait_for(pilot, lambda: bar.attached is not None, 30)
+        assert 600 <= bar.attached.total_tokens <= 1000
+        assert str(bar.render()).startswith("doc: handbook.md · ")
+        await send(pilot, app, "What is the launch code of the expedition?")
+        await wait_for(pilot, lambda: not app.chat.generating and len(boxes(app)) == 2, 120)
+        first = stats_of(boxes(app)[1])
+        assert "documents placed whole" in first and "nothing left out" in first, first
+        assert "prefilled, cached for the next question" in first, first
+        await send(pilot, app, "Which warden runs station 3?")
+        await wait_for(pilot, lambda: not app.chat.generating and len(boxes(app)) == 4, 120)
+        second = stats_of(boxes(app)[3])
+        m = re.search(r"prefix ([\d,]+)/([\d,]+) tokens from cache \(memory\)", second)
+        assert m is not None, second
+        cached, prefix = (int(g.replace(",", "")) for g in m.groups())
+        assert 0 < cached <= prefix and prefix - cached < 16  # all but a partial block
+        assert "from cache (memory)" in str(bar.render())
+        assert app.engine.metrics().blocks_used == 0

@@ -39,8 +39,8 @@ def store(tmp_path):
 def make_app(store, engine=None, **kwargs) -> ChatApp:
     engines = []
 
-    def factory(spec):
-        e = engine if engine is not None and not engines else FakeEngine()
+    def factory(spec, kv_cache=None):
+        e = engine if engine is not None and not engines else FakeEngine(kv_cache=kv_cache)
         engines.append(e)
         return e
 
@@ -157,6 +157,10 @@ async def test_empty_and_too_long_prompts_keep_the_chat(store):
         user, answer, huge = boxes(app)
         assert "not sent: the prompt has" in str(huge.query_one(".stats").render())
         assert len(huge.text) == 25000  # the whole paste is kept, shown shortened
+        # offered as a document instead (test_tui_documents.py); Esc declines
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is app.chat)
         await ask(pilot, app, "still here?")
         assert len(boxes(app)) == 5
     conv = store.load(store.list()[0].id)
@@ -238,12 +242,12 @@ async def test_model_that_fails_to_load_keeps_the_chat(store, tmp_path):
     bad.mkdir()
     (bad / "config.json").write_text('{"model_type": "not-a-model"}')
 
-    def factory(spec):
+    def factory(spec, kv_cache=None):
         if spec is None:
             return FakeEngine()
         from app.tui.app import default_engine_factory
 
-        return default_engine_factory(spec)
+        return default_engine_factory(spec, kv_cache=kv_cache)
 
     app = ChatApp(engine_factory=factory, store=store, remember=False)
     notices = record_notices(app)
@@ -262,7 +266,7 @@ async def test_last_model_failing_falls_back_to_default(store, monkeypatch):
     monkeypatch.setattr("app.settings.last_model", lambda: "org/gone")
     specs = []
 
-    def factory(spec):
+    def factory(spec, kv_cache=None):
         specs.append(spec)
         if spec is not None:
             from engine.errors import ModelLoadError

@@ -1,12 +1,16 @@
 """A scripted engine for TUI tests, and tests of the turn logic that drives it.
 
-`FakeEngine` speaks the engine's API (encode_prompt, start, submit -> iterable handle,
-cancel, metrics, block_map, shutdown) with fixed events and fixed metrics, so UI tests
-and snapshots are fast and deterministic. The real engine is used in test_tui.py.
+`FakeEngine` speaks the engine's API (encode_prompt, encode_pinned, count_tokens, start,
+submit -> iterable handle, cancel, metrics, block_map, shutdown) with fixed events and
+fixed metrics, so UI tests and snapshots are fast and deterministic. Its metrics follow
+the KV cache format it is built in (the settings' names), so the cache panel's quantized
+view is covered too.
+The real engine is used in test_tui.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import threading
 import time
@@ -15,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 
 from app.engine_like import EngineLike, HandleLike
+from app.settings import KV_CACHE_FORMATS
 from app.tui.generation import (
     PrefillProgress,
     TextReceived,
@@ -30,9 +35,12 @@ from engine.errors import RequestError, RequestTooLargeError
 from engine.generation import GenerationEvent
 from engine.metrics import EngineMetrics, Percentiles
 
+# SmolLM2-135M's pool on a CPU: 30 layers x 3 KV heads x head dim 64, float32, 16-token blocks
+LAYERS_X_HEADS, HEAD_DIM = 30 * 3, 64
 FIXED_METRICS = EngineMetrics(
     used_bytes=6 * 737_280, peak_bytes=9 * 737_280, hit_rate=0.42, active_sequences=1,
     evictions=3, release_latency_ms=0.37, budget_bytes=96 * 737_280, bytes_per_block=737_280,
+    bytes_per_token=46_080, kv_format="float32", bytes_per_token_fp16=23_040,
     blocks_total=96, blocks_free=84, blocks_used=6, blocks_cached=6, blocks_shared=2,
     cached_tokens_total=320, prompt_tokens_total=760, waiting=0, running=1, preemptions=1,
     rejections=2,
@@ -42,10 +50,30 @@ FIXED_METRICS = EngineMetrics(
 FIXED_BLOCK_MAP = "SS####cccccc" + "." * 84
 
 
+def fake_metrics(kv_cache: str | None = None) -> EngineMetrics:
+    """FIXED_METRICS for a pool in ``kv_cache`` (a settings name): same blocks, its bytes.
+
+    A quantized row is its packed elements plus a float16 scale and bias per group of 64,
+    as the engine counts it; an unquantized side stays float32.
+    """
+    k, v = KV_CACHE_FORMATS.get(kv_cache or "float", (None, None))
+    if k is None and v is None:
+        return FIXED_METRICS
+    rows = [HEAD_DIM * b // 8 + 2 * 2 if b else 4 * HEAD_DIM for b in (k, v)]
+    names = [f"q{b}g64" if b else "float32" for b in (k, v)]
+    per_token = LAYERS_X_HEADS * sum(rows)
+    block = 16 * per_token
+    return dataclasses.replace(
+        FIXED_METRICS, kv_format=f"k={names[0]},v={names[1]}", bytes_per_token=per_token,
+        bytes_per_block=block, used_bytes=6 * block, peak_bytes=9 * block,
+        budget_bytes=96 * block)
+
+
 def fixed_stats(prompt_tokens: int, generated: int, released: int = 4):
+    cached = min(16, prompt_tokens)
     return SimpleNamespace(prompt_tokens=prompt_tokens, generation_tokens=generated,
                            ttft_s=0.25, prefill_tps=480.0, decode_tps=18.5,
-                           cached_tokens=min(16, prompt_tokens),
+                           cached_tokens=cached, cache_source="memory" if cached else "none",
                            blocks_used=released, blocks_released=released)
 
 
@@ -70,8 +98,10 @@ class FakeEngine:
     """
 
     def __init__(self, reply: str = "The capital of France is **Paris**.", *, delay: float = 0.0,
-                 max_prompt_tokens: int = 4096, prefill_events: int = 0):
+                 max_prompt_tokens: int = 4096, prefill_events: int = 0,
+                 kv_cache: str | None = None):
         self.reply, self.delay = reply, delay
+        self.kv_cache = kv_cache  # the KV format it was built in: its metrics show it
         self.max_prompt_tokens = max_prompt_tokens
         self.prefill_events = prefill_events
         self.loaded = SimpleNamespace(weight_format="fake", name="fake")
@@ -80,6 +110,8 @@ class FakeEngine:
         self.started = self.stopped = False
         self.cancelled: set[int] = set()
         self.submitted: list[list[int]] = []
+        self.submit_kwargs: list[dict] = []  # priority, cache_ttl_s... of each submit
+        self.pinned: list[tuple[str, str, str]] = []  # (document, question, system)
         self.histories: list[list[dict]] = []
         self._next_id = 0
         self._lock = threading.Lock()
@@ -90,6 +122,18 @@ class FakeEngine:
         self.histories.append(list(history or []))
         words = sum(len(m["content"].split()) for m in history or []) + len(prompt.split())
         return list(range(words + (len(system.split()) if system else 0)))
+
+    def encode_pinned(self, document, question, *, system, history=None):
+        if not question or not question.strip():
+            raise RequestError("the question is empty")
+        self.pinned.append((document, question, system))
+        self.histories.append(list(history or []))
+        prefix = self.count_tokens(system) + self.count_tokens(document)
+        rest = sum(self.count_tokens(m["content"]) for m in history or [])
+        return list(range(prefix + rest + self.count_tokens(question))), prefix
+
+    def count_tokens(self, text):
+        return len(text.split())  # one token a word, as encode_prompt counts
 
     def start(self):
         self.started = True
@@ -104,11 +148,12 @@ class FakeEngine:
         return params.max_tokens, None
 
     def submit(self, prompt_ids, params=None, *, priority=Priority.INTERACTIVE, timeout_s=None,
-               tenant="local", permission_version=0):
+               tenant="local", permission_version=0, cache_ttl_s=None):
         self.check_request(prompt_ids, params or SamplingParams())
         with self._lock:
             rid, self._next_id = self._next_id, self._next_id + 1
         self.submitted.append(prompt_ids)
+        self.submit_kwargs.append({"priority": priority, "cache_ttl_s": cache_ttl_s})
         return FakeHandle(rid, self._events(rid, len(prompt_ids), params), self)
 
     def generate(self, prompt_ids, params=None, **kwargs):
@@ -136,7 +181,7 @@ class FakeEngine:
         return True
 
     def metrics(self):
-        return FIXED_METRICS
+        return fake_metrics(self.kv_cache)
 
     def block_map(self):
         return FIXED_BLOCK_MAP

@@ -15,6 +15,7 @@ from test_tui_fakes import FakeEngine
 from app.conversations import ConversationStore
 from app.tui.app import ChatApp
 from app.tui.screens.models import ModelsScreen
+from app.tui.screens.settings import SettingsScreen
 from app.tui.widgets.prompt_input import PromptInput
 
 TERMINAL = (120, 36)
@@ -43,7 +44,7 @@ def saved_chat(tmp_path, monkeypatch):
 
 
 def make_app(store, conversation_id=None, **kwargs) -> ChatApp:
-    return ChatApp(engine_factory=lambda spec: FakeEngine(**kwargs), store=store,
+    return ChatApp(engine_factory=lambda spec, kv_cache=None: FakeEngine(**kwargs), store=store,
                    conversation_id=conversation_id, remember=False)
 
 
@@ -86,3 +87,44 @@ def test_models_screen(snap_compare, saved_chat, tmp_path):
         await pilot.pause()
 
     assert snap_compare(make_app(store), terminal_size=TERMINAL, run_before=run_before)
+
+
+def test_cache_panel_quantized(snap_compare, saved_chat):
+    """The panel of an engine built in q8: its format, share of fp16 and bytes saved."""
+    store, cid = saved_chat
+    assert snap_compare(make_app(store, cid, kv_cache="q8"), terminal_size=TERMINAL,
+                        run_before=settle)
+
+
+def test_settings_screen(snap_compare, saved_chat):
+    store, _ = saved_chat
+
+    async def run_before(pilot):
+        await settle(pilot)
+        await pilot.press("f6")
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, SettingsScreen))
+        await pilot.pause()
+
+    assert snap_compare(make_app(store), terminal_size=TERMINAL, run_before=run_before)
+
+
+def test_document_attached(snap_compare, saved_chat, tmp_path):
+    """The document bar over the prompt, and the document line under an answer."""
+    store, _ = saved_chat
+    doc = tmp_path / "handbook.md"
+    doc.write_text("# Handbook\n\nThe launch code is AZURE-7. The backup site is in Tromsø.\n")
+
+    async def run_before(pilot):
+        await settle(pilot)
+        prompt = pilot.app.chat.query_one(PromptInput)
+        prompt.text = f"/doc {doc}"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: pilot.app.chat.documents.attached is not None)
+        prompt.text = "What is the launch code?"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not pilot.app.chat.generating)
+        pilot.app.clear_notifications()
+        await pilot.pause()
+
+    assert snap_compare(make_app(store, reply="The launch code is **AZURE-7**."),
+                        terminal_size=TERMINAL, run_before=run_before)

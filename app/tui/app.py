@@ -1,15 +1,15 @@
 """ChatApp: global bindings, theme, model loading and screen routing.
 
-The engine is built in a thread worker (``engine_factory(spec)``), so the UI never
-waits for a model to load; a switch installs the new engine, then shuts the old one
-down, which cancels its requests and gives its KV pool back.
+The engine is built in a thread worker (``engine_factory(spec, kv_cache=...)``), so the
+UI never waits for a model to load; a switch installs the new engine, then shuts the old
+one down, which cancels its requests and gives its KV pool back. A new KV cache format
+(F6, settings) takes the same path: the current model is reloaded in it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
 
 from textual import work
 from textual.app import App
@@ -19,29 +19,19 @@ from textual.worker import get_current_worker
 
 from app import models_hub, settings
 from app.conversations import ConversationError, ConversationStore
-from app.engine_args import load_engine
 from app.engine_like import EngineLike
 from app.tui.commands import KVChatCommands
+from app.tui.engine_factory import EngineFactory, default_engine_factory
 from app.tui.screens.chat import ChatScreen
 from app.tui.screens.conversations import NEW, ConversationDeleted, ConversationsScreen
 from app.tui.screens.dialogs import SystemPromptScreen
 from app.tui.screens.models import ModelsScreen
+from app.tui.screens.settings import SettingsScreen
 from app.tui.widgets.cache_panel import CachePanel
-from engine import EngineConfig, SamplingParams
+from engine import SamplingParams
 from engine.errors import KVChatError
 
-EngineFactory = Callable[[str | None], EngineLike]  # model spec -> an engine, not started
-
-
-def default_engine_factory(spec: str | None, *, weights: str = "auto",
-                           config: EngineConfig | None = None) -> EngineLike:
-    """Load ``spec`` (a hub repo id in our cache resolves to its snapshot) into an Engine.
-
-    ``config`` comes from the command line (`app.engine_args.config_from_args`).
-    """
-    engine = load_engine(models_hub.resolve_spec(spec), weights=weights, config=config)
-    engine.loaded.name = spec or models_hub.DEFAULT_MODEL
-    return engine
+__all__ = ["ChatApp", "EngineFactory", "default_engine_factory", "run"]
 
 
 class ChatApp(App):
@@ -57,6 +47,7 @@ class ChatApp(App):
         Binding("f3", "models", "Models"),
         Binding("f4", "conversations", "Chats"),
         Binding("f5", "system_prompt", "System"),
+        Binding("f6", "settings", "Settings"),  # the prompt passes F6 on (PromptInput)
         Binding("ctrl+n", "new_chat", "New"),
         Binding("ctrl+t", "toggle_theme", "Theme"),
     ]
@@ -78,6 +69,8 @@ class ChatApp(App):
         self.conversation_id = conversation_id
         self.engine: EngineLike | None = None
         self.model_name: str | None = None
+        self.loading_spec: str | None = None  # the spec of the load in progress
+        self.kv_cache: str | None = None  # the settings' KV format for engines; None: the config's
 
     @property
     def chat(self) -> ChatScreen:
@@ -90,6 +83,7 @@ class ChatApp(App):
         saved = settings.load_settings() if self.remember else settings.AppSettings()
         if saved.theme in self.available_themes:
             self.theme = saved.theme
+        self.kv_cache = saved.kv_cache
         conversation = self.store.new()
         if self.conversation_id:
             try:
@@ -106,14 +100,15 @@ class ChatApp(App):
         """Load a model in a worker; ``fallback``: on failure, load the default instead."""
         name = spec or models_hub.DEFAULT_MODEL
         self.model_loading = True
+        self.loading_spec = spec
         self.model_status = f"loading model {name}…"
-        self._load_worker(spec, fallback)
+        self._load_worker(spec, fallback, self.kv_cache)
 
     @work(thread=True, exclusive=True, group="model", exit_on_error=False)
-    def _load_worker(self, spec: str | None, fallback: bool) -> None:
+    def _load_worker(self, spec: str | None, fallback: bool, kv_cache: str | None) -> None:
         worker = get_current_worker()
         try:
-            engine = self.engine_factory(spec)
+            engine = self.engine_factory(spec, kv_cache=kv_cache)
             engine.start()
         except Exception as e:  # ModelLoadError, a bad directory, out of memory...
             text = str(e) if isinstance(e, KVChatError | ValueError | OSError) else repr(e)
@@ -128,14 +123,17 @@ class ChatApp(App):
 
     def _install_engine(self, engine: EngineLike, spec: str | None) -> EngineLike | None:
         old, self.engine = self.engine, engine
-        self.model_name = spec or models_hub.DEFAULT_MODEL
+        old_name, self.model_name = self.model_name, spec or models_hub.DEFAULT_MODEL
         self.model_loading = False
         self.model_status = self._describe_model()
         if self.remember:
             with contextlib.suppress(OSError):
                 settings.remember_model(self.model_name)
+        for notice in getattr(engine, "notices", ()):  # e.g. a KV format that fell back
+            self.notify(notice, title="Note", timeout=10)
         if old is not None:
-            self.notify(f"Switched to {self.model_name}.", timeout=3)
+            done = "Reloaded" if old_name == self.model_name else "Switched to"
+            self.notify(f"{done} {self.model_name}.", timeout=3)
         return old
 
     def _describe_model(self) -> str:
@@ -239,6 +237,43 @@ class ChatApp(App):
     async def on_conversation_deleted(self, message: ConversationDeleted) -> None:
         if self.chat.conversation.id == message.conversation_id and not self.chat.generating:
             await self.chat.show_conversation(self.store.new())
+
+    # -- settings ------------------------------------------------------------------
+    def action_settings(self) -> None:
+        if isinstance(self.screen, SettingsScreen):
+            return
+        in_use = self.engine.metrics().kv_format if self.engine is not None else ""
+        self.push_screen(SettingsScreen(self.kv_cache, in_use), self.set_kv_cache)
+
+    def set_kv_cache(self, name: str | None) -> None:
+        """Use the KV cache format ``name`` from now on: save it, reload the model in it.
+
+        The reload goes the model-switch way (new engine in, old one shut down), so the
+        chat is kept; it waits for an answer being written, which it would cut short.
+        """
+        if name is None or name == (self.kv_cache or "float"):
+            return
+        if not self._idle("changing the KV cache"):
+            return
+        self.kv_cache = name
+        if self.remember:
+            try:
+                settings.save_settings(kv_cache=name)
+            except OSError as e:  # still used for this run
+                self.notify(f"Could not save the setting: {e}", severity="warning", timeout=4)
+        if self.engine is None and not self.model_loading:
+            self.notify(f"KV cache {name}: it applies when a model loads (F3).")
+            return
+        spec = self.loading_spec if self.model_loading else self.model_name
+        self.notify(f"KV cache {name}: reloading the model.", timeout=3)
+        self.load_model(spec)
+
+    def action_attach_document(self) -> None:
+        """Pick a document to attach to the chat (the palette's entry; also ``/doc``)."""
+        self.chat.documents.pick()
+
+    def action_detach_document(self) -> None:
+        self.chat.documents.detach()
 
     def action_system_prompt(self) -> None:
         if isinstance(self.screen, SystemPromptScreen):

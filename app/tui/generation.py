@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 
 from textual.message import Message
 
+from app.documents.qa import Prepared
 from app.engine_like import EngineLike, HandleLike
+from app.tui.documents import AttachedDocuments
 from engine import SamplingParams
-from engine.errors import KVChatError, RequestError
+from engine.errors import KVChatError, RequestError, RequestTooLargeError
+from engine.kvcache.sessions import DEFAULT_SESSION_TTL_S
 from engine.request import Priority
 
 FLUSH_S = 0.05  # text deltas are batched to ~20 UI updates a second
@@ -33,6 +36,8 @@ class Turn:
     request_id: int | None = None
     cancel_requested: bool = False
     dropped_turns: int = 0  # oldest history turns left out so the prompt fits
+    documents: AttachedDocuments | None = None  # set: the question is about them
+    prepared: Prepared | None = None  # the document prompt, once built
 
 
 @dataclass
@@ -76,6 +81,7 @@ class TurnRejected(Message):
 
     turn: Turn
     error: str
+    too_large: bool = False  # it can never fit the context (a paste to attach instead?)
 
 
 def submit_fitting(engine: EngineLike, turn: Turn, params: SamplingParams) -> HandleLike:
@@ -92,14 +98,31 @@ def submit_fitting(engine: EngineLike, turn: Turn, params: SamplingParams) -> Ha
             turn.dropped_turns += 1
 
 
+def submit_documents(engine: EngineLike, turn: Turn, params: SamplingParams) -> HandleLike:
+    """Submit the turn as a question about ``turn.documents`` (the budget is theirs).
+
+    A pinned prefix (documents placed whole) is written to the disk cache for a document
+    session's lifetime, as ``kvchat ask`` does, so it outlives the tenant's usual TTL.
+    """
+    assert turn.documents is not None
+    turn.prepared = prepared = turn.documents.prepare(
+        engine, turn.prompt, answer_tokens=params.max_tokens, history=turn.history,
+        chat_system=turn.system)
+    ttl = DEFAULT_SESSION_TTL_S if prepared.prefix_tokens > 0 else None
+    return engine.submit(prepared.ids, params, priority=Priority.INTERACTIVE, cache_ttl_s=ttl)
+
+
 def stream_turn(turn: Turn, params: SamplingParams, post: Callable[[Message], object],
                 is_cancelled: Callable[[], bool] = lambda: False) -> None:
     """Run one turn to its end on ``turn.engine``, posting messages; engine errors end it."""
     engine = turn.engine
     try:
-        handle = submit_fitting(engine, turn, params)
+        if turn.documents is not None:
+            handle = submit_documents(engine, turn, params)
+        else:
+            handle = submit_fitting(engine, turn, params)
     except (KVChatError, ValueError) as e:
-        post(TurnRejected(turn, str(e)))
+        post(TurnRejected(turn, str(e), isinstance(e, RequestTooLargeError)))
         return
     turn.request_id = handle.request_id
     post(TurnStarted(turn, getattr(handle, "notice", None)))

@@ -14,6 +14,7 @@ from textual.worker import get_current_worker
 
 from app.conversations import Conversation, ConversationStore
 from app.engine_like import EngineLike
+from app.tui.documents import answer_line, parse_doc_command
 from app.tui.generation import (
     PrefillProgress,
     TextReceived,
@@ -25,12 +26,13 @@ from app.tui.generation import (
     stream_turn,
 )
 from app.tui.widgets.cache_panel import CachePanel
+from app.tui.widgets.document_bar import DocumentBar
 from app.tui.widgets.prompt_input import PromptInput
 from app.tui.widgets.transcript import MessageBox, Transcript
 from engine import SamplingParams
 
 HINT = ("Type a message and press Enter. Ctrl+J adds a newline, Esc cancels an answer, "
-        "F2 shows the KV cache, Ctrl+P lists every command.")
+        "F2 shows the KV cache, /doc FILE attaches a document, Ctrl+P lists every command.")
 
 
 class ChatHost(Protocol):
@@ -74,6 +76,7 @@ class ChatScreen(Screen):
                 with Horizontal(id="prefill"):
                     yield Static("prefill", id="prefill-label")
                     yield ProgressBar(id="prefill-bar", show_eta=False)
+                yield DocumentBar(id="doc-bar")
                 yield PromptInput(id="prompt", placeholder="Ask anything…")
                 with Horizontal(id="status-row"):
                     yield LoadingIndicator(id="model-spinner")
@@ -106,8 +109,15 @@ class ChatScreen(Screen):
         self.query_one("#status", Static).update(" · ".join(p for p in parts if p))
 
     # -- conversations -----------------------------------------------------------
+    @property
+    def documents(self) -> DocumentBar:
+        """The attached documents (and the bar showing them)."""
+        return self.query_one(DocumentBar)
+
     async def show_conversation(self, conversation: Conversation) -> None:
-        """Replace the transcript with a (saved) conversation."""
+        """Replace the transcript with a (saved) conversation (documents are detached)."""
+        if conversation is not self.conversation:
+            self.documents.detach(quiet=True)  # they were attached to the other chat
         self.conversation = conversation
         transcript = self.query_one(Transcript)
         await transcript.clear()
@@ -133,6 +143,11 @@ class ChatScreen(Screen):
         if not text.strip():
             self.notify("The prompt is empty.", severity="warning")
             return
+        command = parse_doc_command(text)
+        if command is not None:  # not for the model: attach, pick or detach a document
+            self.query_one(PromptInput).clear()
+            self.documents.run(command)
+            return
         if self.generating:
             self.notify("An answer is still being written: Esc cancels it.", severity="warning")
             return
@@ -148,7 +163,7 @@ class ChatScreen(Screen):
         self.answer = await transcript.add("assistant")
         self.answer.set_stats("waiting for the model…")
         self.turn = Turn(text, engine, self.conversation.system_prompt,
-                         self.conversation.history())
+                         self.conversation.history(), documents=self.documents.attached)
         self.refresh_bindings()
         self.update_status()
         self.run_turn(self.turn)
@@ -202,7 +217,11 @@ class ChatScreen(Screen):
     async def on_turn_finished(self, message: TurnFinished) -> None:
         if message.turn is not self.turn or self.answer is None:
             return
+        turn = message.turn
         line = stats_line(message.finish_reason, message.stats, message.error)
+        if turn.documents is not None and turn.prepared is not None:
+            line += "\ndoc: " + answer_line(turn.documents, turn.prepared, message.stats)
+            self.documents.answered(turn.documents, turn.prepared, message.stats)
         await self.answer.finish(line, error=message.finish_reason == "error")
         if message.stats is not None:
             self.query_one(CachePanel).last_turn = (
@@ -222,6 +241,16 @@ class ChatScreen(Screen):
         self.user_box.set_stats(f"not sent: {message.error}", error=True)
         self.notify(message.error, title="Prompt not sent", severity="error")
         self._end_turn()
+        prompt = message.turn.prompt
+        if message.too_large and message.turn.documents is None:
+            self.documents.offer_text(prompt, f"The prompt ({len(prompt):,} characters) "
+                                              "does not fit the context")
+
+    @on(PromptInput.LargePaste)
+    def offer_paste(self, event: PromptInput.LargePaste) -> None:
+        """A paste too big for a message: attach it as a document, or paste it anyway."""
+        self.documents.offer_text(event.text, f"Pasted {len(event.text):,} characters",
+                                  declined=lambda: event.prompt_input.insert(event.text))
 
     def _end_turn(self) -> None:
         self.turn = None

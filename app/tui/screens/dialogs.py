@@ -10,23 +10,28 @@ from textual.widgets import Button, Static, TextArea
 
 
 class ConfirmScreen(ModalScreen[bool]):
-    """Ask a yes/no question; dismisses with True on yes."""
+    """Ask a yes/no question; dismisses with True on yes.
+
+    ``default``: the answer Enter gives (the focused button). No by default, as for a
+    delete; an offer (attach a paste as a document) defaults to yes.
+    """
 
     BINDINGS = [Binding("escape", "dismiss(False)", "No"), Binding("y", "dismiss(True)", "Yes")]
 
-    def __init__(self, question: str):
+    def __init__(self, question: str, *, default: bool = False):
         super().__init__()
         self.question = question
+        self.default = default
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Static(self.question, classes="question")
             with Horizontal(classes="buttons"):
-                yield Button("Yes", variant="error", id="yes")
-                yield Button("No", variant="primary", id="no")
+                yield Button("Yes", variant="primary" if self.default else "error", id="yes")
+                yield Button("No", variant="default" if self.default else "primary", id="no")
 
     def on_mount(self) -> None:
-        self.query_one("#no", Button).focus()
+        self.query_one("#yes" if self.default else "#no", Button).focus()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")

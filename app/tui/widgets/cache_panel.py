@@ -27,9 +27,33 @@ def fmt_seconds(s: float) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def per_token_fp16(m) -> int:
-    """Bytes per token of the same pool in float16: 2 bytes per element, no scales."""
-    return getattr(m, "bytes_per_token_fp16", 0)
+def short_format(kv_format: str) -> str:
+    """A pool format for the eye: "float32", "q8g64", or "K q8g64 V q4g64" when K and V differ.
+
+    The engine names a quantized pool "k=<K format>,v=<V format>" (its prefix-cache key).
+    """
+    if not kv_format.startswith("k="):
+        return kv_format
+    k, _, v = kv_format.partition(",")
+    k, v = k.removeprefix("k="), v.removeprefix("v=")
+    return k if k == v else f"K {k} V {v}"
+
+
+def format_rows(m) -> list[tuple[str, str]]:
+    """The format rows: the format and its bytes; quantized, its share of fp16 and the saving.
+
+    The saving is per token and over the blocks in use now (what they would take more in
+    float16, scales and biases counted).
+    """
+    fmt, per_token = getattr(m, "kv_format", ""), getattr(m, "bytes_per_token", 0)
+    fp16 = getattr(m, "bytes_per_token_fp16", 0)
+    if not fmt:
+        return []
+    if not fmt.startswith("k=") or not fp16 or not per_token:
+        return [("format", f"{short_format(fmt)} · {fmt_bytes(per_token)}/tok")]
+    saved_now = m.used_bytes * (fp16 - per_token) / per_token
+    return [("format", f"{short_format(fmt)} · {100 * per_token / fp16:.0f}% of fp16"),
+            ("saved", f"{fmt_bytes(fp16 - per_token)}/tok · {fmt_bytes(saved_now)} now")]
 
 
 def metrics_table(m, last_turn: tuple[int, int] | None) -> Table:
@@ -44,13 +68,8 @@ def metrics_table(m, last_turn: tuple[int, int] | None) -> Table:
                   f"({100 * m.blocks_used / total:.0f}% used)")
     t.add_row("memory", f"{fmt_bytes(m.used_bytes)} / {fmt_bytes(m.budget_bytes)}")
     t.add_row("peak", fmt_bytes(m.peak_bytes))
-    fmt, per_token = getattr(m, "kv_format", ""), getattr(m, "bytes_per_token", 0)
-    if fmt:
-        saved = ""
-        if fmt.startswith("k="):  # quantized: what it saves against a float16 cache
-            fp16 = per_token_fp16(m)
-            saved = f" · {100 * (1 - per_token / fp16):.0f}% under fp16" if fp16 else ""
-        t.add_row("format", f"{fmt} · {fmt_bytes(per_token)}/tok{saved}")
+    for label, value in format_rows(m):
+        t.add_row(label, value)
     t.add_row("hit rate", f"{100 * m.hit_rate:.0f}% · {m.cached_tokens_total:,} tok cached")
     if last_turn is not None:
         cached, prompt = last_turn

@@ -1,4 +1,9 @@
-"""The prompt: a multi-line text area where Enter sends and Ctrl+J / Alt+Enter add a newline."""
+"""The prompt: a multi-line text area where Enter sends and Ctrl+J / Alt+Enter add a newline.
+
+A paste of `LARGE_PASTE_CHARS` or more is not inserted: the prompt posts `LargePaste`,
+and the chat offers to attach it as a document (a whole book does not fit in a message,
+and as a document it is placed by the budget policy and its prefix is cached).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from textual.message import Message
 from textual.widgets import TextArea
 
 NEWLINE_KEYS = ("ctrl+j", "alt+enter", "shift+enter")  # shift+enter: only some terminals
+LARGE_PASTE_CHARS = 10_000  # ~2,500 tokens, several pages: a document rather than a message
 
 
 class PromptInput(TextArea):
@@ -28,6 +34,17 @@ class PromptInput(TextArea):
     @dataclass
     class Submitted(Message):
         """The user pressed Enter: the prompt text as typed."""
+
+        prompt_input: PromptInput
+        text: str
+
+        @property
+        def control(self) -> PromptInput:
+            return self.prompt_input
+
+    @dataclass
+    class LargePaste(Message):
+        """A paste of `LARGE_PASTE_CHARS` or more, not inserted (the chat decides)."""
 
         prompt_input: PromptInput
         text: str
@@ -55,8 +72,23 @@ class PromptInput(TextArea):
             return
         await super()._on_key(event)
 
+    async def _on_paste(self, event: events.Paste) -> None:
+        if len(event.text) >= LARGE_PASTE_CHARS and not self.read_only:
+            event.stop()
+            event.prevent_default()  # TextArea's own handler would insert it
+            self.post_message(self.LargePaste(self, event.text))
+        # a small paste: TextArea's handler (next in the MRO) inserts it as usual
+
     def action_submit(self) -> None:
         self.post_message(self.Submitted(self, self.text))
 
     def action_newline(self) -> None:
         self.insert("\n")
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # TextArea binds F6 to "select line"; the app's F6 (settings) matters more than a
+        # shortcut shift+arrows and the mouse also give. Disabled, the binding leaves the
+        # key (and the footer's F6) to the app.
+        if action == "select_line":
+            return False
+        return super().check_action(action, parameters)
