@@ -23,7 +23,8 @@ from app.tui.widgets.transcript import MessageBox
 SIZE = (110, 34)
 
 
-async def wait_for(pilot, predicate, timeout: float = 10.0) -> None:
+async def wait_for(pilot, predicate, timeout: float = 30.0) -> None:
+    # generous: an upper bound only, and CI machines can be busy
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
     while not predicate():
