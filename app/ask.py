@@ -18,7 +18,7 @@ from app import arg_types
 from app.cache_cli import duration
 from app.documents.load import Document, load_document
 from app.documents.qa import DocumentQA, Prepared
-from app.engine_args import add_engine_args, build_engine
+from app.engine_args import add_engine_args, add_scope_args, build_engine
 from engine.errors import KVChatError
 from engine.kvcache.sessions import DEFAULT_SESSION_TTL_S, DocSession, SessionRegistry
 
@@ -164,10 +164,7 @@ def add_parser(sub) -> None:
                    help="max tokens per answer (256)")
     a.add_argument("--temp", type=arg_types.temperature, default=0.0,
                    help="temperature (0 = greedy)")
-    a.add_argument("--tenant", type=arg_types.tenant, default="local",
-                   help="prefix-cache scope (default: local)")
-    a.add_argument("--permission-version", type=arg_types.int_in(0, (1 << 63) - 1), default=0,
-                   help="bump to make older cached blocks unreachable")
+    add_scope_args(a)
     add_engine_args(a)
     a.set_defaults(func=cmd_ask)
 

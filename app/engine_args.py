@@ -18,7 +18,8 @@ from app.arg_types import parse_size
 if TYPE_CHECKING:
     from engine import Engine, EngineConfig
 
-__all__ = ["add_engine_args", "build_engine", "config_from_args", "load_engine", "parse_size"]
+__all__ = ["add_engine_args", "add_scope_args", "build_engine", "config_from_args",
+           "load_engine", "parse_size"]
 
 DEFAULT_KV_BUDGET = "1G"
 
@@ -44,6 +45,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
                        help="disk prefix cache directory (default ~/.cache/kvchat/prefix)")
         p.add_argument("--no-disk-cache", action="store_true",
                        help="keep prefix blocks in RAM only (nothing written to disk)")
+
+
+def add_scope_args(p: argparse.ArgumentParser) -> None:
+    """--tenant and --permission-version: whose prefix cache a request uses."""
+    p.add_argument("--tenant", type=arg_types.tenant, default="local",
+                   help="prefix-cache scope, 1..128 characters (default: local)")
+    p.add_argument("--permission-version", type=arg_types.int_in(0, (1 << 63) - 1), default=0,
+                   help="bump to make this tenant's older cached blocks unreachable (>= 0)")
 
 
 def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
