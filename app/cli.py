@@ -1,4 +1,4 @@
-"""Command line: `kvchat chat | generate | ask | estimate | convert | bench | eval | cache`.
+"""Command line: `kvchat chat | generate | ask | estimate | serve | convert | bench | eval | cache`.
 
 Errors meant for the user (missing or corrupt model, empty or too long prompt)
 print one line to stderr and exit with status 2 — never a traceback.
@@ -17,7 +17,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import engine  # noqa: F401  (preloads OpenBLAS before anything imports mlx.core)
 from app import arg_types
-from app.engine_args import add_engine_args, build_engine, check_kv_budget, config_from_args
+from app.engine_args import (
+    add_engine_args,
+    add_scope_args,
+    build_engine,
+    check_kv_budget,
+    config_from_args,
+)
 from app.engine_like import EngineLike
 from engine.errors import KVChatError
 
@@ -188,10 +194,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", type=arg_types.non_empty, action="append",
                    help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object")
-    g.add_argument("--tenant", type=arg_types.tenant, default="local",
-                   help="prefix-cache scope, 1..128 characters (default: local)")
-    g.add_argument("--permission-version", type=arg_types.int_in(0, (1 << 63) - 1), default=0,
-                   help="bump to make this tenant's older cached blocks unreachable (>= 0)")
+    add_scope_args(g)
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -204,10 +207,11 @@ def make_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default=None)
     c.set_defaults(func=cmd_convert)
 
-    from app import ask, bench, cache_cli, estimate
+    from app import ask, bench, cache_cli, estimate, server
 
     ask.add_parser(sub)
     estimate.add_parser(sub)
+    server.add_parser(sub)
     bench.add_parser(sub)
     from app.eval import add_parser as add_eval_parser
 

@@ -1,0 +1,147 @@
+"""The ASGI app: OpenAI's routes over one engine, plus /health and /metrics.
+
+Routes stay thin: authenticate, read a bounded JSON body, parse it (`openai_schema`) and
+hand it to `serving`. The engine thread starts with the app and stops with it; stopping
+it finishes whatever is left, releases every block and drains the disk-cache writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.server import errors, metrics_export, serving
+from app.server.errors import APIError
+from app.server.keys import Principal, bearer_key
+from app.server.openai_schema import parse_request
+from app.server.state import ServerState
+
+MAX_BODY_BYTES = 8 << 20  # prompts are bounded far below this by the context (serving)
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.kvchat
+
+
+def authenticate(request: Request) -> Principal:
+    """The request's principal from its bearer key; 401 for a missing or unknown key."""
+    key = bearer_key(request.headers.get("authorization"))
+    principal = _state(request).keys.lookup(key)
+    if principal is None:
+        raise errors.unauthorized("missing API key: send 'Authorization: Bearer <key>'"
+                                  if key is None else "incorrect API key provided")
+    return principal
+
+
+async def read_json(request: Request) -> object:
+    """The request body as JSON, at most MAX_BODY_BYTES; 413 / 400 otherwise."""
+    too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
+                         code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    body, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large
+        body.append(chunk)
+    try:
+        return json.loads(b"".join(body))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
+        raise errors.invalid(f"the request body is not valid JSON: {e}") from None
+
+
+async def chat_completions(request: Request) -> Response:
+    principal = authenticate(request)
+    parsed = parse_request("chat", await read_json(request))
+    return await serving.complete(_state(request), request, parsed, principal)
+
+
+async def completions(request: Request) -> Response:
+    principal = authenticate(request)
+    parsed = parse_request("text", await read_json(request))
+    return await serving.complete(_state(request), request, parsed, principal)
+
+
+async def models(request: Request) -> Response:
+    authenticate(request)
+    state = _state(request)
+    return JSONResponse({"object": "list", "data": [
+        {"id": state.model_id, "object": "model", "created": int(state.started_at),
+         "owned_by": "kvchat"}]})
+
+
+async def health(request: Request) -> Response:
+    """200 while serving, 503 while draining; a few live figures either way."""
+    state = _state(request)
+    m = state.engine.metrics()
+    return JSONResponse({
+        "status": "draining" if state.draining else "ok", "model": state.model_id,
+        "waiting": m.waiting, "running": m.running,
+        "blocks_free": m.blocks_free, "blocks_used": m.blocks_used,
+        "blocks_cached": m.blocks_cached,
+    }, status_code=503 if state.draining else 200)
+
+
+async def metrics(request: Request) -> Response:
+    """Prometheus text; aggregate figures only (no prompts, keys or tenant names)."""
+    registry = request.app.state.registry
+    return Response(metrics_export.render(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class CountResponses:
+    """ASGI middleware: counts responses by route and status for /metrics."""
+
+    def __init__(self, app: ASGIApp, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                path = scope["path"] if scope["path"] in ROUTES else "other"
+                self.state.counters.responses[(path, message["status"])] += 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+ROUTES = {
+    "/v1/chat/completions": (chat_completions, ["POST"]),
+    "/v1/completions": (completions, ["POST"]),
+    "/v1/models": (models, ["GET"]),
+    "/health": (health, ["GET"]),
+    "/metrics": (metrics, ["GET"]),
+}
+
+
+def build_app(state: ServerState) -> ASGIApp:
+    """The server's ASGI app; its lifespan starts and stops the engine thread."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        state.engine.start()
+        try:
+            yield
+        finally:
+            # finishes what is left, frees every block, drains the disk writer
+            await asyncio.to_thread(state.engine.shutdown)
+            state.tokenizer_pool.shutdown(wait=False)
+
+    app = Starlette(routes=[Route(path, fn, methods=methods)
+                            for path, (fn, methods) in ROUTES.items()],
+                    exception_handlers=errors.EXCEPTION_HANDLERS, lifespan=lifespan)
+    app.state.kvchat = state
+    app.state.registry = metrics_export.make_registry(state)
+    return CountResponses(app, state)

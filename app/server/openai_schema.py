@@ -1,0 +1,245 @@
+"""Request bodies of the OpenAI API, checked field by field into one `ParsedRequest`.
+
+Only what kvchat implements is accepted: messages / prompt, max_tokens (and
+max_completion_tokens), temperature, top_p, stop, seed, stream and stream_options,
+plus fields that change nothing (``model``, ``user``, ``metadata``...) and three local
+extensions that mlx-lm's and llama.cpp's servers also take (top_k, min_p,
+repetition_penalty). A real OpenAI field with a value we do not implement (n > 1,
+logprobs, tools, a JSON response format, penalties...) is a 400 that names it; a field
+OpenAI does not have is a 400 too ("Unrecognized request argument supplied"), so a typo
+is never silently ignored. Nothing here touches the engine or the web framework.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from app.server.errors import APIError, invalid, unsupported
+
+MAX_MESSAGES = 4096
+MAX_STOP = 16  # the engine's bound (OpenAI's is 4)
+MAX_STOP_CHARS = 256
+SEED_LIMIT = 1 << 64
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A checked /v1/chat/completions or /v1/completions body."""
+
+    kind: str  # "chat" or "text"
+    messages: list[dict] = field(default_factory=list)  # chat: [{"role", "content"}]
+    prompt: str | list[int] | None = None  # text: a string, or token ids
+    model: str | None = None
+    max_tokens: int | None = None  # None: the server's default
+    temperature: float = 1.0  # OpenAI's defaults
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+    @property
+    def text_chars(self) -> int:
+        """Characters of prompt text (to refuse a huge prompt before tokenizing it)."""
+        if self.kind == "chat":
+            return sum(len(m["content"]) for m in self.messages)
+        return len(self.prompt) if isinstance(self.prompt, str) else 0
+
+    @property
+    def prompt_param(self) -> str:
+        return "messages" if self.kind == "chat" else "prompt"
+
+
+# -- value checks: each returns the value to store, or raises a 400 naming the field -----
+
+def _number(name: str, value, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(f"{name} must be a number, got {value!r:.40}", name)
+    if not lo <= value <= hi:
+        raise invalid(f"{name} must be in [{lo:g}, {hi:g}], got {value!r}", name)
+    return float(value)
+
+
+def _int(name: str, value, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{name} must be an integer, got {value!r:.40}", name)
+    if not lo <= value < hi:
+        raise invalid(f"{name} must be an integer in [{lo}, {hi}), got {value}", name)
+    return value
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(f"{name} must be true or false, got {value!r:.40}", name)
+    return value
+
+
+def _string(name: str, value) -> str:
+    if not isinstance(value, str):
+        raise invalid(f"{name} must be a string", name)
+    return value
+
+
+def _stop(name: str, value) -> list[str]:
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or len(stops) > MAX_STOP \
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise invalid(f"stop must be a string or a list of at most {MAX_STOP} non-empty "
+                      f"strings of at most {MAX_STOP_CHARS} characters", name)
+    return stops
+
+
+def _only(allowed: tuple, what: str) -> Callable:
+    """A field accepted only at values that change nothing (e.g. n = 1, logprobs = false)."""
+    def check(name: str, value):
+        # == alone would let True pass for 1 and False for 0
+        if not any(value == a and isinstance(value, bool) == isinstance(a, bool)
+                   for a in allowed):
+            raise unsupported(name, what)
+    return check
+
+
+def _stream_options(name: str, value) -> bool:
+    if not isinstance(value, dict) or set(value) - {"include_usage"}:
+        raise invalid('stream_options must be {"include_usage": true|false}', name)
+    return _bool("stream_options.include_usage", value.get("include_usage", False))
+
+
+def _text_parts(role: str, content, i: int) -> str:
+    param = f"messages[{i}].content"
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if not isinstance(content, list):
+        raise invalid(f"{param} must be a string or a list of text parts", param)
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise unsupported(param, f"a content part of type {kind!r} (only 'text')")
+        texts.append(_string(param, part.get("text")))
+    return "".join(texts)
+
+
+def _messages(name: str, value) -> list[dict]:
+    if not isinstance(value, list) or not 0 < len(value) <= MAX_MESSAGES:
+        raise invalid(f"messages must be a list of 1..{MAX_MESSAGES} messages", name)
+    out = []
+    for i, m in enumerate(value):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(f"{param} must be an object with a role and content", param)
+        role = m.get("role")
+        if role in ("tool", "function"):
+            raise unsupported(f"{param}.role", f"the {role!r} role (no tool calling)")
+        if role not in ROLES:
+            raise invalid(f"{param}.role must be one of {sorted(ROLES)}, got {role!r:.40}",
+                          f"{param}.role")
+        for key in set(m) - {"role", "content", "name"}:
+            if key in ("refusal", "tool_calls", "function_call") and m[key] in (None, []):
+                continue
+            raise unsupported(f"{param}.{key}", f"{key!r} in a message")
+        out.append({"role": ROLES[role], "content": _text_parts(role, m.get("content"), i)})
+    if out[-1]["role"] != "user":
+        raise invalid("the last message must be from the user", f"messages[{len(out) - 1}]")
+    if not out[-1]["content"].strip():
+        raise invalid("the last message is empty", f"messages[{len(out) - 1}].content")
+    return out
+
+
+def _prompt(name: str, value) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        if not value.strip():
+            raise invalid("prompt is empty", name)
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool)
+                                                 for t in value):
+        return value  # token ids; the engine checks their range
+    if isinstance(value, list) and len(value) > 1:
+        raise unsupported(name, "a batch of several prompts (send one request per prompt)")
+    raise invalid("prompt must be a non-empty string or a list of token ids", name)
+
+
+# name -> (check, attribute of ParsedRequest it sets, or None when the value changes nothing)
+_Check = Callable[[str, object], object]
+COMMON: dict[str, tuple[_Check, str | None]] = {
+    "model": (_string, "model"),
+    "max_tokens": (lambda n, v: _int(n, v, 1, 1 << 31), "max_tokens"),
+    "temperature": (lambda n, v: _number(n, v, 0.0, 2.0), "temperature"),
+    "top_p": (lambda n, v: _number(n, v, 0.0, 1.0), "top_p"),
+    "stop": (_stop, "stop"),
+    "seed": (lambda n, v: _int(n, v, 0, SEED_LIMIT), "seed"),
+    "stream": (_bool, "stream"),
+    "stream_options": (_stream_options, "include_usage"),
+    "user": (_string, None),
+    "n": (_only((1,), "n other than 1"), None),
+    "presence_penalty": (_only((0, 0.0), "a non-zero presence_penalty"), None),
+    "frequency_penalty": (_only((0, 0.0), "a non-zero frequency_penalty"), None),
+    "logit_bias": (_only(({},), "logit_bias"), None),
+    "top_k": (lambda n, v: _int(n, v, 0, 1 << 31), "top_k"),
+    "min_p": (lambda n, v: _number(n, v, 0.0, 1.0), "min_p"),
+    "repetition_penalty": (lambda n, v: _number(n, v, 1e-3, 100.0), "repetition_penalty"),
+}
+CHAT = {
+    **COMMON,
+    "messages": (_messages, "messages"),
+    "max_completion_tokens": (lambda n, v: _int(n, v, 1, 1 << 31), "max_tokens"),
+    "logprobs": (_only((False,), "logprobs"), None),
+    "top_logprobs": (_only((0,), "top_logprobs"), None),
+    "response_format": (_only(({"type": "text"},), "a response_format other than text"), None),
+    "tools": (_only(([],), "tools (no tool calling)"), None),
+    "tool_choice": (_only(("none",), "tool_choice (no tool calling)"), None),
+    "parallel_tool_calls": (_bool, None),
+    "store": (_only((False,), "store"), None),
+    "metadata": (lambda n, v: None, None),
+    "service_tier": (_only(("auto", "default"), "a service_tier"), None),
+    "modalities": (_only((["text"],), "modalities other than text"), None),
+}
+TEXT = {
+    **COMMON,
+    "prompt": (_prompt, "prompt"),
+    "echo": (_only((False,), "echo"), None),
+    "suffix": (_only(("",), "suffix"), None),
+    "best_of": (_only((1,), "best_of other than 1"), None),
+    "logprobs": (_only((0,), "logprobs"), None),
+}
+
+
+def parse_request(kind: str, body) -> ParsedRequest:
+    """Check a request body (``kind`` "chat" or "text"); raises `APIError` (400)."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    fields, required = (CHAT, "messages") if kind == "chat" else (TEXT, "prompt")
+    for name in body:
+        if name not in fields:
+            raise invalid(f"Unrecognized request argument supplied: {name:.60}", name,
+                          "unknown_parameter")
+    if body.get(required) is None:
+        raise invalid(f"you must provide '{required}'", required, "missing_required_parameter")
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None \
+            and body["max_tokens"] != body["max_completion_tokens"]:
+        raise invalid("give max_tokens or max_completion_tokens, not both",
+                      "max_completion_tokens")
+    parsed = ParsedRequest(kind)
+    for name, value in body.items():
+        if value is None:  # null means "the default", as in OpenAI's API
+            continue
+        check, attr = fields[name]
+        result = check(name, value)
+        if attr is not None:
+            setattr(parsed, attr, result)
+    if "stream_options" in body and body["stream_options"] is not None and not parsed.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    return parsed
+
+
+__all__ = ["APIError", "ParsedRequest", "parse_request"]

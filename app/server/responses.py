@@ -1,0 +1,104 @@
+"""Response bodies of the OpenAI API: completions, stream chunks, usage, SSE framing.
+
+Every response also carries a ``kvchat`` object (extra fields are allowed by OpenAI's
+clients): the max_tokens the request was granted and, when the engine reduced it to fit
+the context or the KV pool, the notice saying so (also sent as the ``X-Kvchat-Notice``
+header, before the first byte of a stream), plus the prefix-cache figures of the request.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from engine.generation import RequestStats
+
+OBJECTS = {"chat": ("chat.completion", "chat.completion.chunk", "chatcmpl-"),
+           "text": ("text_completion", "text_completion", "cmpl-")}
+
+
+def usage(stats: RequestStats) -> dict:
+    """OpenAI's usage object, with the prompt tokens the prefix cache served."""
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generation_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generation_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+    }
+
+
+def sse(data: dict | str) -> bytes:
+    """One server-sent event (``data: ...`` and a blank line)."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+@dataclass(slots=True)
+class Reply:
+    """One answer: the id, time and model every chunk of it repeats, and its kvchat extras."""
+
+    kind: str  # "chat" or "text"
+    model: str
+    fingerprint: str
+    max_tokens: int  # what the engine granted
+    notice: str | None = None  # e.g. "max_tokens reduced from 4096 to 812 to fit"
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.id = self.id or OBJECTS[self.kind][2] + secrets.token_hex(12)
+
+    def extras(self, stats: RequestStats | None = None) -> dict:
+        out = {"max_tokens": self.max_tokens, "notice": self.notice}
+        if stats is not None:
+            out.update(cached_tokens=stats.cached_tokens, cache_source=stats.cache_source,
+                       blocks_used=stats.blocks_used, queue_s=round(stats.queue_s, 6),
+                       ttft_s=round(stats.ttft_s, 6), preemptions=stats.preemptions)
+        return out
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint}
+
+    def _choice(self, text: str | None, finish: str | None, *, role: bool = False,
+                whole: bool = False) -> dict:
+        if self.kind == "text":
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if whole:
+            return {"index": 0, "message": {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": finish}
+        delta = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+    def chunk(self, text: str | None = None, *, finish: str | None = None, role: bool = False,
+              include_usage: bool = False) -> dict:
+        """A stream chunk: the first (``role``), a text delta, or the one with the finish."""
+        out = self._head(OBJECTS[self.kind][1])
+        out["choices"] = [self._choice(text, finish, role=role)]
+        if include_usage:
+            out["usage"] = None  # as OpenAI: null on every chunk but the usage one
+        return out
+
+    def usage_chunk(self, stats: RequestStats) -> dict:
+        """The last chunk of a stream with ``include_usage``: no choices, the usage."""
+        out = self._head(OBJECTS[self.kind][1])
+        out.update(choices=[], usage=usage(stats), kvchat=self.extras(stats))
+        return out
+
+    def completion(self, text: str, finish: str, stats: RequestStats) -> dict:
+        """A whole (non-streamed) answer."""
+        out = self._head(OBJECTS[self.kind][0])
+        out.update(choices=[self._choice(text, finish, whole=True)], usage=usage(stats),
+                   kvchat=self.extras(stats))
+        return out
+
+    def headers(self) -> dict[str, str]:
+        """Sent before the body: the granted max_tokens and, if reduced, why."""
+        out = {"X-Kvchat-Max-Tokens": str(self.max_tokens)}
+        if self.notice:
+            out["X-Kvchat-Notice"] = self.notice
+        return out

@@ -1,0 +1,154 @@
+"""One completion request's life: encode, admit (bounded queue), submit, stream or collect.
+
+The request runs under its API key's tenant and permission version, so its prefix
+blocks are never shared with another tenant. Whatever way it ends (the answer is done,
+the client disconnects, the drain deadline passes, the task is cancelled), the engine
+handle is cancelled on the way out, which releases its blocks within one engine step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from app.server import errors
+from app.server.errors import APIError
+from app.server.keys import Principal
+from app.server.openai_schema import ParsedRequest
+from app.server.responses import Reply, sse
+from app.server.state import ServerState
+from app.server.streaming import EventStreamResponse, cancel_on_disconnect
+from engine.errors import EngineStoppedError, RequestError, RequestTooLargeError
+from engine.request import RequestHandle
+from engine.sampling import SamplingParams
+
+CHARS_PER_TOKEN = 16  # a prompt over context x 16 characters can never fit: refused untokenized
+RETRY_AFTER_S = 1
+ANSWERED = ("stop", "length")
+
+
+def encode(engine, parsed: ParsedRequest) -> list[int]:
+    """Prompt token ids: chat messages through the chat template, or a raw prompt."""
+    if parsed.kind == "chat":
+        *history, last = parsed.messages
+        return engine.encode_prompt(last["content"], history=history)
+    if isinstance(parsed.prompt, list):
+        return list(parsed.prompt)
+    return engine.encode_prompt(parsed.prompt, raw=True)
+
+
+def sampling_params(parsed: ParsedRequest, default_max_tokens: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=parsed.max_tokens or default_max_tokens, temperature=parsed.temperature,
+        top_p=parsed.top_p, top_k=parsed.top_k, min_p=parsed.min_p,
+        repetition_penalty=parsed.repetition_penalty, seed=parsed.seed, stop=parsed.stop)
+
+
+async def complete(state: ServerState, request: Request, parsed: ParsedRequest,
+                   principal: Principal) -> Response:
+    """Serve a parsed completion request; raises `APIError` for a refusal."""
+    engine = state.engine
+    if state.draining:
+        raise errors.shutting_down()
+    limit = engine.max_context * CHARS_PER_TOKEN
+    if parsed.text_chars > limit:
+        raise errors.context_length(
+            f"the prompt has {parsed.text_chars} characters; this model's context holds "
+            f"{engine.max_context} tokens", parsed.prompt_param)
+    try:
+        ids = await state.run_tokenizer(encode, engine, parsed)
+        params = sampling_params(parsed, state.default_max_tokens)
+    except RequestError as e:
+        raise errors.invalid(str(e), parsed.prompt_param) from None
+    handle, reply = submit(state, ids, params, parsed, principal)
+    if parsed.stream:
+        return EventStreamResponse(stream(state, handle, reply, parsed.include_usage),
+                                   on_disconnect=on_disconnect(state, handle),
+                                   headers=reply.headers())
+    return await collect(state, request, handle, reply)
+
+
+def submit(state: ServerState, ids: list[int], params: SamplingParams, parsed: ParsedRequest,
+           principal: Principal) -> tuple[RequestHandle, Reply]:
+    """Admit the request into the engine, or refuse it (full queue, never fits, bad field)."""
+    engine = state.engine
+    if state.draining:  # SIGTERM may have come while the prompt was being encoded
+        raise errors.shutting_down()
+    waiting = engine.metrics().waiting
+    if waiting >= state.max_waiting:
+        raise errors.queue_full(waiting, RETRY_AFTER_S)
+    try:
+        handle = engine.submit(ids, params, tenant=principal.tenant,
+                               permission_version=principal.permission_version)
+        granted = engine.check_request(ids, params)[0] if handle.notice else params.max_tokens
+    except RequestTooLargeError as e:
+        raise errors.context_length(str(e), parsed.prompt_param) from None
+    except RequestError as e:
+        raise errors.invalid(str(e)) from None
+    except EngineStoppedError:
+        raise errors.shutting_down() from None
+    reply = Reply(parsed.kind, model=state.model_id, fingerprint=state.fingerprint,
+                  max_tokens=granted, notice=handle.notice)
+    return handle, reply
+
+
+def on_disconnect(state: ServerState, handle: RequestHandle) -> Callable[[], None]:
+    """What to do when the client goes away: cancel at once (counted once, if still live)."""
+    fired = False
+
+    def gone() -> None:
+        nonlocal fired
+        if not fired and state.pump.abandon(handle):
+            state.counters.disconnects += 1
+        fired = True
+
+    return gone
+
+
+def unfinished(reason: str, error: str | None) -> APIError:
+    """Why an answer did not complete, as the error a client should see."""
+    if reason == "error":
+        return APIError(500, f"generation failed: {error}", type="server_error")
+    if reason == "timeout":
+        return APIError(504, "the request timed out", type="server_error", code="timeout")
+    return errors.shutting_down()  # cancelled at the drain deadline, or engine shutdown
+
+
+async def stream(state: ServerState, handle: RequestHandle, reply: Reply,
+                 include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE chunks of one answer, ``data: [DONE]`` last."""
+    if reply.kind == "chat":  # as OpenAI: the role first, before any text
+        yield sse(reply.chunk("", role=True, include_usage=include_usage))
+    async for event in state.pump.events(handle):
+        if event.text:
+            yield sse(reply.chunk(event.text, include_usage=include_usage))
+        if event.finish_reason is None:
+            continue
+        if event.finish_reason not in ANSWERED:
+            yield sse(unfinished(event.finish_reason, event.error).body())
+            return
+        yield sse(reply.chunk(None if reply.kind == "chat" else "",
+                              finish=event.finish_reason, include_usage=include_usage))
+        if include_usage:
+            yield sse(reply.usage_chunk(event.stats))
+    yield sse("[DONE]")
+
+
+async def collect(state: ServerState, request: Request, handle: RequestHandle,
+                  reply: Reply) -> JSONResponse:
+    """A whole answer; the client leaving while it waits cancels the request at once."""
+    texts, final = [], None
+    async with cancel_on_disconnect(request.receive, on_disconnect(state, handle)):
+        async for event in state.pump.events(handle):
+            texts.append(event.text)
+            final = event
+    if final is None or final.finish_reason not in ANSWERED:
+        reason = final.finish_reason if final is not None else "cancelled"
+        raise unfinished(reason, final.error if final is not None else None)
+    return JSONResponse(reply.completion("".join(texts), final.finish_reason, final.stats),
+                        headers=reply.headers())
+
+
+__all__ = ["complete", "encode", "sampling_params"]

@@ -1,0 +1,301 @@
+"""`kvchat serve` through the official `openai` client (sync and async) on a real process.
+
+One server for the module: the default model, three tenants by API key, a small KV pool
+(64M: 91 blocks of 16 tokens), at most 4 running and 4 waiting (so the 429 is easy to hit),
+prefill in 128-token chunks (so a cancel waits on a short step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+import uuid
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI, OpenAI
+from test_server_process import ServerProcess, write_keys
+
+ALICE, BOB, CAROL = "alice-key-0001", "bob-key-000002", "carol-key-0003"
+KEYS = {ALICE: {"tenant": "alice"}, BOB: {"tenant": "bob"},
+        CAROL: {"tenant": "carol", "permission_version": 0}}
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+PARIS = "The capital of France is Paris."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-api")
+    keys = write_keys(tmp / "keys.json", KEYS)
+    srv = ServerProcess(tmp, "--api-keys", str(keys), "--no-disk-cache", "--kv-budget", "64M",
+                        "--max-running", "4", "--max-waiting", "4",
+                        "--prefill-chunk", "128").start()
+    srv.keys_path = keys
+    yield srv
+    assert srv.stop() == 0, srv.log()
+    assert "stopped: 0 blocks in use" in srv.log()
+
+
+def client(server, key: str = ALICE) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def cached(completion) -> int:
+    return completion.usage.prompt_tokens_details.cached_tokens
+
+
+def unique_chat(question: str) -> list[dict]:
+    """Messages no earlier request began with (the chat template's own first block aside)."""
+    return [{"role": "system", "content": f"Test session {uuid.uuid4().hex}."},
+            {"role": "user", "content": question}]
+
+
+def ask(server, messages: list[dict] | str, key: str = ALICE):
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    return client(server, key).chat.completions.create(
+        model="kvchat", messages=messages, max_tokens=1, temperature=0)
+
+
+def test_models(server):
+    models = client(server).models.list().data
+    assert len(models) == 1 and models[0].id and models[0].owned_by == "kvchat"
+
+
+def test_answer_streams_and_usage_is_right(server):
+    c = client(server)
+    whole = c.chat.completions.create(model="kvchat", messages=FRANCE, temperature=0,
+                                      max_tokens=20)
+    assert whole.choices[0].message.content == PARIS
+    assert whole.choices[0].finish_reason == "stop" and whole.object == "chat.completion"
+    u = whole.usage
+    assert u.prompt_tokens > 10 and 0 < u.completion_tokens <= 20
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    chunks = list(c.chat.completions.create(model="kvchat", messages=FRANCE, temperature=0,
+                                            max_tokens=20, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = [ch.choices[0].delta.content for ch in chunks if ch.choices
+              and ch.choices[0].delta.content]
+    assert len(pieces) >= 5 and "".join(pieces) == PARIS  # it streamed, token by token
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and all(ch.usage is None for ch in chunks[:-1])
+    su = chunks[-1].usage
+    assert (su.prompt_tokens, su.completion_tokens) == (u.prompt_tokens, u.completion_tokens)
+    assert su.prompt_tokens_details.cached_tokens >= 16  # the same prompt, a second time
+
+
+def test_completions_endpoint_counts_tokens(server):
+    c = client(server)
+    ids = list(range(1000, 1040))
+    r = c.completions.create(model="kvchat", prompt=ids, max_tokens=4, temperature=0)
+    assert r.object == "text_completion" and r.usage.prompt_tokens == 40
+    assert r.usage.completion_tokens == 4 or r.choices[0].finish_reason == "stop"
+    text = [ch.choices[0].text for ch in c.completions.create(
+        model="kvchat", prompt="Once upon a time", max_tokens=6, temperature=0, stream=True)
+        if ch.choices]
+    assert len(text) >= 2 and "".join(text)
+
+
+async def test_async_client_streams_and_not(server):
+    c = AsyncOpenAI(base_url=f"{server.url}/v1", api_key=BOB, max_retries=0, timeout=120)
+
+    async def streamed() -> str:
+        stream = await c.chat.completions.create(model="kvchat", messages=FRANCE,
+                                                 temperature=0, max_tokens=20, stream=True)
+        return "".join([ch.choices[0].delta.content or "" async for ch in stream
+                        if ch.choices])
+
+    whole, text = await asyncio.gather(
+        c.chat.completions.create(model="kvchat", messages=FRANCE, temperature=0,
+                                  max_tokens=20), streamed())
+    assert whole.choices[0].message.content == text == PARIS
+    await c.close()
+
+
+def test_second_turn_reports_cached_tokens(server):
+    system = f"You are test assistant {uuid.uuid4().hex}. Answer in one short sentence."
+    turn1 = [{"role": "system", "content": system},
+             {"role": "user", "content": "Name a primary colour."}]
+    c = client(server)
+    r1 = c.chat.completions.create(model="kvchat", messages=turn1, max_tokens=12,
+                                   temperature=0)
+    assert cached(r1) == 0
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And another one?"}]
+    r2 = c.chat.completions.create(model="kvchat", messages=turn2, max_tokens=12,
+                                   temperature=0)
+    assert cached(r2) >= 16 and cached(r2) <= r1.usage.total_tokens
+    assert r2.model_extra["kvchat"]["cache_source"] == "memory"
+
+
+def test_bad_or_missing_key_is_401(server):
+    with pytest.raises(openai.AuthenticationError) as info:
+        client(server, "wrong-key-1234").chat.completions.create(model="kvchat",
+                                                                 messages=FRANCE)
+    assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": FRANCE})
+    assert r.status_code == 401 and "missing API key" in r.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200  # open: no secrets in it
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(server):
+    url, auth = f"{server.url}/v1/chat/completions", {"Authorization": f"Bearer {ALICE}"}
+    err = error_of(httpx.post(url, content=b'{"messages": [', headers=auth), 400)
+    assert "not valid JSON" in err["message"]
+    error_of(httpx.post(url, json=[1, 2], headers=auth), 400)
+    error_of(httpx.post(url, content=b"x" * (9 << 20), headers=auth, timeout=60), 413)
+    error_of(httpx.get(url, headers=auth), 405)
+    error_of(httpx.get(f"{server.url}/v1/nothing", headers=auth), 404)
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="kvchat", messages=FRANCE, extra_body={"frobnicate": 1})
+    assert (info.value.code, info.value.param) == ("unknown_parameter", "frobnicate")
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="kvchat", messages=FRANCE, n=2)
+    assert info.value.code == "unsupported_value"
+    huge = [{"role": "user", "content": "hello " * 50_000}]  # refused before tokenizing
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="kvchat", messages=huge)
+    assert info.value.code == "context_length_exceeded"
+    beyond_pool = [{"role": "user", "content": "hello " * 1600}]  # > 1456 tokens of KV pool
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="kvchat", messages=beyond_pool)
+    assert info.value.code == "context_length_exceeded" and "KV pool" in info.value.message
+    assert ask(server, "Still there?").choices[0].finish_reason in ("stop", "length")
+    assert server.metrics()["kvchat_rejections_total"] >= 1
+
+
+def test_reduced_max_tokens_is_reported(server):
+    raw = client(server).chat.completions.with_raw_response.create(
+        model="kvchat", messages=FRANCE, max_tokens=100_000, temperature=0)
+    assert "max_tokens reduced from 100000" in raw.headers["x-kvchat-notice"]
+    r = raw.parse()
+    granted = r.model_extra["kvchat"]["max_tokens"]
+    assert granted < 100_000 and int(raw.headers["x-kvchat-max-tokens"]) == granted
+    assert r.model_extra["kvchat"]["notice"] == raw.headers["x-kvchat-notice"]
+    assert r.choices[0].message.content == PARIS
+
+
+def shared_blocks_while_both_run(server, key1: str, key2: str, messages) -> float:
+    """Start two streams one after the other; /metrics' shared blocks while both decode."""
+    s1 = client(server, key1).chat.completions.create(
+        model="kvchat", messages=messages, max_tokens=64, temperature=0, stream=True)
+    first_text(s1)
+    s2 = client(server, key2).chat.completions.create(
+        model="kvchat", messages=messages, max_tokens=64, temperature=0, stream=True)
+    first_text(s2)
+    shared = server.metrics()['kvchat_kv_blocks{state="shared"}']
+    s1.close()
+    s2.close()
+    return shared
+
+
+def first_text(stream) -> str:
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            return chunk.choices[0].delta.content
+    raise AssertionError("the stream ended without text")
+
+
+def test_two_tenants_never_share_blocks(server):
+    text = unique_chat("Count from one to forty in words, please.")
+    assert cached(ask(server, text, ALICE)) == 0
+    assert cached(ask(server, text, ALICE)) >= 32  # alice's own blocks
+    assert cached(ask(server, text, BOB)) == 0  # identical text, other tenant: a miss
+    assert cached(ask(server, text, BOB)) >= 32
+    assert shared_blocks_while_both_run(server, ALICE, ALICE, text) > 0  # the control
+    assert shared_blocks_while_both_run(server, ALICE, BOB, text) == 0
+    m = server.wait_idle()
+    assert m['kvchat_kv_blocks{state="used"}'] == 0
+
+
+def test_permission_bump_on_sighup_makes_old_blocks_unreachable(server):
+    text = unique_chat("What colour is the sky on a clear day?")
+    ask(server, text, CAROL)
+    assert cached(ask(server, text, CAROL)) >= 32
+    write_keys(server.keys_path, {**KEYS, CAROL: {"tenant": "carol", "permission_version": 1}})
+    before = server.log().count("reloaded")
+    server.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while server.log().count("reloaded") == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.log().count("reloaded") > before
+    assert cached(ask(server, text, CAROL)) == 0  # the old scope's blocks are unreachable
+    assert cached(ask(server, text, CAROL)) >= 32
+    assert cached(ask(server, text, ALICE)) == 0
+
+
+def test_disconnect_during_prefill_and_decode_frees_blocks(server):
+    before = server.metrics()
+    c = client(server)
+    fox = "the quick brown fox jumps over the lazy dog " * 80  # ~800 tokens
+    stream = c.chat.completions.create(model="kvchat", max_tokens=50, stream=True,
+                                       messages=[{"role": "user", "content": fox}])
+    next(iter(stream))  # the role chunk comes at once; the ~800-token prefill has begun
+    time.sleep(0.3)
+    assert server.metrics()['kvchat_kv_blocks{state="used"}'] > 0
+    stream.close()  # the client goes away mid-prefill
+    # raw text that the model goes on repeating: these two are still decoding when they leave
+    decoding = c.completions.create(model="kvchat", prompt=fox[:400], max_tokens=200,
+                                    temperature=0, stream=True)
+    assert next(ch for ch in decoding if ch.choices and ch.choices[0].text)
+    decoding.close()  # ... one mid-decode
+    with contextlib.suppress(httpx.ReadTimeout):  # a non-streaming client gives up waiting
+        httpx.post(f"{server.url}/v1/completions", timeout=0.5,
+                   headers={"Authorization": f"Bearer {ALICE}"},
+                   json={"prompt": fox[:1500], "max_tokens": 200, "temperature": 0})
+    m = server.wait_idle()
+    assert m['kvchat_kv_blocks{state="used"}'] == 0 and m['kvchat_requests{state="running"}'] == 0
+    assert m["kvchat_client_disconnects_total"] - before["kvchat_client_disconnects_total"] == 3
+    cancelled = 'kvchat_requests_finished_total{reason="cancelled"}'
+    assert m[cancelled] - before.get(cancelled, 0) == 3
+    samples = "kvchat_cancel_release_latency_ms_samples"
+    assert m[samples] - before[samples] == 3  # each cancel's release was measured
+
+
+async def test_full_queue_gets_429_with_retry_after(server):
+    c = AsyncOpenAI(base_url=f"{server.url}/v1", api_key=ALICE, max_retries=0, timeout=120)
+    text = "Describe the sea. " * 20
+    results = await asyncio.gather(*[
+        c.chat.completions.create(model="kvchat", max_tokens=2,
+                                  messages=[{"role": "user", "content": f"{i} {text}"}])
+        for i in range(16)], return_exceptions=True)
+    await c.close()
+    limited = [r for r in results if isinstance(r, openai.RateLimitError)]
+    ok = [r for r in results if not isinstance(r, Exception)]
+    assert len(limited) + len(ok) == 16, [r for r in results if isinstance(r, Exception)]
+    assert limited and len(ok) >= 4
+    assert limited[0].response.headers["retry-after"] == "1"
+    assert limited[0].code == "rate_limit_exceeded"
+    assert server.wait_idle()['kvchat_kv_blocks{state="used"}'] == 0
+
+
+def test_metrics_and_health(server):
+    m = server.metrics()
+    for name in ['kvchat_kv_blocks{state="free"}', 'kvchat_kv_blocks{state="used"}',
+                 'kvchat_kv_blocks{state="cached"}', 'kvchat_requests{state="waiting"}',
+                 'kvchat_requests{state="running"}', "kvchat_preemptions_total",
+                 "kvchat_rejections_total", "kvchat_prefix_hit_rate",
+                 "kvchat_prefix_cached_tokens_total", "kvchat_release_latency_last_ms",
+                 "kvchat_kv_used_bytes", "kvchat_kv_peak_bytes", "kvchat_evictions_total",
+                 "kvchat_active_sequences", "process_resident_memory_bytes"]:
+        assert name in m, name
+    for base in ("ttft_seconds", "itl_seconds", "prefill_tokens_per_second",
+                 "decode_tokens_per_second", "release_latency_ms"):
+        for q in ("0.5", "0.95", "0.99"):
+            assert f'kvchat_{base}{{quantile="{q}"}}' in m
+    assert m['kvchat_ttft_seconds{quantile="0.95"}'] > 0
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and health["blocks_used"] == 0
