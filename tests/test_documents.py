@@ -199,3 +199,15 @@ def test_damaged_or_foreign_registry_reads_as_empty(tmp_path):
     reg.save(session("ok"))
     os.chmod(reg.path, 0o666)  # writable by others: not ours to trust
     assert reg.load() == {}
+
+
+def test_retrieval_takes_only_relevant_chunks_not_the_whole_budget():
+    doc = document_from_text(long_text(60, needle_at=45))
+    chunks = split_document(doc, 0, words, chunk_tokens=80)
+    p = place([doc], lambda: chunks, "What is the secret code of the blue door?", 5000, words)
+    assert p.mode == "whole"  # fits: placed whole
+    p = place([doc], lambda: chunks, "What is the secret code of the blue door?", 3000, words)
+    assert p.mode == "retrieval" and "4817" in p.text
+    assert len(p.selected) < len(chunks) // 4  # the filler does not ride along
+    q = place([doc], lambda: chunks, "zebra quantum?", 400, words)  # no word matches
+    assert q.selected[0].index == 0  # the document's start, in order

@@ -4,8 +4,9 @@ A context window is a ceiling, not a quota. The budget is the smallest of the mo
 context and the free KV pool, less the answer, the question, the template and the
 conversation kept. Documents that fit go in whole, first (a pinned prefix whose blocks
 every later question reuses). Otherwise they are cut into chunks; the chunks BM25 ranks
-highest for the question fill the budget, in document order with their positions shown,
-and everything else is reported as left out. Nothing is ever cut silently.
+highest for the question (those within a share of the best score) go in, up to the budget,
+in document order with their positions shown, and everything else is reported as left
+out. Nothing is ever cut silently.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from app.documents.load import Document
 from app.documents.retrieval import rank
 
 HISTORY_SHARE = 4  # earlier turns may take at most 1/4 of the budget; the oldest go first
+RELEVANT_SHARE = 0.2  # retrieval keeps chunks scoring at least this share of the best one
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +133,12 @@ def place(docs: Sequence[Document], chunks: Callable[[], list[Chunk]], question:
     if n <= budget:
         return Placement("whole", whole, n)
     every = chunks()
-    order = [every[i] for i, _ in rank(every, question)]
+    ranked = rank(every, question)
+    best = ranked[0][1] if ranked else 0.0
+    # Only what is relevant: a filled window adds noise and cost (the budget is a ceiling).
+    # With no word of the question in any chunk, the document's start is all there is.
+    order = ([every[i] for i, s in ranked if s >= RELEVANT_SHARE * best] if best > 0
+             else list(every))
     chosen: list[Chunk] = []
     used = 0
     for c in order:  # headers cost tokens too: keep a margin, then check the real count
