@@ -56,6 +56,9 @@ class EngineConfig:
     """Lifetime of a disk entry; cached K/V is user data and never outlives it."""
     overflow: str = "truncate"
     """A request whose output cannot fit: "truncate" its max tokens (and say so) or "reject"."""
+    kernels: bool = True
+    """Decode with the Metal/CUDA paged kernels where they apply; False (or the environment
+    variable KVCHAT_KERNELS=0) keeps every step on the pure-MLX reference path."""
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size > 1024:

@@ -91,6 +91,7 @@ class EngineMetrics:
     prefill_forward: ForwardClock = field(default_factory=ForwardClock)
     decode_forward: ForwardClock = field(default_factory=ForwardClock)
     latency: dict[str, Percentiles] = field(default_factory=dict)
+    kernel_fallback: str | None = None  # why the decode kernels were dropped, once they are
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -176,7 +177,14 @@ def snapshot(blocks, recorder: MetricsRecorder, layout, scheduler, prefix,
         steps=rec.steps,
         **{f"{k}_forward": c for k, c in rec.forward_clocks().items()},
         latency=rec.percentiles(),
+        kernel_fallback=_kernel_fallback(),
     )
+
+
+def _kernel_fallback() -> str | None:
+    from engine.model import kernels  # MLX-side module: imported only when asked
+
+    return kernels.kernel_fallback()
 
 
 def _disk_metrics(store) -> dict:

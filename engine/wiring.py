@@ -82,6 +82,7 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     """The runner, the KV pool and its bookkeeping, the prefix cache and the scheduler config."""
     check_kv_budget(config.kv_budget_bytes, loaded.weight_bytes)
     runner = PagedModel(loaded.model, loaded.model_type)
+    runner.use_kernels = config.kernels
     if config.fuse_projections:
         runner.fuse_projections()
     k_quant, v_quant, fallback, notice = kv_quant(config, runner.head_dim)

@@ -3,6 +3,10 @@
 - `paged_attention.metal`: body of the paged decode-attention kernel (plain MSL;
   the same text compiles as CUDA through `cuda_backend.h`), for float or
   4/8-bit quantized K and V, each side chosen by template values;
+- `paged_decode_split.metal` / `paged_decode_reduce.metal`: the two-pass
+  (split-K) variant for long contexts: partial softmax per partition of
+  tokens, one threadgroup serving all query heads of a KV head (shared K/V
+  loads), then a merge of the partitions;
 - `metal_backend.h` / `cuda_backend.h`: per-backend builtins and helpers;
 - `common.h`: backend-neutral helpers, placed after the backend header,
   among them the K/V row reader that dequantizes in registers.
@@ -13,6 +17,27 @@ from __future__ import annotations
 from importlib import resources
 
 BACKENDS = ("metal", "cuda")
+
+# The MLX releases whose generated kernel source (signature, buffer binding,
+# CUDA wrapper) the golden tests and the emulator were checked against. The
+# same range is pinned in pyproject.toml; widen both only after the golden
+# tests pass on the new release (tests/test_kernels_source.py).
+MLX_RANGE = (">=0.32", "<0.33")
+_MLX_LOW, _MLX_HIGH = (0, 32), (0, 33)
+
+
+def mlx_range_text() -> str:
+    """The pinned range as pip writes it, e.g. "mlx>=0.32,<0.33"."""
+    return "mlx" + ",".join(MLX_RANGE)
+
+
+def mlx_version_checked(version: str) -> bool:
+    """Whether MLX `version` (e.g. "0.32.4", "0.33.0.dev1") lies in the checked range."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return _MLX_LOW <= tuple(parts) < _MLX_HIGH
 
 
 def read_source(name: str) -> str:

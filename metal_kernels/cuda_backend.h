@@ -14,6 +14,7 @@
 #define thread_index_in_simdgroup (threadIdx.x % 32u)
 #define simdgroup_index_in_threadgroup (threadIdx.x / 32u)
 #define thread_index_in_threadgroup (threadIdx.x)
+#define thread_position_in_threadgroup (threadIdx)
 #define threadgroup_position_in_grid (blockIdx)
 
 namespace mem_flags {

@@ -8,6 +8,10 @@ reference): fp16 2e-3, fp32 1e-5, bf16 1.6e-2 (the fp16 bound scaled by bf16's
 case must also be within half an ulp (+1e-5) of an fp32 oracle on the same
 values, i.e. the kernel accumulates in fp32 and rounds once.
 
+Sanitizer builds (ASan, TSan, UBSan) of small cases must run clean; every
+emulated run also goes through the shim's checked threadgroup arrays, which
+fail a read not ordered after its write by a mem_threadgroup barrier.
+
 Quantized pools (QUANT_* cases) keep the same bounds, unloosened: the kernel
 dequantizes in registers to exactly the float16 values mx.dequantize gives
 the reference, so only the accumulation differs, as for a float16 pool.
@@ -54,6 +58,8 @@ def binaries(work_dir):
         "cuda": (list(cuda.values()), None),
         "cuda-address": ([cuda[c] for c in CUDA_SANITIZER_CASES], "address"),
         "cuda-thread": ([cuda[c] for c in CUDA_SANITIZER_CASES], "thread"),
+        "metal-undefined": ([metal[c] for c in METAL_SANITIZER_CASES], "undefined"),
+        "cuda-undefined": ([cuda[c] for c in CUDA_SANITIZER_CASES], "undefined"),
     }
     with ThreadPoolExecutor(max_workers=3) as pool:
         futures = {
@@ -119,7 +125,7 @@ def test_quantized_cases_cover_the_matrix():
 
 
 def _sanitizer_params():
-    for san in ("address", "thread"):
+    for san in ("address", "thread", "undefined"):
         for case in METAL_SANITIZER_CASES:
             yield pytest.param("metal", san, case, id=f"metal-{san}-{case.id}")
         for case in CUDA_SANITIZER_CASES:
@@ -135,6 +141,7 @@ def test_sanitizer_build_is_clean(backend, sanitizer, case, binaries, work_dir):
         built[f"{backend}-{sanitizer}"], src, case, inputs, work_dir, timeout_s=300
     )
     assert "Sanitizer" not in result.stderr, result.stderr[-6000:]
+    assert "runtime error" not in result.stderr, result.stderr[-6000:]  # UBSan
     check_case(case, out, result, inputs)
 
 

@@ -79,3 +79,22 @@ def test_kernel_is_built_once():
     kernels.paged_decode_attention(**make_inputs(case))
     kernels.paged_decode_attention(**make_inputs(case))
     assert kernels._paged_decode_kernel.cache_info().misses == 1
+
+
+TWO_PASS = [
+    (Case("float16", 128, 16, 32, 8, (1, 700, 2049, 4096)), 512),
+    (Case("bfloat16", 64, 32, 24, 8, (3000, 15)), 256),
+    (Case("float16", 128, 16, 32, 8, (32768,)), 512),
+    (Case("float32", 64, 16, 8, 1, (37, 5, 16)), 16),
+    (Case("float16", 128, 16, 32, 8, (1, 700, 2049), k_quant=(8, 64), v_quant=(4, 64)), 512),
+]
+
+
+@pytest.mark.parametrize(("case", "ps"), TWO_PASS, ids=lambda x: getattr(x, "id", str(x)))
+def test_two_pass_metal_kernel_matches_reference(case, ps):
+    inputs = make_inputs(case)
+    out = kernels.paged_decode_two_pass(**inputs, partition_tokens=ps)
+    tol = (QUANT_TOLERANCE if case.k_quant else TOLERANCE)[case.dtype]
+    err = paged.max_abs_error(out, paged.reference(inputs))
+    assert err <= tol, f"{case.id}: {err:.3g}"
+    assert paged.ulp_excess(out, paged.reference(inputs, fp32=True)) <= 0.0

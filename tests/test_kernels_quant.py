@@ -102,6 +102,13 @@ def test_quantized_decode_dispatch(monkeypatch):
         assert mx.array_equal(pa.paged_attention(**inputs), expected)
     calls = []
     monkeypatch.setattr(kernels, "kernel_available", lambda: "metal")
-    monkeypatch.setattr(kernels, "paged_decode_attention", lambda *a: calls.append(a) or a[0])
-    pa.paged_attention(**inputs)
+    # A stand-in kernel that answers like the reference, so its first launch validates.
+    monkeypatch.setattr(kernels, "paged_decode_attention",
+                        lambda *a: calls.append(a) or pa.paged_attention_ref(*a))
+    kernels.reset_fallback()
+    try:
+        pa.paged_attention(**inputs)
+        assert kernels.kernel_fallback() is None
+    finally:
+        kernels.reset_fallback()
     assert len(calls) == 1 and calls[0][1] is inputs["k_pool"]

@@ -12,7 +12,13 @@ from kernel_harness import emulator, metal_source, msl_lint, paged
 from kernel_harness.cases import Case, make_inputs
 
 from engine.model import kernels
-from metal_kernels import kernel_header, read_source
+from metal_kernels import (
+    MLX_RANGE,
+    kernel_header,
+    mlx_range_text,
+    mlx_version_checked,
+    read_source,
+)
 
 BODY = read_source("paged_attention.metal")
 MSL_TEXT = kernel_header("metal") + BODY
@@ -58,16 +64,56 @@ def _golden_inputs(batch: int = 2, dtype=mx.float16, kv_dtype=None, head_dim: in
     }
 
 
+def drift(what: str) -> str:
+    """The failure message when MLX's generated source no longer matches the golden text."""
+    return (
+        f"MLX {mx.__version__} generates a different {what} than the golden text checked "
+        f"against {mlx_range_text()} (pinned in pyproject.toml). The emulator's parser and "
+        f"the CUDA wrapper re-implementation may no longer match what this MLX compiles: "
+        f"re-check them against MLX {mx.__version__}'s custom_kernel sources, then update "
+        f"the golden text and metal_kernels.MLX_RANGE together."
+    )
+
+
 def test_golden_metal_signature():
     text = metal_source.generated_metal_source(**_golden_inputs())
-    assert GOLDEN_SIGNATURE in text
+    assert GOLDEN_SIGNATURE in text, drift("kernel signature") + "\n" + text[:3000]
     # Header first, then the signature, the body verbatim, and the instantiation.
-    assert text.index(kernel_header("metal").strip()) < text.index(GOLDEN_SIGNATURE)
-    assert BODY.strip() in text
+    assert text.index(kernel_header("metal").strip()) < text.index(GOLDEN_SIGNATURE), drift(
+        "header placement"
+    )
+    assert BODY.strip() in text, drift("kernel body")
     assert (
         f"decltype({GOLDEN_NAME}<float16_t, 64, 16, 8, 0, 0, 0, 0>) "
         f"{GOLDEN_NAME}<float16_t, 64, 16, 8, 0, 0, 0, 0>;"
-    ) in text
+    ) in text, drift("template instantiation")
+
+
+def test_installed_mlx_is_in_the_checked_range():
+    assert mlx_version_checked(mx.__version__), (
+        f"MLX {mx.__version__} is outside {mlx_range_text()}, the range the golden kernel "
+        f"source was checked against; install a pinned version or re-check the golden tests"
+    )
+
+
+def test_pyproject_pins_the_checked_range():
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    pins = [line for line in pyproject.splitlines() if line.strip().startswith('"mlx')
+            and "mlx-lm" not in line]
+    assert len(pins) == 2, pins  # the Linux CPU extra and macOS
+    for line in pins:
+        assert ",".join(MLX_RANGE) in line, f"{line.strip()} does not pin {mlx_range_text()}"
+
+
+@pytest.mark.parametrize(
+    ("version", "inside"),
+    [("0.32.0", True), ("0.32.4", True), ("0.32.10.dev3", True), ("0.31.9", False),
+     ("0.33.0", False), ("1.0.0", False)],
+)
+def test_mlx_version_range_check(version, inside):
+    assert mlx_version_checked(version) is inside
 
 
 def test_generated_signature_tracks_sizes_and_dtypes():

@@ -7,11 +7,20 @@ Prefill (L > 1) stays on the reference path.
 One kernel serves plain and quantized pools: K and V are each either float rows
 (bits 0) or `QuantizedBlocks` (4/8-bit `mx.quantize` rows, dequantized in
 registers), chosen by template values; a plain side gets placeholder scales.
+
+Switch and fallback: `KVCHAT_KERNELS=0` (or `EngineConfig(kernels=False)`)
+keeps decode on the reference; a kernel that fails to build, launch or match
+the reference on its first launch is dropped for the rest of the process
+(`fall_back`), said once as a warning and kept in `kernel_fallback()`.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
+import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,10 +60,69 @@ KernelFn = Callable[..., list[mx.array]]
 Pool = mx.array | QuantizedBlocks
 
 
+ENV_SWITCH = "KVCHAT_KERNELS"
+_OFF_VALUES = ("0", "false", "off", "no")
+_log = logging.getLogger("kvchat.kernels")
+_state_lock = threading.Lock()
+_fallback: str | None = None  # why the kernels were dropped for this process
+_validated: set[tuple] = set()  # kernel variants whose first launch matched the reference
+
+
 def kernel_available() -> str | None:
     """Return "metal" or "cuda" when this MLX build can run custom kernels, else None."""
     backend = memory.backend()  # the one backend probe
     return backend if backend in ("metal", "cuda") else None
+
+
+def kernels_enabled() -> bool:
+    """False when the environment turns kernels off (`KVCHAT_KERNELS=0`, false, off, no)."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF_VALUES
+
+
+def kernel_fallback() -> str | None:
+    """Why the kernels were dropped for the rest of this process; None while they are not."""
+    return _fallback
+
+
+def active_backend() -> str | None:
+    """The backend decode kernels run on now: available, switched on and not fallen back."""
+    if _fallback is not None or not kernels_enabled():
+        return None
+    return kernel_available()
+
+
+def fall_back(reason: str) -> None:
+    """Drop the kernels for the rest of the process; warns (and logs) the first time only.
+
+    A build or launch failure on a user's machine (another macOS, Metal or MLX
+    version) must cost speed, not generation: the reference path takes over.
+    """
+    global _fallback
+    with _state_lock:
+        if _fallback is not None:
+            return
+        _fallback = reason
+    message = f"kvchat: decode kernels off for this process, using the MLX reference: {reason}"
+    _log.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def reset_fallback() -> None:
+    """Forget a fallback and the validated variants (tests; a new MLX build in one process)."""
+    global _fallback
+    with _state_lock:
+        _fallback = None
+        _validated.clear()
+
+
+def is_validated(key: tuple) -> bool:
+    """Whether the variant `key` (see `variant_key`) already matched the reference once."""
+    return key in _validated
+
+
+def mark_validated(key: tuple) -> None:
+    with _state_lock:
+        _validated.add(key)
 
 
 def _side_supported(pool: Pool, head_dim: int) -> bool:
@@ -163,6 +231,23 @@ def _side_inputs(pool: Pool) -> tuple[mx.array, mx.array, mx.array]:
     return pool, placeholder, placeholder
 
 
+def variant_key(
+    queries: mx.array, k_pool: Pool, v_pool: Pool, block_tables: mx.array, kind: str = KERNEL_NAME
+) -> tuple:
+    """What selects a distinct compiled kernel: kind, template values, input dtypes and
+    which inputs MLX binds as constant memory (fewer than 8 elements)."""
+    sides = [_side_inputs(p) for p in (k_pool, v_pool)]
+    arrays = [queries, sides[0][0], sides[1][0], block_tables, *sides[0][1:], *sides[1][1:]]
+    small = (block_tables.shape[0] < 8, block_tables.size < 8)  # lengths; the table
+    return (
+        kind,
+        tuple(template_args(queries, k_pool, v_pool)),
+        queries.shape[1] // k_pool.shape[0],  # the GQA ratio: the two-pass QPG
+        tuple((a.dtype, a.size < 8) for a in arrays),
+        small,
+    )
+
+
 def kernel_inputs(
     queries: mx.array,
     k_pool: Pool,
@@ -247,3 +332,23 @@ def paged_decode_attention(
     inputs = kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
     template = template_args(queries, k_pool, v_pool)
     return _launch(_paged_decode_kernel(backend), inputs, template)
+
+
+# The two-pass kernels live in their own module (imported only through this one, which it
+# builds on); re-exported so dispatch, benchmarks and tests use one namespace.
+from engine.model.kernels_two_pass import (  # noqa: E402, F401
+    MAX_HEADS_PER_GROUP,
+    PARTITION_TOKENS,
+    REDUCE_INPUT_NAMES,
+    REDUCE_NAME,
+    SPLIT_NAME,
+    SPLIT_OUTPUT_NAMES,
+    _two_pass_kernels,
+    heads_per_group,
+    make_two_pass_kernels,
+    num_partitions,
+    paged_decode_two_pass,
+    reduce_launch,
+    split_launch,
+    split_template,
+)

@@ -108,6 +108,7 @@ class PagedModel:
         # A quantized embedding computes in the dtype of its scales.
         self.dtype = getattr(self.embed_tokens, "scales", self.embed_tokens.weight).dtype
         self.fused: list[FusedLayer | None] = [None] * len(self.layers)
+        self.use_kernels = True  # decode kernels where they apply (EngineConfig.kernels)
 
     def fuse_projections(self) -> bool:
         """Concatenate projection weights (float models); returns whether all layers fused."""
@@ -165,7 +166,7 @@ class PagedModel:
         )
         k_pool, v_pool = kv.block_view(layer)
         o = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.context_lens, attn.scale,
-                            block_run=batch.block_run)
+                            block_run=batch.block_run, use_kernels=self.use_kernels)
         return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def __call__(self, batch: StepBatch, kv: PagedKVCache, *, logits: bool = True):

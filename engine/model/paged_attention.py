@@ -22,6 +22,7 @@ view of the pool instead of gathered (the gather copies every step on CPU).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -143,6 +144,95 @@ def paged_attention_ref(
     )
 
 
+@dataclass(frozen=True)
+class Route:
+    """One row of the decode dispatch table: when it applies, the path, and why."""
+
+    when: str
+    path: str  # "view_sdpa" (the reference over a view of the pool), "two_pass" or "kernel"
+    reason: str
+
+
+TWO_PASS_MIN_TOKENS = 4096
+
+# Decode dispatch on Metal/CUDA. Conservative until a Mac has run
+# `kvchat bench kernel` (which times every path): where MLX's own zero-copy
+# path applies, it is used, and the long-context switch copies MLX's own.
+# Rows are tried in order; the first match wins.
+DECODE_ROUTES = (
+    Route("one sequence whose blocks are one contiguous run", "view_sdpa",
+          "a view of the pool costs no copy and MLX's sdpa_vector picks its own one- or "
+          "two-pass kernel; no Mac figure yet shows the paged kernels beating it"),
+    Route(f"longest sequence >= {TWO_PASS_MIN_TOKENS} tokens", "two_pass",
+          "the one-pass kernel has Hq x B threadgroups each walking the whole context; "
+          "MLX's sdpa_vector goes two-pass at >= 4096 keys with GQA (>= 1024 on Max/Ultra "
+          "chips, v0.32.1), so the same threshold until measured; pass 1 also reads each "
+          "K/V row once per KV head instead of once per query head"),
+    Route("any other decode (short batches, scattered blocks)", "kernel",
+          "the alternative gathers every K/V row into a fresh array each step "
+          "(lablup/mlxcel measured that gather at +48% to +56% of attention time)"),
+)
+
+
+def decode_route(batch: int, block_run: int | None, max_context: int) -> Route:
+    """The DECODE_ROUTES row for a decode step of `batch` sequences."""
+    if batch == 1 and block_run is not None:
+        return DECODE_ROUTES[0]
+    if max_context >= TWO_PASS_MIN_TOKENS:
+        return DECODE_ROUTES[1]
+    return DECODE_ROUTES[2]
+
+
+# First launch of each kernel variant: max |kernel - reference| allowed, as a
+# fraction of max(1, max |reference|). Loose (a few ulps of the output dtype
+# would do): it is there to catch a miscompiled or misindexed kernel on an
+# untested machine, not rounding.
+FIRST_LAUNCH_TOLERANCE = {mx.float16: 1e-2, mx.bfloat16: 6e-2, mx.float32: 1e-3}
+
+
+class KernelMismatch(RuntimeError):
+    """A kernel's first launch disagreed with the reference."""
+
+
+def _check_first_launch(out: mx.array, ref: mx.array) -> None:
+    mx.eval(out, ref)  # surfaces build errors now, not at some later mx.eval
+    err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+    bound = FIRST_LAUNCH_TOLERANCE[ref.dtype] * max(1.0, mx.abs(ref).max().item())
+    if not err <= bound:  # NaN fails too
+        raise KernelMismatch(f"first launch differs from the reference by {err:.3g} "
+                             f"(allowed {bound:.3g})")
+
+
+KERNEL_PATHS = {"kernel": "paged_decode_attention", "two_pass": "paged_decode_two_pass"}
+
+
+def kernel_decode(queries, k_pool, v_pool, block_tables, context_lens, scale,
+                  path: str = "kernel") -> mx.array | None:
+    """Decode through a kernel (`path`: "kernel" or "two_pass") when one applies and
+    works; None means "use the reference".
+
+    Each kernel variant's first launch is evaluated and checked against the
+    reference; any exception (build, launch, mismatch) drops the kernels for
+    the process via `kernels.fall_back`, so generation continues on the reference.
+    """
+    backend = kernels.active_backend()
+    if backend is None or not kernels.supports(queries, k_pool, v_pool):
+        return None
+    launch = getattr(kernels, KERNEL_PATHS[path])
+    key = (backend, *kernels.variant_key(queries, k_pool, v_pool, block_tables, path))
+    try:
+        out = launch(queries, k_pool, v_pool, block_tables, context_lens, scale)
+        if not kernels.is_validated(key):
+            ref = paged_attention_ref(queries, k_pool, v_pool, block_tables, context_lens, scale)
+            _check_first_launch(out, ref)
+            kernels.mark_validated(key)
+    except Exception as exc:  # noqa: BLE001 - any failure means: not on this machine
+        kernels.fall_back(f"{KERNEL_PATHS[path]} on {backend} failed: "
+                          f"{type(exc).__name__}: {exc}")
+        return None
+    return out
+
+
 def paged_attention(
     queries: mx.array,
     k_pool: mx.array,
@@ -152,20 +242,22 @@ def paged_attention(
     scale: float,
     *,
     block_run: int | None = None,
+    use_kernels: bool = True,
 ) -> mx.array:
     """Paged attention on the best path for this backend (see module docstring).
 
     Decode (one query per sequence) runs the Metal or CUDA kernel where MLX has
-    that backend, plain or quantized (`QuantizedBlocks`) pools alike; prefill,
-    the CPU backend and shapes the kernel declines use the reference.
+    that backend and `decode_route` picks it, plain or quantized
+    (`QuantizedBlocks`) pools alike, unless `use_kernels` is False,
+    `KVCHAT_KERNELS=0` or the kernel failed before; prefill, the CPU backend
+    and shapes the kernel declines use the reference.
     """
-    if (
-        queries.shape[2] == 1
-        and kernels.kernel_available() is not None
-        and kernels.supports(queries, k_pool, v_pool)
-    ):
-        return kernels.paged_decode_attention(
-            queries, k_pool, v_pool, block_tables, context_lens, scale
-        )
+    if use_kernels and queries.shape[2] == 1:
+        route = decode_route(queries.shape[0], block_run, max(int(n) for n in context_lens))
+        if route.path in KERNEL_PATHS:
+            out = kernel_decode(queries, k_pool, v_pool, block_tables, context_lens, scale,
+                                route.path)
+            if out is not None:
+                return out
     return paged_attention_ref(queries, k_pool, v_pool, block_tables, context_lens, scale,
                                block_run=block_run)

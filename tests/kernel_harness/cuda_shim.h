@@ -85,8 +85,8 @@ namespace cuda::std {
 using ::std::array;
 }  // namespace cuda::std
 
-// Threadgroup (shared) arrays, as in msl_shim.h.
-#define TG_ARRAY(type, name, count)                                           \
-  static type name[count];                                                     \
-  [[maybe_unused]] static const bool name##_shim_registered =                  \
-      ::shim::register_tg(name, sizeof(name))
+// Threadgroup (shared) arrays, checked as in msl_shim.h; SHIM_REAL_TG_ARRAY
+// compiles cuda_backend.h's `__shared__ T name[N]` instead.
+#ifndef SHIM_REAL_TG_ARRAY
+#define TG_ARRAY(type, name, count) static ::shim::TgArray<type, (count)> name(#name)
+#endif

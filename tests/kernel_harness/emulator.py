@@ -29,7 +29,13 @@ SANITIZER_FLAGS = {
     None: [],
     "address": ["-fsanitize=address", "-fno-omit-frame-pointer"],
     "thread": ["-fsanitize=thread"],
+    # Shifts past the width, signed overflow, misaligned or null access: fail, not warn.
+    "undefined": ["-fsanitize=undefined", "-fno-sanitize-recover=undefined"],
 }
+# How TG_ARRAY compiles: "checked" = the shim's memory-model-checked arrays;
+# "real" = the backend header's own expansion (Metal `threadgroup T x[N]`, CUDA
+# `__shared__ T x[N]`), so that text is compiled too.
+TG_MODES = {"checked": [], "real": ["-DSHIM_REAL_TG_ARRAY"]}
 MAX_NDIM_CUDA = 10  # MLX's MAX_NDIM: Shape/Strides are fixed-size arrays on CUDA
 
 
@@ -232,10 +238,16 @@ def translation_unit(sources: list[KernelSource]) -> str:
     return "".join(parts)
 
 
-def build(sources: list[KernelSource], out_dir: Path, *, sanitizer: str | None = None) -> Path:
+def build(
+    sources: list[KernelSource],
+    out_dir: Path,
+    *,
+    sanitizer: str | None = None,
+    tg_mode: str = "checked",
+) -> Path:
     """Compile (cached by content) a driver binary containing `sources`."""
     text = translation_unit(sources)
-    flags = CXXFLAGS + SANITIZER_FLAGS[sanitizer]
+    flags = CXXFLAGS + SANITIZER_FLAGS[sanitizer] + TG_MODES[tg_mode]
     key = hashlib.sha1((text + " ".join(flags) + _shim_digest()).encode()).hexdigest()[:16]
     with _build_lock:
         cached = _builds.get(key)
@@ -243,7 +255,7 @@ def build(sources: list[KernelSource], out_dir: Path, *, sanitizer: str | None =
             return cached
     out_dir.mkdir(parents=True, exist_ok=True)
     cpp = out_dir / f"kernels_{key}.cpp"
-    binary = out_dir / f"kernels_{key}_{sanitizer or 'plain'}"
+    binary = out_dir / f"kernels_{key}_{sanitizer or 'plain'}_{tg_mode}"
     cpp.write_text(text)
     cmd = [CXX, *flags, "-I", str(HARNESS_DIR), "-I", str(HARNESS_DIR / "cuda_include")]
     proc = subprocess.run(
@@ -325,6 +337,7 @@ def run(
     env = dict(os.environ, SHIM_BARRIER_TIMEOUT_MS=str(barrier_timeout_ms))
     env.setdefault("TSAN_OPTIONS", "halt_on_error=0 second_deadlock_stack=1")
     env.setdefault("ASAN_OPTIONS", "detect_leaks=0")
+    env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1")
     proc = subprocess.run(
         [str(binary), str(in_path), str(out_path)],
         capture_output=True,

@@ -38,19 +38,24 @@ def generated_metal_source(
     inputs = kernels.kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
     # From the pools, before tracing: the traced args are the flat arrays.
     template = kernels.template_args(queries, k_pool, v_pool, num_simdgroups=num_simdgroups)
+    q = inputs[0]
+    grid, threadgroup = kernels.launch_dims(q, num_simdgroups=num_simdgroups)
+    return traced_metal_source(
+        kernel,
+        inputs,
+        template=template,
+        grid=grid,
+        threadgroup=threadgroup,
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )
 
-    def fn(*args: mx.array) -> mx.array:
-        q = args[0]
-        grid, threadgroup = kernels.launch_dims(q, num_simdgroups=num_simdgroups)
-        return kernel(
-            inputs=list(args),
-            template=template,
-            grid=grid,
-            threadgroup=threadgroup,
-            output_shapes=[q.shape],
-            output_dtypes=[q.dtype],
-            verbose=True,
-        )[0]
+
+def traced_metal_source(kernel, inputs: list[mx.array], **launch: object) -> str:
+    """The Metal source MLX generates when `kernel` is launched on `inputs` with `launch`."""
+
+    def fn(*args: mx.array) -> list[mx.array]:
+        return kernel(inputs=list(args), verbose=True, **launch)
 
     with tempfile.TemporaryDirectory() as tmp:
         text = _capture_stdout_fd(

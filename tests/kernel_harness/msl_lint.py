@@ -131,14 +131,86 @@ def lint_msl(text: str) -> list[str]:
             if g not in seen:
                 seen.add(g)
                 stack.extend(calls.get(g, ()))
-    # SIMD-group functions and barriers under lane-dependent branches.
-    for m in re.finditer(r"\b(if|while)\s*\(", code):
+    problems += lane_divergence(code)
+    return problems
+
+
+_SYNC_CALL = re.compile(r"\b(simd_\w+|threadgroup_barrier|simdgroup_barrier)\s*\(")
+_ASSIGN = re.compile(r"\b([A-Za-z_]\w*)\s*(?:\[[^\]]*\]\s*)?[+\-*/|&^]?=(?!=)")
+_UNIFORM_RHS = re.compile(r"\s*simd_(?:sum|max|min|broadcast|and|or|xor)\s*\(")
+
+
+def _expression(code: str, start: int) -> str:
+    """The expression from `start` to its `;`, or to the `)` closing a for header."""
+    depth = 0
+    for j in range(start, len(code)):
+        ch = code[j]
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            if depth == 0:
+                return code[start:j]
+            depth -= 1
+        elif ch in ";{" and depth == 0:
+            return code[start:j]
+    return code[start:]
+
+
+def lane_varying_names(code: str) -> set[str]:
+    """Identifiers whose value may differ between the lanes of a simdgroup.
+
+    Flow-insensitive taint: the lane builtins, then every variable assigned
+    (declared, indexed or compound-assigned) from an expression naming one. A
+    plain `x = simd_sum(...)` stays uniform; anything else that reads a lane
+    value taints. Over-approximate by design: a false alarm is cheap.
+    """
+    names = set(_LANE_NAMES)
+    assignments = []
+    for m in _ASSIGN.finditer(code):
+        assignments.append((m.group(1), _expression(code, m.end())))
+    changed = True
+    while changed:
+        changed = False
+        for name, rhs in assignments:
+            if name in names or _UNIFORM_RHS.match(rhs):
+                continue
+            if any(re.search(rf"\b{n}\b", rhs) for n in names):
+                names.add(name)
+                changed = True
+    return names
+
+
+def _mentions(text: str, names: set[str]) -> bool:
+    return any(re.search(rf"\b{n}\b", text) for n in names)
+
+
+def lane_divergence(code: str) -> list[str]:
+    """simd_* calls and barriers that not every lane reaches.
+
+    Flags a call under an `if`/`else`/`while` whose condition is lane-varying,
+    in a `for` loop whose bound or counter is lane-varying (lanes leave the
+    loop at different trips), and after a lane-varying early `return`.
+    """
+    varying = lane_varying_names(code)
+    problems = []
+    for m in re.finditer(r"\b(if|while|for)\s*\(", code):
         close = _paren_end(code, m.end() - 1)
         cond = code[m.end() : close]
-        if any(re.search(rf"\b{n}\b", cond) for n in _LANE_NAMES):
-            block = _block_after(code, close + 1)
-            if re.search(r"\b(simd_\w+|threadgroup_barrier|simdgroup_barrier)\s*\(", block):
-                problems.append(f"simd/barrier call under lane-dependent branch: {cond.strip()!r}")
+        if not _mentions(cond, varying):
+            continue
+        block = _block_after(code, close + 1)
+        after = code[close + 1 :].lstrip()[len(block) :]
+        if m.group(1) == "if" and re.match(r"\s*else\b", after):
+            block += _block_after(after, after.index("else") + 4)
+        kind = "loop bound" if m.group(1) == "for" else "branch"
+        if _SYNC_CALL.search(block):
+            problems.append(f"simd/barrier call under lane-dependent {kind}: {cond.strip()!r}")
+        if m.group(1) == "if" and re.search(r"\breturn\b", block):
+            rest = code[close + 1 + len(block) :]
+            if _SYNC_CALL.search(rest):
+                problems.append(
+                    f"lane-dependent return before a simd/barrier call: {cond.strip()!r}"
+                )
     return problems
 
 

@@ -114,11 +114,16 @@ inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(int(a) |
 
 using SrcLoc = std::source_location;
 
-inline void threadgroup_barrier(mem_flags, const SrcLoc& loc = SrcLoc::current()) {
-  shim::group_barrier("threadgroup_barrier", loc);
+// Only flags that include mem_threadgroup order threadgroup memory (the
+// checked TG_ARRAY below fails a read that relies on anything else).
+inline bool orders_tg(mem_flags f) {
+  return (int(f) & int(mem_flags::mem_threadgroup)) != 0;
 }
-inline void simdgroup_barrier(mem_flags, const SrcLoc& loc = SrcLoc::current()) {
-  shim::simd_sync("simdgroup_barrier", loc);
+inline void threadgroup_barrier(mem_flags f, const SrcLoc& loc = SrcLoc::current()) {
+  shim::group_barrier("threadgroup_barrier", loc, orders_tg(f));
+}
+inline void simdgroup_barrier(mem_flags f, const SrcLoc& loc = SrcLoc::current()) {
+  shim::simd_sync("simdgroup_barrier", loc, orders_tg(f));
 }
 
 template <typename T>
@@ -227,11 +232,14 @@ struct Limits {
 };
 
 // Threadgroup arrays: process-wide storage shared by the lane threads (one
-// threadgroup runs at a time), registered for poisoning and size accounting.
-#define TG_ARRAY(type, name, count)                                           \
-  static type name[count];                                                     \
-  [[maybe_unused]] static const bool name##_shim_registered =                  \
-      ::shim::register_tg(name, sizeof(name))
+// threadgroup runs at a time), registered for poisoning and size accounting,
+// every access checked against the memory model (shim::TgArray). With
+// SHIM_REAL_TG_ARRAY the kernel's own definition (metal_backend.h:
+// `threadgroup T name[N]`, i.e. a static array here) is compiled instead,
+// unchecked: ThreadSanitizer is the witness there.
+#ifndef SHIM_REAL_TG_ARRAY
+#define TG_ARRAY(type, name, count) static ::shim::TgArray<type, (count)> name(#name)
+#endif
 
 // Address spaces and function qualifiers: no meaning on the CPU.
 #define device

@@ -4,6 +4,7 @@
 // Used by msl_shim.h (Metal) and cuda_shim.h (CUDA); see emulator.py.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdarg>
@@ -24,8 +25,12 @@ constexpr int kSimdWidth = 32;
 constexpr int kExitDivergence = 86;
 constexpr int kExitTimeout = 87;
 constexpr int kExitUsage = 88;
+constexpr int kExitMemOrder = 89;
 
 [[noreturn]] inline void fail(int code, const char* fmt, ...) {
+  // One report: the first failing thread holds the lock until the process exits.
+  static std::mutex first;
+  first.lock();
   va_list args;
   va_start(args, fmt);
   std::fputs("SHIM ERROR: ", stderr);
@@ -131,6 +136,10 @@ struct ThreadCtx {
   Dim3 grid_threads, group_threads, groups, group_pos, local_pos;
   unsigned local_index = 0, lane = 0, simdgroup = 0, num_simdgroups = 0;
   uint64_t simd_calls = 0, group_calls = 0;
+  // Memory-ordering epochs: barriers that order threadgroup memory passed so far
+  // in this threadgroup (threadgroup_barrier(mem_threadgroup), __syncthreads) and
+  // in this simdgroup (simdgroup_barrier(mem_threadgroup), __syncwarp).
+  uint64_t tg_epoch = 0, simd_epoch = 0;
   SimdGroup* simd = nullptr;
   Barrier* group_barrier = nullptr;
 };
@@ -142,10 +151,13 @@ inline ThreadCtx& ctx() {
 }
 
 // Threadgroup memory: registered so it can be poisoned between threadgroups
-// and counted against the 32 KiB limit.
+// and counted against the 32 KiB limit; checked arrays also forget their
+// access records (see TgArray).
 struct TgRegistry {
   std::mutex mutex;
   std::vector<std::pair<void*, size_t>> arrays;
+  std::vector<void (*)(void*)> resets;
+  std::vector<void*> owners;
   size_t bytes = 0;
 };
 
@@ -154,10 +166,15 @@ inline TgRegistry& tg_registry() {
   return registry;
 }
 
-inline bool register_tg(void* ptr, size_t nbytes) {
+inline bool register_tg(void* ptr, size_t nbytes, void (*reset)(void*) = nullptr,
+                        void* owner = nullptr) {
   auto& reg = tg_registry();
   std::lock_guard<std::mutex> lock(reg.mutex);
   reg.arrays.emplace_back(ptr, nbytes);
+  if (reset) {
+    reg.resets.push_back(reset);
+    reg.owners.push_back(owner);
+  }
   reg.bytes += nbytes;
   std::memset(ptr, 0xff, nbytes);  // NaN for floats, -1 for ints
   return true;
@@ -167,11 +184,96 @@ inline void poison_tg() {
   auto& reg = tg_registry();
   std::lock_guard<std::mutex> lock(reg.mutex);
   for (auto& [ptr, nbytes] : reg.arrays) std::memset(ptr, 0xff, nbytes);
+  for (size_t i = 0; i < reg.resets.size(); ++i) reg.resets[i](reg.owners[i]);
 }
 
-inline void group_barrier(const char* what, const std::source_location& loc) {
+// A threadgroup array that checks the memory model: a read must see a write
+// of this threadgroup (else it reads uninitialised memory) made by the same
+// thread, or ordered before it by a barrier whose flags include
+// mem_threadgroup (a simdgroup_barrier orders lanes of one simdgroup only).
+// Unordered writes to one element by two threads fail the same way. This is
+// what Metal guarantees and the CPU does not need, so a barrier with
+// mem_flags::mem_none fails here instead of passing by luck.
+template <typename T, long N>
+class TgArray {
+ public:
+  class Ref {
+   public:
+    Ref(TgArray* a, long i) : a_(a), i_(i) {}
+    operator T() const { return a_->load(i_); }
+    Ref& operator=(T v) {
+      a_->store(i_, v);
+      return *this;
+    }
+    Ref& operator=(const Ref& o) { return *this = T(o); }
+    Ref& operator+=(T v) { return *this = T(*this) + v; }
+    Ref& operator-=(T v) { return *this = T(*this) - v; }
+    Ref& operator*=(T v) { return *this = T(*this) * v; }
+
+   private:
+    TgArray* a_;
+    long i_;
+  };
+
+  explicit TgArray(const char* name) : name_(name) {
+    register_tg(data_, sizeof(data_), &TgArray::reset, this);
+  }
+  Ref operator[](long i) { return Ref(this, i); }
+
+ private:
+  // meta: 0 = not written in this threadgroup, else writer + 1 (bits 0-15),
+  // its threadgroup epoch (bits 16-39) and simdgroup epoch (bits 40-63).
+  static void reset(void* self) {
+    for (auto& m : static_cast<TgArray*>(self)->meta_) m.store(0, std::memory_order_relaxed);
+  }
+  void bounds(long i, const char* what) const {
+    if (i < 0 || i >= N) fail(kExitMemOrder, "%s %s[%ld] out of bounds [0, %ld)", what, name_, i, N);
+  }
+  void ordered(long i, const char* what) const {
+    const uint64_t m = meta_[i].load(std::memory_order_relaxed);
+    const auto& c = ctx();
+    const long me = long(c.local_index);
+    if (m == 0) {
+      if (std::strcmp(what, "read of") == 0)
+        fail(kExitMemOrder, "read of %s[%ld] by thread %ld before any write in this threadgroup",
+             name_, i, me);
+      return;
+    }
+    const long writer = long(m & 0xffffu) - 1;
+    const uint64_t tg_epoch = (m >> 16) & 0xffffffu, simd_epoch = m >> 40;
+    if (writer == me || (c.tg_epoch & 0xffffffu) > tg_epoch) return;
+    if (writer / kSimdWidth == me / kSimdWidth && c.simd_epoch > simd_epoch) return;
+    fail(kExitMemOrder,
+         "%s %s[%ld] by thread %ld races with the write of thread %ld: no barrier with "
+         "mem_flags::mem_threadgroup between them",
+         what, name_, i, me, writer);
+  }
+  T load(long i) const {
+    bounds(i, "read of");
+    ordered(i, "read of");
+    return data_[i];
+  }
+  void store(long i, T v) {
+    bounds(i, "write to");
+    ordered(i, "write to");
+    const auto& c = ctx();
+    data_[i] = v;
+    meta_[i].store(uint64_t(c.local_index + 1) | ((c.tg_epoch & 0xffffffu) << 16) |
+                       (c.simd_epoch << 40),
+                   std::memory_order_relaxed);
+  }
+
+  const char* name_;
+  T data_[N];
+  std::atomic<uint64_t> meta_[N] = {};
+};
+
+// A threadgroup barrier; `orders_tg`: its flags include mem_threadgroup.
+inline void group_barrier(const char* what, const std::source_location& loc,
+                          bool orders_tg = true) {
   auto& c = ctx();
   c.group_barrier->wait(what, loc, c.group_calls++, int(c.local_index));
+  if (orders_tg) ++c.tg_epoch;
 }
 
 // All lanes of the simdgroup publish `value`, then each combines the slots.
@@ -193,9 +295,10 @@ V simd_exchange(V value, const char* what, const std::source_location& loc, F co
   return result;
 }
 
-inline void simd_sync(const char* what, const std::source_location& loc) {
+inline void simd_sync(const char* what, const std::source_location& loc, bool orders_tg = true) {
   auto& c = ctx();
   c.simd->barrier.wait(what, loc, c.simd_calls++, int(c.local_index));
+  if (orders_tg) ++c.simd_epoch;
 }
 
 // ---- driver -----------------------------------------------------------------
@@ -309,7 +412,7 @@ inline int driver_main(int argc, char** argv) {
             c.lane = unsigned(tid % kSimdWidth);
             c.simdgroup = unsigned(tid / kSimdWidth);
             c.num_simdgroups = unsigned((n + kSimdWidth - 1) / kSimdWidth);
-            c.simd_calls = c.group_calls = 0;
+            c.simd_calls = c.group_calls = c.tg_epoch = c.simd_epoch = 0;
             c.simd = &simdgroups[c.simdgroup];
             c.group_barrier = &group_barrier;
             thunk(pointers.data());

@@ -1,0 +1,35 @@
+// Paged decode attention, pass 2 of 2: merges a sequence's partitions.
+// Body for mx.fast.metal_kernel (the same text runs on CUDA via cuda_backend.h).
+//   inputs:  part_out (NP, B, Hq, D), part_max, part_sum (NP, B, Hq) float32
+//            from paged_decode_split.metal; context_lens (B,) int32
+//   output:  out (B, Hq, 1, D) T
+//   template: T (output dtype), D (head dim), PS (tokens per partition, as
+//             in pass 1)
+//   grid (D, Hq, B), threadgroup (D, 1, 1): one thread per output element;
+//   no simdgroup functions and no threadgroup memory.
+// Only the ceil(context / PS) partitions that hold tokens are read.
+  const int d = int(thread_position_in_threadgroup.x);
+  const int head = int(threadgroup_position_in_grid.y);
+  const int seq = int(threadgroup_position_in_grid.z);
+  const int num_seqs = part_max_shape[1];
+  const int num_q_heads = part_max_shape[2];
+  if (d >= D || head >= num_q_heads || seq >= num_seqs) {
+    return;
+  }
+  const int used = (context_lens[seq] + PS - 1) / PS;
+  const int64_t stride = int64_t(num_seqs) * num_q_heads;  // between partitions
+  const int64_t first = int64_t(seq) * num_q_heads + head;
+
+  float g_max = PA_FINITE_MIN;
+  for (int p = 0; p < used; ++p) {
+    g_max = pa_max(g_max, part_max[first + p * stride]);
+  }
+  float denom = 0.0f;
+  float acc = 0.0f;
+  for (int p = 0; p < used; ++p) {
+    const int64_t slot = first + p * stride;
+    const float w = pa_exp(part_max[slot] - g_max);
+    denom += part_sum[slot] * w;
+    acc += part_out[slot * D + d] * w;
+  }
+  out[first * D + d] = pa_from_float<T>(denom > 0.0f ? acc / denom : 0.0f);
