@@ -15,11 +15,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rich.cells import cell_len, set_cell_size
+
 from engine.errors import KVChatError
 from engine.paths import cache_root, private_dir, write_private
 
 FORMAT_VERSION = 1
-TITLE_CHARS = 60
+TITLE_CELLS = 60  # terminal cells, not characters: a CJK character or an emoji takes two
 _ID_RE = re.compile(r"^[0-9]{8}-[0-9]{6}-[0-9a-f]{6}$")
 
 
@@ -47,6 +49,8 @@ class Conversation:
     messages: list[ChatMessage] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     updated: float = field(default_factory=time.time)
+    params: dict = field(default_factory=dict)
+    """This chat's generation settings (`app.settings.GENERATION_KEYS`); unset: the defaults."""
 
     def add(self, role: str, content: str, **meta) -> ChatMessage:
         message = ChatMessage(role, content, dict(meta))
@@ -60,6 +64,49 @@ class Conversation:
         """The turns as chat-template messages (role and content only)."""
         return [{"role": m.role, "content": m.content} for m in self.messages if m.content]
 
+    def turn_span(self, index: int) -> tuple[int, int]:
+        """``[start, end)`` of the turn holding message ``index``: a question and its answer."""
+        start = index
+        if self.messages[index].role == "assistant" and index > 0 \
+                and self.messages[index - 1].role == "user":
+            start = index - 1
+        end = start + 1
+        if end < len(self.messages) and self.messages[end].role == "assistant" \
+                and self.messages[start].role == "user":
+            end += 1
+        return start, end
+
+    def delete_turn(self, index: int) -> list[ChatMessage]:
+        """Remove the turn holding message ``index``; return the removed messages."""
+        start, end = self.turn_span(index)
+        return self.truncate(start, end)
+
+    def truncate(self, start: int, end: int | None = None) -> list[ChatMessage]:
+        """Remove messages ``[start, end)`` (to the end by default); return them."""
+        removed = self.messages[start:end]
+        del self.messages[start:end]
+        self.updated = time.time()
+        return removed
+
+    def matches(self, query: str) -> bool:
+        """Whether every word of ``query`` is in the title or a message (any case)."""
+        haystack = "\n".join([self.title, *(m.content for m in self.messages)]).casefold()
+        return all(word in haystack for word in query.casefold().split())
+
+    def to_markdown(self) -> str:
+        """The chat as a Markdown document: title, system prompt, then each turn."""
+        lines = [f"# {self.title or 'Untitled chat'}", ""]
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(self.updated))
+        lines += [f"*kvchat · {self.model or 'no model'} · {when}*", ""]
+        if self.system_prompt:
+            lines += ["**System prompt:**", "", *quote(self.system_prompt), ""]
+        for m in self.messages:
+            lines += [f"## {'You' if m.role == 'user' else 'Assistant'}", "", m.content, ""]
+            reason = m.meta.get("finish_reason")
+            if reason in ("cancelled", "shutdown", "error"):
+                lines += [f"*({reason}: partial answer)*", ""]
+        return "\n".join(lines).rstrip() + "\n"
+
     def to_dict(self) -> dict:
         return {"version": FORMAT_VERSION, **asdict(self)}
 
@@ -72,7 +119,8 @@ class Conversation:
         return cls(id=data["id"], title=data.get("title", ""),
                    system_prompt=data.get("system_prompt", ""), model=data.get("model"),
                    messages=messages, created=float(data.get("created", 0.0)),
-                   updated=float(data.get("updated", 0.0)))
+                   updated=float(data.get("updated", 0.0)),
+                   params=dict(data.get("params") or {}))
 
 
 @dataclass(slots=True)
@@ -86,9 +134,21 @@ class ConversationSummary:
     updated: float
 
 
+def quote(text: str) -> list[str]:
+    """``text`` as Markdown block-quote lines."""
+    return ["> " + line if line else ">" for line in text.splitlines()]
+
+
 def make_title(text: str) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1] + "…"
+    """A chat's title from its first question: one line of at most `TITLE_CELLS` cells."""
+    return fit_cells(" ".join(text.split()), TITLE_CELLS)
+
+
+def fit_cells(text: str, width: int) -> str:
+    """``text`` cut to ``width`` terminal cells, ending in "…" when cut (wide chars count 2)."""
+    if cell_len(text) <= width:
+        return text
+    return set_cell_size(text, width - 1).rstrip() + "…"
 
 
 def new_id() -> str:
@@ -127,8 +187,11 @@ class ConversationStore:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConversationError(f"cannot read conversation {conversation_id}: {e}") from e
 
-    def list(self) -> list[ConversationSummary]:
-        """Saved conversations, most recently updated first; unreadable files are skipped."""
+    def list(self, query: str = "") -> list[ConversationSummary]:
+        """Saved conversations, most recently updated first; unreadable files are skipped.
+
+        ``query``: only the chats whose title or text holds each of its words (any case).
+        """
         if not self.root.is_dir():
             return []
         out = []
@@ -138,6 +201,8 @@ class ConversationStore:
             try:
                 conv = self.load(path.stem)
             except ConversationError:
+                continue
+            if query and not conv.matches(query):
                 continue
             out.append(ConversationSummary(conv.id, conv.title or "(untitled)", conv.model,
                                            len(conv.messages), conv.updated))

@@ -1,5 +1,5 @@
-"""What the app remembers between runs (theme, last model, KV cache format), in
-``cache_root()/settings.json``.
+"""What the app remembers between runs (theme, last model and chat, KV cache format, the
+default generation settings), in ``cache_root()/settings.json``.
 
 The file is written atomically and privately (0600) and read back only when it is
 still private: the last model is loaded at start-up, so a file others could write
@@ -9,7 +9,8 @@ is ignored rather than trusted. Keys this version does not know are kept as they
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from engine.paths import cache_root, private_dir, read_private, write_private
@@ -28,6 +29,59 @@ engine's 8/4-bit affine formats, K and V chosen apart for "k8v4" (K is the more 
 
 
 @dataclass(slots=True)
+class GenerationSettings:
+    """How answers are sampled: the app's defaults, or one chat's own (saved with it).
+
+    Raises ValueError from the constructor when a value is out of the engine's range.
+    """
+
+    temperature: float = 0.0
+    """0 picks the likeliest token (greedy); higher samples more freely."""
+    top_p: float = 0.0
+    """Nucleus sampling: keep the likeliest tokens up to this probability; 0 = off."""
+    max_tokens: int = 512
+    """The longest answer, in tokens."""
+    repetition_penalty: float = 1.0
+    """Above 1 discourages repeating earlier tokens (a small model that loops); 1 = off."""
+
+    def __post_init__(self):
+        for name, low, high in (("temperature", 0.0, 100.0), ("top_p", 0.0, 1.0),
+                                ("repetition_penalty", 0.01, 100.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not math.isfinite(value) or not low <= value <= high:
+                raise ValueError(f"{name.replace('_', ' ')} must be a number from {low:g} "
+                                 f"to {high:g}, got {value!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                or not 1 <= self.max_tokens <= 1_000_000:
+            raise ValueError(f"max tokens must be a whole number from 1 to 1000000, "
+                             f"got {self.max_tokens!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict | None,
+                  base: GenerationSettings | None = None) -> GenerationSettings:
+        """``base`` (or the defaults) with the valid keys of ``data``; bad values are dropped."""
+        out = base if base is not None else cls()
+        for name in GENERATION_KEYS:
+            if isinstance(data, dict) and name in data:
+                try:
+                    out = cls(**{**asdict(out), name: data[name]})
+                except (TypeError, ValueError):
+                    continue
+        return out
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def changes(self, base: GenerationSettings) -> dict:
+        """The values that differ from ``base`` (what a chat saves of its own)."""
+        return {k: v for k, v in asdict(self).items() if v != getattr(base, k)}
+
+
+GENERATION_KEYS = tuple(f.name for f in fields(GenerationSettings))
+
+
+@dataclass(slots=True)
 class AppSettings:
     """The remembered settings; None means "not set" (the app's default applies)."""
 
@@ -37,14 +91,18 @@ class AppSettings:
     """Model spec loaded last ("default", a path or a hub repo id)."""
     kv_cache: str | None = None
     """KV cache format, a key of `KV_CACHE_FORMATS`; the command line's KV flags override it."""
+    last_conversation: str | None = None
+    """The chat open when kvchat quit (its id); reopened at the next start."""
+    generation: dict | None = None
+    """The default generation settings (a `GenerationSettings` as a dict); chats may differ."""
     extra: dict = field(default_factory=dict)
     """Keys written by another kvchat version, saved back unchanged."""
 
     @classmethod
     def from_dict(cls, data: dict) -> AppSettings:
-        """Settings from the JSON object; a known key with a non-string value is dropped."""
+        """Settings from the JSON object; a known key with a value of the wrong type is dropped."""
         known = {f.name for f in fields(cls)} - {"extra"}
-        values = {k: v if isinstance(v, str) and v else None
+        values = {k: v if isinstance(v, dict if k == "generation" else str) and v else None
                   for k, v in data.items() if k in known}
         return cls(**values, extra={k: v for k, v in data.items() if k not in known})
 
@@ -71,7 +129,7 @@ def load_settings() -> AppSettings:
     return AppSettings.from_dict(data if isinstance(data, dict) else {})
 
 
-def save_settings(**changes: str | None) -> AppSettings:
+def save_settings(**changes: str | dict | None) -> AppSettings:
     """Merge ``changes`` (field=value) into the saved settings and write them; return them.
 
     Raises:
@@ -91,6 +149,11 @@ def save_settings(**changes: str | None) -> AppSettings:
 def kv_cache_bits(name: str | None) -> tuple[int | None, int | None] | None:
     """(K bits, V bits) of a KV cache format; None when unset or unknown (a newer version's)."""
     return KV_CACHE_FORMATS.get(name) if name else None
+
+
+def generation_defaults() -> GenerationSettings:
+    """The saved default generation settings (missing or bad values: the built-in ones)."""
+    return GenerationSettings.from_dict(load_settings().generation)
 
 
 def last_model() -> str | None:

@@ -94,3 +94,45 @@ def test_long_title_is_shortened(store):
     conv = store.new()
     conv.add("user", "word " * 40)
     assert len(conv.title) == 60 and conv.title.endswith("…")
+
+
+def test_wide_titles_are_cut_by_cells():
+    from rich.cells import cell_len
+
+    from app.conversations import TITLE_CELLS, fit_cells, make_title
+
+    title = make_title("東京の天気について教えてください。" * 5)
+    assert cell_len(title) <= TITLE_CELLS and title.endswith("…")
+    assert fit_cells("🙂🙂🙂", 4) == "🙂…"
+    assert fit_cells("short", 10) == "short"
+
+
+def test_turns_delete_truncate_search_and_markdown(store):
+    conv = store.new(system_prompt="Be brief")
+    for q, a in (("one?", "first"), ("two?", "second"), ("three?", "third")):
+        conv.add("user", q)
+        conv.add("assistant", a, finish_reason="stop")
+    assert conv.turn_span(3) == (2, 4) and conv.turn_span(2) == (2, 4)
+    assert [m.content for m in conv.delete_turn(3)] == ["two?", "second"]
+    assert [m.content for m in conv.messages] == ["one?", "first", "three?", "third"]
+    conv.truncate(2)
+    assert [m.content for m in conv.messages] == ["one?", "first"]
+    conv.messages[1].meta["finish_reason"] = "cancelled"
+    md = conv.to_markdown()
+    assert md.startswith("# one?\n") and "> Be brief" in md
+    assert "## You\n\none?" in md and "*(cancelled: partial answer)*" in md
+    store.save(conv)
+    other = store.new()
+    other.add("user", "Quelle est la capitale ?")
+    store.save(other)
+    assert [s.id for s in store.list("FIRST")] == [conv.id]  # text, any case
+    assert [s.id for s in store.list("capitale quelle")] == [other.id]  # title, every word
+    assert store.list("nowhere") == []
+
+
+def test_generation_params_are_saved_with_the_chat(store):
+    conv = store.new()
+    conv.add("user", "hi")
+    conv.params = {"temperature": 0.7}
+    store.save(conv)
+    assert store.load(conv.id).params == {"temperature": 0.7}

@@ -72,3 +72,20 @@ def test_kv_cache_format_is_saved_with_the_others(home):
     settings.save_settings(kv_cache="q2")
     assert settings.load_settings().kv_cache == "q2"
     assert settings.kv_cache_bits("q2") is None and settings.kv_cache_bits(None) is None
+
+
+def test_generation_defaults_and_the_last_chat(home):
+    from app.settings import GenerationSettings
+
+    assert settings.generation_defaults() == GenerationSettings()
+    settings.save_settings(generation={"temperature": 0.8, "top_p": 2.0, "max_tokens": 64},
+                           last_conversation="20260101-000000-abcdef")
+    saved = settings.generation_defaults()
+    assert (saved.temperature, saved.top_p, saved.max_tokens) == (0.8, 0.0, 64)  # bad top_p
+    assert settings.load_settings().last_conversation == "20260101-000000-abcdef"
+    with pytest.raises(ValueError, match="temperature"):
+        GenerationSettings(temperature=-1)
+    with pytest.raises(ValueError, match="max tokens"):
+        GenerationSettings(max_tokens=0)
+    base = GenerationSettings()
+    assert GenerationSettings(temperature=0.5).changes(base) == {"temperature": 0.5}

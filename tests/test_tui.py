@@ -16,7 +16,6 @@ from test_tui_app import SIZE, boxes, wait_for
 from app.conversations import ConversationStore
 from app.tui.app import ChatApp
 from app.tui.screens.dialogs import ConfirmScreen
-from app.tui.screens.models import ModelsScreen
 from app.tui.widgets.prompt_input import PromptInput
 from engine import Engine, EngineConfig, SamplingParams
 from engine.errors import EngineStoppedError
@@ -118,10 +117,9 @@ async def test_escape_during_a_long_prefill(make_app):
         await wait_for(pilot, lambda: bar.display, 30)
         await pilot.press("escape")
         await wait_for(pilot, lambda: not app.chat.generating, 10)
-        answer = boxes(app)[1]
-        assert answer.text == ""  # stopped before the first token
-        assert stats_of(answer).startswith("cancelled — ")
-        assert int(stats_of(answer).split()[2]) > 0
+        # stopped before the first token: the question leaves the chat, back in the prompt
+        assert not boxes(app) and app.chat.conversation.messages == []
+        assert app.chat.query_one(PromptInput).text.startswith("Summarise this. ")
         assert app.engine.metrics().blocks_used == 0
         assert not bar.display
 
@@ -134,9 +132,9 @@ async def test_switch_model_mid_answer_shuts_the_old_engine_down(make_app, defau
         old = app.engine
         await send(pilot, app, "Tell me everything about the history of bread.")
         await wait_for(pilot, lambda: len(boxes(app)) == 2 and boxes(app)[1].text, 60)
-        await pilot.press("f3")
-        await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen))
-        await pilot.press("enter")  # the first row: the embedded default
+        # F3 on the loaded model keeps it (test_tui_actions.py); a reload (as a new KV
+        # format makes) takes the switch path: new engine in, the old one shut down
+        app.load_model(None)
         await wait_for(pilot, lambda: app.engine is not old and not app.chat.generating, 60)
         assert "the model was unloaded" in stats_of(boxes(app)[1])
         assert old.metrics().blocks_used == 0
@@ -159,15 +157,15 @@ async def test_huge_paste_is_refused_and_the_chat_kept(make_app, store):
         await send(pilot, app, "lorem ipsum " * 17000)  # ~200k characters, ~85k tokens
         await wait_for(pilot, lambda: not app.chat.generating, 60)
         await pilot.pause()
-        huge = boxes(app)[2]
-        assert "not sent:" in stats_of(huge) and "tokens" in stats_of(huge)
+        assert len(boxes(app)) == 2  # refused: not part of the chat
         assert app.engine.metrics().blocks_used == 0
         await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         await pilot.press("escape")  # not as a document either (test_tui_documents.py)
         await wait_for(pilot, lambda: app.screen is app.chat)
+        assert app.chat.query_one(PromptInput).text.startswith("lorem ipsum")  # to shorten
         await send(pilot, app, "Still there?")
-        await wait_for(pilot, lambda: not app.chat.generating and len(boxes(app)) == 5, 60)
-        assert boxes(app)[4].text
+        await wait_for(pilot, lambda: not app.chat.generating and len(boxes(app)) == 4, 60)
+        assert boxes(app)[3].text
     conv = store.load(conv.id)
     assert [m.content for m in conv.messages if m.role == "user"] == ["Hello", "Still there?"]
 

@@ -242,4 +242,5 @@ async def test_a_prompt_too_long_for_the_context_is_offered_as_a_document(store)
         assert "does not fit the context" in app.screen.question
         await pilot.press("y")
         await wait_for(pilot, lambda: bar_of(app).attached is not None)
-        assert "not sent:" in stats_of(boxes(app)[0])
+        assert not boxes(app)  # not sent: nothing of it in the chat
+        assert app.chat.query_one(PromptInput).text == ""  # attached instead

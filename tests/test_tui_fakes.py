@@ -167,8 +167,9 @@ class FakeEngine:
         for i, word in enumerate(words[:limit]):
             if self.delay:
                 time.sleep(self.delay)
-            if rid in self.cancelled:
-                yield GenerationEvent(rid, None, "", finish_reason="cancelled",
+            if rid in self.cancelled or self.stopped:  # shutdown ends every request
+                yield GenerationEvent(rid, None, "",
+                                      finish_reason="shutdown" if self.stopped else "cancelled",
                                       stats=fixed_stats(n, i))
                 return
             yield GenerationEvent(rid, i, word if i == 0 else " " + word)

@@ -11,7 +11,7 @@ from functools import partial
 
 import pytest
 from rich.console import Console
-from test_tui_app import SIZE, boxes, record_notices, wait_for
+from test_tui_app import SIZE, ask, boxes, record_notices, wait_for
 from test_tui_fakes import FakeEngine, fake_metrics
 
 from app import settings
@@ -82,7 +82,7 @@ async def test_choosing_q8_saves_it_and_reloads_the_engine_in_it(home, configs, 
         assert (configs[-1].kv_bits, configs[-1].k_bits, configs[-1].v_bits) == (8, None, None)
         assert first.stopped  # the old engine gave its pool back
         assert len(boxes(app)) == 2  # the chat is kept
-        assert "Reloaded default." in notices
+        assert "Reloaded SmolLM2-135M-Instruct (default)." in notices
         assert "q8g64 · 53% of fp16" in panel_text(app)
         assert app.chat.query_one(CachePanel).display
         await pilot.press("f6")  # the dialog now starts on the saved choice
@@ -175,3 +175,45 @@ def test_option_labels_come_from_the_pools_accounting():
     assert describe("q4") == "q4 — 4-bit K and V · 28% of fp16's bytes"
     assert describe("k8v4") == "k8v4 — 8-bit K, 4-bit V · 41% of fp16's bytes"
     assert "default" in describe("float")
+
+
+async def test_generation_settings_per_chat_and_as_defaults(home, tmp_path):
+    from app.tui.widgets.generation_form import GenerationForm
+
+    store = ConversationStore(tmp_path / "conversations")
+    app = ChatApp(engine_factory=lambda spec, kv_cache=None: FakeEngine(), store=store)
+    async with app.run_test(size=(130, 40)) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        assert app.sampling().temperature == 0.0 and app.sampling().max_tokens == 512
+        await pilot.press("f6")
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen))
+        screen = app.screen
+        screen.query_one("#gen-temperature").value = "hot"
+        await pilot.press("ctrl+s")
+        assert app.screen is screen  # refused, and said why
+        assert "not a number" in str(screen.query_one("#generation-error").render())
+        screen.query_one("#gen-temperature").value = "0.7"
+        screen.query_one("#gen-repetition_penalty").value = "1.1"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is app.chat)
+        params = app.sampling()
+        assert (params.temperature, params.repetition_penalty, params.top_p) == (0.7, 1.1, 0.0)
+        assert app.chat.conversation.params == {"temperature": 0.7, "repetition_penalty": 1.1}
+        await ask(pilot, app, "hello")
+        cid = app.chat.conversation.id
+        assert "own sampling" in str(app.chat.query_one("#status").render())
+        # a new chat answers with the defaults; ticked, max tokens 64 becomes the default
+        await pilot.press("ctrl+n")
+        await wait_for(pilot, lambda: not boxes(app))
+        assert app.sampling().temperature == 0.0
+        await pilot.press("f6")
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen))
+        app.screen.query_one("#gen-max_tokens").value = "64"
+        app.screen.query_one("#gen-default").value = True
+        assert isinstance(app.screen.query_one(GenerationForm), GenerationForm)
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is app.chat)
+        assert app.sampling().max_tokens == 64 and app.chat.conversation.params == {}
+    assert settings.generation_defaults().max_tokens == 64
+    assert store.load(cid).params == {"temperature": 0.7, "repetition_penalty": 1.1}
+    assert settings.load_settings().kv_cache is None  # the format was left as it was

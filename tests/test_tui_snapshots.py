@@ -1,4 +1,5 @@
-"""SVG snapshots of the chat with the cache panel, on a scripted engine with fixed metrics.
+"""SVG snapshots of the chat with the cache panel, on a scripted engine with fixed metrics,
+at 120x36, and at 80x24 and 130x40 for the responsive layout.
 
 Nothing in these screens depends on timing: the fake engine's stats and metrics are
 constants, and the conversation is saved with fixed content. Update the SVGs with
@@ -14,6 +15,8 @@ from test_tui_fakes import FakeEngine
 
 from app.conversations import ConversationStore
 from app.tui.app import ChatApp
+from app.tui.screens.conversations import ConversationsScreen
+from app.tui.screens.help import HelpScreen
 from app.tui.screens.models import ModelsScreen
 from app.tui.screens.settings import SettingsScreen
 from app.tui.widgets.prompt_input import PromptInput
@@ -128,3 +131,74 @@ def test_document_attached(snap_compare, saved_chat, tmp_path):
 
     assert snap_compare(make_app(store, reply="The launch code is **AZURE-7**."),
                         terminal_size=TERMINAL, run_before=run_before)
+
+
+NARROW, MEDIUM = (80, 24), (130, 40)
+
+
+def test_narrow_chat_collapses_the_cache_panel(snap_compare, saved_chat):
+    """80x24: the panel is one line under the prompt, and the footer fits."""
+    store, cid = saved_chat
+    assert snap_compare(make_app(store, cid), terminal_size=NARROW, run_before=settle)
+
+
+def test_narrow_chat_with_the_panel_expanded(snap_compare, saved_chat):
+    store, cid = saved_chat
+
+    async def run_before(pilot):
+        await settle(pilot)
+        await pilot.press("f2")
+        await pilot.pause()
+
+    assert snap_compare(make_app(store, cid), terminal_size=NARROW, run_before=run_before)
+
+
+def test_a_selected_answer_and_its_keys(snap_compare, saved_chat):
+    """130x40: the answer selected (↑ from the prompt); the footer shows what it can do."""
+    store, cid = saved_chat
+
+    async def run_before(pilot):
+        await settle(pilot)
+        await pilot.press("up")
+        await pilot.pause()
+
+    assert snap_compare(make_app(store, cid), terminal_size=MEDIUM, run_before=run_before)
+
+
+def test_conversations_with_wide_titles(snap_compare, tmp_path, monkeypatch):
+    """F4 at 80x24: CJK and emoji titles keep the columns in place."""
+    import time
+
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    store = ConversationStore(tmp_path / "conversations")
+    for i, q in enumerate(["東京の天気について教えてください。明日は雨ですか？それとも晴れ？",
+                           "Rust lifetimes 🙂🙂🙂 explained, with examples please",
+                           "How does paged attention use the KV cache?"]):
+        conv = store.new(model="default")
+        conv.add("user", q)
+        conv.add("assistant", "ok")
+        conv.updated = 1_780_000_000 + 3600 * i
+        store.save(conv)
+
+    async def run_before(pilot):
+        await settle(pilot)
+        await pilot.press("f4")
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, ConversationsScreen))
+        await pilot.pause()
+
+    assert snap_compare(make_app(store), terminal_size=NARROW, run_before=run_before)
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_help_screen(snap_compare, saved_chat):
+    store, _ = saved_chat
+
+    async def run_before(pilot):
+        await settle(pilot)
+        await pilot.press("f1")
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, HelpScreen))
+        await pilot.pause()
+
+    assert snap_compare(make_app(store), terminal_size=MEDIUM, run_before=run_before)

@@ -8,18 +8,23 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 
 # (title, help, action name on ChatApp)
 COMMANDS = [
+    ("Help", "Every key of the chat (F1 or ?)", "help"),
     ("New chat", "Start a new conversation (ctrl+n)", "new_chat"),
-    ("Conversations", "Open or delete a saved conversation (F4)", "conversations"),
+    ("Conversations", "Search, open, rename, export or delete a saved chat (F4)",
+     "conversations"),
+    ("Rename chat", "Give this chat another title", "rename_chat"),
+    ("Export chat", "Write this chat to a Markdown file", "export_chat"),
     ("Models", "Load, download or delete a model (F3)", "models"),
     ("Toggle cache panel", "Show or hide the live KV-cache panel (F2)", "toggle_cache"),
     ("Edit system prompt", "Set this conversation's system prompt (F5)", "system_prompt"),
     ("Attach document", "Pick a text, Markdown or PDF file to ask about (/doc FILE)",
      "attach_document"),
     ("Detach document", "Questions go to the model alone again (/doc off)", "detach_document"),
-    ("Settings", "Choose the KV cache format: float, q8, q4 or k8v4 (F6)", "settings"),
+    ("Settings", "This chat's temperature, top-p, max tokens and repetition penalty; "
+                 "the KV cache format (F6)", "settings"),
     ("Toggle light/dark theme", "Switch between the light and the dark theme (ctrl+t)",
      "toggle_theme"),
-    ("Cancel answer", "Stop the answer being written (Esc)", "cancel_generation"),
+    ("Cancel answer", "Stop the answer being written (Esc or ctrl+c)", "cancel_generation"),
     ("Quit kvchat", "Save the chat and quit (ctrl+q)", "quit"),
 ]
 

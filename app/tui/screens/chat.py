@@ -1,4 +1,8 @@
-"""The chat screen: transcript, prompt, prefill bar, status line and the cache panel."""
+"""The chat screen: transcript, prompt, prefill bar, status line and the cache panel.
+
+How a turn ends (and what of it the chat keeps) is `chat_turns`; what can be done with a
+message (copy, retry, edit, delete) is `chat_actions`.
+"""
 
 from __future__ import annotations
 
@@ -12,27 +16,26 @@ from textual.screen import Screen
 from textual.widgets import Footer, LoadingIndicator, ProgressBar, Static
 from textual.worker import get_current_worker
 
-from app.conversations import Conversation, ConversationStore
+from app.conversations import ChatMessage, Conversation, ConversationStore
 from app.engine_like import EngineLike
-from app.tui.documents import answer_line, parse_doc_command
+from app.tui.documents import parse_doc_command
 from app.tui.generation import (
-    PrefillProgress,
-    TextReceived,
     Turn,
     TurnFinished,
-    TurnRejected,
-    TurnStarted,
-    stats_line,
     stream_turn,
 )
-from app.tui.widgets.cache_panel import CachePanel
+from app.tui.screens.chat_actions import MessageActions
+from app.tui.screens.chat_turns import TurnEvents
+from app.tui.widgets.cache_panel import CachePanel, CacheSummary
 from app.tui.widgets.document_bar import DocumentBar
 from app.tui.widgets.prompt_input import PromptInput
 from app.tui.widgets.transcript import MessageBox, Transcript
 from engine import SamplingParams
 
 HINT = ("Type a message and press Enter. Ctrl+J adds a newline, Esc cancels an answer, "
-        "F2 shows the KV cache, /doc FILE attaches a document, Ctrl+P lists every command.")
+        "↑ selects a message (c copies, r retries, e edits, d deletes), /doc FILE attaches "
+        "a document, F1 lists every key.")
+NARROW_COLS = 100  # below this the cache panel starts collapsed to one line (F2 expands it)
 
 
 class ChatHost(Protocol):
@@ -49,17 +52,23 @@ class ChatHost(Protocol):
 
     def sampling(self) -> SamplingParams: ...
 
+    def remember_chat(self, conversation_id: str | None) -> None: ...
 
-class ChatScreen(Screen):
+
+class ChatScreen(TurnEvents, MessageActions, Screen):
     """One conversation with the loaded model; generation runs in a thread worker."""
 
     BINDINGS = [Binding("escape", "cancel_generation", "Cancel")]
+    hint = HINT
 
     def __init__(self, conversation: Conversation):
         super().__init__()
         self.conversation = conversation
         self.turn: Turn | None = None
         self.answer: MessageBox | None = None
+        self.user_box: MessageBox | None = None
+        self.editing: ChatMessage | None = None
+        self.cache_expanded: bool | None = None  # None: by the width; F2 sets it
 
     @property
     def chat_app(self) -> ChatHost:
@@ -78,23 +87,51 @@ class ChatScreen(Screen):
                     yield ProgressBar(id="prefill-bar", show_eta=False)
                 yield DocumentBar(id="doc-bar")
                 yield PromptInput(id="prompt", placeholder="Ask anything…")
+                yield CacheSummary(id="cache-summary")
                 with Horizontal(id="status-row"):
                     yield LoadingIndicator(id="model-spinner")
                     yield Static(id="status")
             yield CachePanel(id="cache-panel")
-        yield Footer(compact=True)
+        # the palette's key is in the help (F1): docked right, it covered the keys at 80 cols
+        yield Footer(compact=True, show_command_palette=False)
 
     async def on_mount(self) -> None:
         self.query_one("#prefill").display = False
+        self.show_cache()
         await self.show_conversation(self.conversation)
         self.watch(self.app, "model_status", self.update_status)
         self.watch(self.app, "model_loading", self._show_spinner)
         self.query_one(PromptInput).focus()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if action == "cancel_generation":
-            return self.generating
+        if action == "cancel_generation":  # Esc: cancel an answer, an edit, or leave a message
+            return (self.generating or self.editing is not None
+                    or isinstance(self.focused, MessageBox))
         return True
+
+    # -- the cache panel ----------------------------------------------------------
+    def show_cache(self, expanded: bool | None = None) -> None:
+        """Show the full panel or the one-line summary (``expanded`` None: by the width)."""
+        if expanded is None:
+            expanded = self.cache_expanded
+        if expanded is None:
+            expanded = self.app.size.width >= NARROW_COLS
+        panel, summary = self.query_one(CachePanel), self.query_one(CacheSummary)
+        panel.display, summary.display = expanded, not expanded
+        panel.poll()
+        summary.poll()
+
+    def toggle_cache(self) -> None:
+        """F2: the full panel if the summary shows, the summary if the panel does."""
+        self.cache_expanded = not self.query_one(CachePanel).display
+        self.show_cache()
+
+    def on_resize(self) -> None:
+        narrow = self.app.size.width < NARROW_COLS
+        if narrow != getattr(self, "_narrow", narrow):
+            self.cache_expanded = None  # across the threshold the width decides again
+        self._narrow = narrow
+        self.show_cache()
 
     # -- status ------------------------------------------------------------------
     def _show_spinner(self, loading: bool) -> None:
@@ -104,8 +141,12 @@ class ChatScreen(Screen):
         parts = [self.chat_app.model_status]
         if self.conversation.system_prompt:
             parts.append("system prompt set")
+        if self.conversation.params:
+            parts.append("own sampling (F6)")
         if self.generating:
             parts.append("generating — Esc cancels")
+        elif self.editing is not None:
+            parts.append("editing a question — Enter resends it, Esc cancels")
         self.query_one("#status", Static).update(" · ".join(p for p in parts if p))
 
     # -- conversations -----------------------------------------------------------
@@ -119,13 +160,15 @@ class ChatScreen(Screen):
         if conversation is not self.conversation:
             self.documents.detach(quiet=True)  # they were attached to the other chat
         self.conversation = conversation
+        self.editing = None
         transcript = self.query_one(Transcript)
         await transcript.clear()
         if not conversation.messages:
             await transcript.show_hint(HINT)
         for m in conversation.messages:
             await transcript.add(m.role, m.content, m.meta.get("stats", ""),
-                                 error=m.meta.get("finish_reason") == "error")
+                                 error=m.meta.get("finish_reason") == "error", message=m)
+        self.chat_app.remember_chat(conversation.id if conversation.messages else None)
         self.update_status()
 
     def save(self) -> None:
@@ -135,6 +178,8 @@ class ChatScreen(Screen):
             self.chat_app.store.save(self.conversation)
         except OSError as e:
             self.notify(f"could not save the chat: {e}", severity="error")
+            return
+        self.chat_app.remember_chat(self.conversation.id)
 
     # -- sending -----------------------------------------------------------------
     @on(PromptInput.Submitted)
@@ -151,9 +196,16 @@ class ChatScreen(Screen):
         if self.generating:
             self.notify("An answer is still being written: Esc cancels it.", severity="warning")
             return
+        if self.chat_app.engine is None:
+            self.notify("No model is loaded yet.", severity="warning")
+            return
+        await self.end_edit()  # an edited question replaces the old one and what followed
+        await self.start_turn(text)
+
+    async def start_turn(self, text: str) -> None:
+        """Show the question, and write its answer in a worker."""
         engine = self.chat_app.engine
         if engine is None:
-            self.notify("No model is loaded yet.", severity="warning")
             return
         self.query_one(PromptInput).clear()
         transcript = self.query_one(Transcript)
@@ -164,6 +216,7 @@ class ChatScreen(Screen):
         self.answer.set_stats("waiting for the model…")
         self.turn = Turn(text, engine, self.conversation.system_prompt,
                          self.conversation.history(), documents=self.documents.attached)
+        self.query_one(CachePanel).last_turn = None  # this turn's line comes when it ends
         self.refresh_bindings()
         self.update_status()
         self.run_turn(self.turn)
@@ -178,9 +231,13 @@ class ChatScreen(Screen):
             self.post_message(TurnFinished(turn, "error", None, f"{type(e).__name__}: {e}"))
 
     def action_cancel_generation(self) -> bool:
-        """Cancel the running answer (the engine stops within one step)."""
+        """Esc: cancel the running answer (the engine stops within one step), else the edit
+        in progress, else go back from a focused message to the prompt."""
         turn = self.turn
         if turn is None:
+            if self.editing is not None:
+                self.cancel_edit()
+            self.query_one(PromptInput).focus()
             return False
         turn.cancel_requested = True
         if turn.request_id is not None:
@@ -189,62 +246,9 @@ class ChatScreen(Screen):
             self.answer.set_stats("cancelling…")
         return True
 
-    # -- the worker's messages ---------------------------------------------------
-    def on_turn_started(self, message: TurnStarted) -> None:
-        if message.turn is not self.turn or self.answer is None:
-            return
-        self.answer.set_stats("")
-        if message.notice:
-            self.notify(message.notice, severity="warning")
-        if message.turn.dropped_turns:
-            self.notify(f"The chat is longer than the context: the oldest "
-                        f"{message.turn.dropped_turns} turn(s) were left out.")
-
-    def on_prefill_progress(self, message: PrefillProgress) -> None:
-        if message.turn is not self.turn or message.total <= 0:
-            return
-        self.query_one("#prefill").display = message.done < message.total
-        self.query_one("#prefill-label", Static).update(
-            f"prefill {message.done:,}/{message.total:,} tokens")
-        self.query_one(ProgressBar).update(total=message.total, progress=message.done)
-
-    async def on_text_received(self, message: TextReceived) -> None:
-        if message.turn is not self.turn or self.answer is None:
-            return
-        self.query_one("#prefill").display = False
-        await self.answer.append(message.text)
-
-    async def on_turn_finished(self, message: TurnFinished) -> None:
-        if message.turn is not self.turn or self.answer is None:
-            return
-        turn = message.turn
-        line = stats_line(message.finish_reason, message.stats, message.error)
-        if turn.documents is not None and turn.prepared is not None:
-            line += "\ndoc: " + answer_line(turn.documents, turn.prepared, message.stats)
-            self.documents.answered(turn.documents, turn.prepared, message.stats)
-        await self.answer.finish(line, error=message.finish_reason == "error")
-        if message.stats is not None:
-            self.query_one(CachePanel).last_turn = (
-                getattr(message.stats, "cached_tokens", 0), message.stats.prompt_tokens)
-        self.conversation.model = self.chat_app.model_name
-        self.conversation.add("user", message.turn.prompt)
-        self.conversation.add("assistant", self.answer.text,
-                              finish_reason=message.finish_reason, stats=line)
-        self.save()
-        self._end_turn()
-
-    async def on_turn_rejected(self, message: TurnRejected) -> None:
-        if message.turn is not self.turn:
-            return
-        if self.answer is not None:
-            await self.answer.remove()
-        self.user_box.set_stats(f"not sent: {message.error}", error=True)
-        self.notify(message.error, title="Prompt not sent", severity="error")
-        self._end_turn()
-        prompt = message.turn.prompt
-        if message.too_large and message.turn.documents is None:
-            self.documents.offer_text(prompt, f"The prompt ({len(prompt):,} characters) "
-                                              "does not fit the context")
+    @on(PromptInput.UpFromTop)
+    def _up_from_prompt(self) -> None:
+        self.focus_last_message()
 
     @on(PromptInput.LargePaste)
     def offer_paste(self, event: PromptInput.LargePaste) -> None:
@@ -254,7 +258,7 @@ class ChatScreen(Screen):
 
     def _end_turn(self) -> None:
         self.turn = None
-        self.answer = None
+        self.answer = self.user_box = None
         self.query_one("#prefill").display = False
         self.refresh_bindings()
         self.update_status()

@@ -1,4 +1,4 @@
-"""Small modals: a yes/no confirmation and the system prompt editor."""
+"""Small modals: a yes/no confirmation, a one-line text input and the system prompt editor."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Static, TextArea
+from textual.widgets import Button, Input, Static, TextArea
 
 
 class ConfirmScreen(ModalScreen[bool]):
@@ -35,6 +35,35 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")
+
+
+class TextInputScreen(ModalScreen[str | None]):
+    """Ask for one line of text (a chat's new name, a file to export to).
+
+    Dismisses with the text, stripped, on Enter; None on Esc or when it is empty.
+    """
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
+
+    def __init__(self, question: str, value: str = ""):
+        super().__init__()
+        self.question = question
+        self.value = value
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog -wide"):
+            yield Static(self.question, classes="question")
+            yield Input(self.value, id="text-input")
+            yield Static("Enter saves · Esc cancels", classes="muted")
+
+    def on_mount(self) -> None:
+        field = self.query_one(Input)
+        field.focus()
+        field.select_all()  # typing replaces the proposal; an arrow key keeps it to edit
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.dismiss(event.value.strip() or None)
 
 
 class SystemPromptScreen(ModalScreen[str | None]):

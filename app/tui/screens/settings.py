@@ -1,15 +1,22 @@
-"""Settings: the KV cache format, saved with the other settings and applied by a reload."""
+"""Settings (F6): this chat's generation settings, and the app-wide KV cache format.
+
+The generation settings are saved with the chat (or, ticked, as the defaults for new
+chats); the KV cache format is saved with the other settings and applied by a reload.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, RadioButton, RadioSet, Static
 
-from app.settings import KV_CACHE_FORMATS
+from app.settings import KV_CACHE_FORMATS, GenerationSettings
 from app.tui.widgets.cache_panel import short_format
+from app.tui.widgets.generation_form import GenerationForm
 from engine import EngineConfig
 from engine.kvcache.kv_cache import QuantSpec
 
@@ -38,31 +45,47 @@ def describe(name: str) -> str:
     return f"{name} — {sides} · {100 * share_of_fp16(k, v):.0f}% of fp16's bytes"
 
 
-class SettingsScreen(ModalScreen[str | None]):
-    """Choose the KV cache format; dismisses with its name (a `KV_CACHE_FORMATS` key) or None.
+@dataclass(frozen=True, slots=True)
+class SettingsChoice:
+    """What Apply chose: the KV format (a `KV_CACHE_FORMATS` key) and this chat's sampling."""
 
-    ``current`` is the saved choice (None or unknown: "float"); ``in_use`` the running
-    pool's format (`EngineMetrics.kv_format`), which the command line may have set.
+    kv_cache: str
+    generation: GenerationSettings
+    as_default: bool = False  # the generation settings become the defaults for new chats
+
+
+class SettingsScreen(ModalScreen[SettingsChoice | None]):
+    """Choose the KV cache format and the chat's generation settings; dismisses with a
+    `SettingsChoice`, or None.
+
+    ``current`` is the saved format (None or unknown: "float"); ``in_use`` the running
+    pool's format (`EngineMetrics.kv_format`), which the command line may have set;
+    ``generation`` the chat's settings as they are now.
     """
 
     BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"),
                 Binding("ctrl+s", "apply", "Apply", priority=True)]
 
-    def __init__(self, current: str | None, in_use: str = ""):
+    def __init__(self, current: str | None, in_use: str = "",
+                 generation: GenerationSettings | None = None):
         super().__init__()
         self.current = current if current in KV_CACHE_FORMATS else "float"
         self.in_use = in_use
+        self.generation = generation or GenerationSettings()
 
     def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog -wide", id="settings"):
+        with VerticalScroll(classes="dialog -wide", id="settings"):
             yield Static("Settings", classes="question")
-            yield Static("KV cache format", classes="label")
+            yield Static("KV cache format (all chats)", classes="label")
             with RadioSet(id="kv-cache"):
                 for name in KV_CACHE_FORMATS:
                     yield RadioButton(describe(name), value=name == self.current, name=name,
                                       id=f"kv-{name}")
             in_use = f"In use now: {short_format(self.in_use)}. " if self.in_use else ""
             yield Static(in_use + HELP, id="kv-cache-help", classes="muted")
+            yield Static("Generation (this chat, saved with it)", classes="label",
+                         id="generation-label")
+            yield GenerationForm(self.generation, id="generation")
             with Horizontal(classes="buttons"):
                 yield Button("Apply (ctrl+s)", variant="primary", id="apply")
                 yield Button("Cancel (esc)", id="cancel")
@@ -76,7 +99,12 @@ class SettingsScreen(ModalScreen[str | None]):
         return button.name if button is not None and button.name else self.current
 
     def action_apply(self) -> None:
-        self.dismiss(self.selected())
+        form = self.query_one(GenerationForm)
+        try:
+            generation = form.values()
+        except ValueError:  # the form shows why; the dialog stays
+            return
+        self.dismiss(SettingsChoice(self.selected(), generation, form.as_default))
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "apply":

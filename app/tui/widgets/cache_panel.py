@@ -1,4 +1,8 @@
-"""The cache panel: the KV pool, prefix cache, scheduler and latencies, live from the engine."""
+"""The cache panel: the KV pool, prefix cache, scheduler and latencies, live from the engine.
+
+In a narrow terminal (or with F2) the panel gives way to `CacheSummary`, one line under
+the prompt; F2 brings the panel back.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from textual.containers import Vertical
 from textual.reactive import reactive
 from textual.widgets import Static
 
-from app.tui.widgets.block_map import BlockMap
+from app.tui.widgets.block_map import BlockLegend, BlockMap
 
 REFRESH_S = 0.25  # 4 updates a second
 
@@ -56,8 +60,25 @@ def format_rows(m) -> list[tuple[str, str]]:
             ("saved", f"{fmt_bytes(fp16 - per_token)}/tok · {fmt_bytes(saved_now)} now")]
 
 
-def metrics_table(m, last_turn: tuple[int, int] | None) -> Table:
-    """The panel's numbers as a two-column grid (label, value)."""
+def held_bytes(m) -> int:
+    """Bytes the pool holds now: blocks in use plus cached blocks (freed only when needed)."""
+    return m.used_bytes + m.blocks_cached * getattr(m, "bytes_per_block", 0)
+
+
+def summary_line(m) -> str:
+    """The collapsed panel: blocks by state, memory held, the hit rate."""
+    free = m.blocks_total - m.blocks_used - m.blocks_cached
+    return (f"KV █ {m.blocks_used} used  ▒ {m.blocks_cached} cached  · {free} free "
+            f"of {m.blocks_total} · {fmt_bytes(held_bytes(m))} held · "
+            f"hit {100 * m.hit_rate:.0f}%")
+
+
+def metrics_table(m, last_turn: tuple[int, int] | None, peak: int = 0) -> Table:
+    """The panel's numbers as a two-column grid (label, value).
+
+    ``peak``: the most the pool held (used + cached) since the panel's engine came in; the
+    engine's own peak counts used blocks only, and could read below "memory".
+    """
     t = Table.grid(padding=(0, 1))
     t.add_column(style="dim", no_wrap=True)
     t.add_column(no_wrap=True)
@@ -66,8 +87,10 @@ def metrics_table(m, last_turn: tuple[int, int] | None) -> Table:
     t.add_row("blocks", f"{m.blocks_used} used · {m.blocks_cached} cached · {free} free")
     t.add_row("", f"{m.blocks_shared} shared · {m.blocks_total} total "
                   f"({100 * m.blocks_used / total:.0f}% used)")
-    t.add_row("memory", f"{fmt_bytes(m.used_bytes)} / {fmt_bytes(m.budget_bytes)}")
-    t.add_row("peak", fmt_bytes(m.peak_bytes))
+    cached_bytes = held_bytes(m) - m.used_bytes
+    t.add_row("memory", f"{fmt_bytes(m.used_bytes)} used + {fmt_bytes(cached_bytes)} cached")
+    t.add_row("", f"of {fmt_bytes(m.budget_bytes)} for the KV cache")
+    t.add_row("peak", fmt_bytes(max(peak, m.peak_bytes, held_bytes(m))) + " (used + cached)")
     for label, value in format_rows(m):
         t.add_row(label, value)
     t.add_row("hit rate", f"{100 * m.hit_rate:.0f}% · {m.cached_tokens_total:,} tok cached")
@@ -75,10 +98,12 @@ def metrics_table(m, last_turn: tuple[int, int] | None) -> Table:
         cached, prompt = last_turn
         share = f" ({100 * cached / prompt:.0f}%)" if prompt else ""
         t.add_row("last turn", f"{cached:,}/{prompt:,} prompt tok cached{share}")
+    else:  # none yet on this engine, or an answer is being written
+        t.add_row("last turn", "–")
     t.add_row("sequences", f"{m.active_sequences} active · {m.waiting} waiting")
     t.add_row("evictions", f"{m.evictions} · preempted {m.preemptions} · "
                            f"rejected {getattr(m, 'rejections', 0)}")
-    t.add_row("release", f"{m.release_latency_ms:.2f} ms (last)")
+    t.add_row("freed in", f"{m.release_latency_ms:.2f} ms (last cancel or finish)")
     errors, warning = getattr(m, "disk_write_errors", 0), getattr(m, "disk_warning", None)
     if errors or warning:  # only when the disk cache is not working as asked
         t.add_row("disk", Text(f"{errors} write errors" + (f" · {warning}" if warning else ""),
@@ -100,16 +125,23 @@ class CachePanel(Vertical):
     CachePanel { width: 44; border-left: vkey $primary 50%; padding: 0 1; }
     CachePanel > .title { text-style: bold; color: $primary; }
     CachePanel > #cache-stats { height: auto; }
-    CachePanel > BlockMap { margin-top: 1; }
+    CachePanel > BlockLegend { margin-top: 1; }
     """
 
     last_turn: reactive[tuple[int, int] | None] = reactive(None)
     """(cached prompt tokens, prompt tokens) of the last finished turn."""
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.peak = 0  # bytes held (used + cached) at most, on this engine
+        self.engine: object | None = None
+
     def compose(self) -> ComposeResult:
         yield Static("KV cache", classes="title")
         yield Static(id="cache-stats")
-        yield BlockMap(id="block-map")
+        block_map = BlockMap(id="block-map")
+        yield BlockLegend(block_map)
+        yield block_map
 
     def on_mount(self) -> None:
         self.poll()
@@ -128,6 +160,26 @@ class CachePanel(Vertical):
             stats.update(Text("no model loaded", style="dim"))
             self.query_one(BlockMap).update("")
             return
+        if engine is not self.engine:  # a new model: its own peak
+            self.engine, self.peak = engine, 0
         m = engine.metrics()
-        stats.update(Group(metrics_table(m, self.last_turn)))
+        self.peak = max(self.peak, held_bytes(m))
+        stats.update(Group(metrics_table(m, self.last_turn, self.peak)))
         self.query_one(BlockMap).update(engine.block_map())
+
+
+class CacheSummary(Static):
+    """The collapsed cache panel: one line of its numbers, polled while shown."""
+
+    DEFAULT_CSS = "CacheSummary { height: 1; padding: 0 2; color: $text-muted; }"
+
+    def on_mount(self) -> None:
+        self.poll()
+        self.set_interval(REFRESH_S, self.poll)
+
+    def poll(self) -> None:
+        if not self.display or not self.is_mounted:
+            return
+        engine = getattr(self.app, "engine", None)
+        text = summary_line(engine.metrics()) if engine is not None else "KV no model loaded"
+        self.update(Text("F2▸ " + text, no_wrap=True, overflow="ellipsis"))

@@ -28,7 +28,7 @@ class PromptInput(TextArea):
 
     BINDINGS = [
         Binding("enter", "submit", "Send", key_display="⏎"),
-        Binding("ctrl+j,alt+enter", "newline", "Newline", key_display="^j"),
+        Binding("ctrl+j,alt+enter", "newline", "Newline", key_display="^j", show=False),
     ]
 
     @dataclass
@@ -53,6 +53,16 @@ class PromptInput(TextArea):
         def control(self) -> PromptInput:
             return self.prompt_input
 
+    @dataclass
+    class UpFromTop(Message):
+        """↑ on the first line: the chat moves the focus to the newest message."""
+
+        prompt_input: PromptInput
+
+        @property
+        def control(self) -> PromptInput:
+            return self.prompt_input
+
     def __init__(self, **kwargs):
         kwargs.setdefault("soft_wrap", True)
         kwargs.setdefault("show_line_numbers", False)
@@ -64,6 +74,11 @@ class PromptInput(TextArea):
             event.stop()
             event.prevent_default()
             self.action_submit()
+            return
+        if event.key == "up" and self.cursor_location[0] == 0 and not self.selected_text:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.UpFromTop(self))
             return
         if event.key in NEWLINE_KEYS:
             event.stop()

@@ -1,11 +1,22 @@
-"""The transcript: a bottom-anchored scroll of message boxes, answers streamed as markdown."""
+"""The transcript: a bottom-anchored scroll of message boxes, answers streamed as markdown.
+
+A message box can be focused (↑/↓ from the prompt, or a click) and acted on: copy, retry,
+edit, delete. The box only asks (`MessageBox.Act`); the chat screen, which owns the
+conversation, decides.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
+
+from app.conversations import ChatMessage
 
 SHOW_CHARS = 4000  # a huge paste is kept whole in the chat, shown shortened
 
@@ -16,11 +27,33 @@ def shorten(text: str, limit: int = SHOW_CHARS) -> str:
     return text[:limit] + f"\n\n*… {len(text) - limit:,} more characters not shown*"
 
 
-class MessageBox(Vertical):
-    """One turn: a role label, the text as markdown, and a stats line under answers."""
+class MessageBox(Vertical, can_focus=True):
+    """One message: a role label, the text as markdown, and a stats line under answers.
+
+    ``message`` is the conversation's `ChatMessage` it shows; None while the turn runs.
+    """
+
+    BINDINGS = [
+        Binding("c,y", "act('copy')", "Copy"),
+        Binding("r", "act('retry')", "Retry"),
+        Binding("e", "act('edit')", "Edit"),
+        Binding("d,delete", "act('delete')", "Delete turn"),
+        Binding("up,k", "act('previous')", "Previous message", show=False),
+        Binding("down,j", "act('next')", "Next message (after the last: the prompt)",
+                show=False),
+    ]
+
+    @dataclass
+    class Act(Message):
+        """The user asked for ``action`` (copy, retry, edit, delete, previous, next)."""
+
+        box: MessageBox
+        action: str
 
     DEFAULT_CSS = """
     MessageBox { height: auto; margin: 0 0 1 0; padding: 0 1; }
+    MessageBox:focus { background: $primary 15%; border-left: thick $accent; }
+    MessageBox.-cancelled { border-left: thick $warning; }
     MessageBox > .role { color: $text-muted; text-style: bold; }
     MessageBox.-user { border-left: thick $secondary; background: $boost; }
     MessageBox.-assistant { border-left: thick $primary; }
@@ -33,20 +66,49 @@ class MessageBox(Vertical):
     MessageBox > .stats.-error { color: $error; }
     """
 
-    def __init__(self, role: str, content: str = "", stats: str = "", *, error: bool = False):
+    def __init__(self, role: str, content: str = "", stats: str = "", *, error: bool = False,
+                 message: ChatMessage | None = None):
         super().__init__(classes=f"-{role}" + (" -error" if error else ""))
         self.role = role
         self.text = content
+        self.message = message
         self._stats = stats
         self._error = error
         self._stream: MarkdownStream | None = None
 
     def compose(self) -> ComposeResult:
-        yield Static("You" if self.role == "user" else "Assistant", classes="role")
+        yield Static(self._label(), classes="role")
         yield Markdown(shorten(self.text) if self.role == "user" else self.text)
         stats = Static(self._stats, classes="stats -error" if self._error else "stats")
         stats.display = bool(self._stats)
         yield stats
+
+    def _label(self) -> str:
+        if self.role == "user":
+            return "You"
+        reason = self.message.meta.get("finish_reason") if self.message is not None else None
+        return {"cancelled": "Assistant · cancelled, partial answer",
+                "shutdown": "Assistant · stopped, partial answer",
+                "error": "Assistant · failed, partial answer"}.get(reason or "", "Assistant")
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # retry is for answers, edit for questions: the footer shows what applies here
+        if action == "act" and parameters:
+            if parameters[0] == "retry":
+                return self.role == "assistant"
+            if parameters[0] == "edit":
+                return self.role == "user"
+        return True
+
+    def action_act(self, action: str) -> None:
+        self.post_message(self.Act(self, action))
+
+    def attach(self, message: ChatMessage) -> None:
+        """Link the box to its saved message (the turn ended); a partial answer is marked."""
+        self.message = message
+        reason = message.meta.get("finish_reason")
+        self.set_class(reason in ("cancelled", "shutdown"), "-cancelled")
+        self.query_one(".role", Static).update(self._label())
 
     @property
     def markdown(self) -> Markdown:
@@ -93,11 +155,18 @@ class Transcript(VerticalScroll):
         await self.remove_children()
 
     async def add(self, role: str, content: str = "", stats: str = "", *,
-                  error: bool = False) -> MessageBox:
-        box = MessageBox(role, content, stats, error=error)
+                  error: bool = False, message: ChatMessage | None = None) -> MessageBox:
+        box = MessageBox(role, content, stats, error=error, message=message)
         await self.mount(box)
+        if message is not None:
+            box.attach(message)
         self.anchor()
         return box
+
+    @property
+    def boxes(self) -> list[MessageBox]:
+        """The message boxes, oldest first."""
+        return list(self.query_children(MessageBox))
 
     async def show_hint(self, text: str) -> None:
         await self.mount(Static(text, classes="hint"))
