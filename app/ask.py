@@ -66,6 +66,7 @@ class AskSession:
         return notice
 
     def ask(self, question: str) -> dict:
+        from app.cli import echo_events  # loaded: app.cli registers this command
         from engine import SamplingParams
         from engine.generation import collect
 
@@ -77,7 +78,7 @@ class AskSession:
         events = self.eng.generate(prepared.ids, params, tenant=args.tenant,
                                    permission_version=args.permission_version,
                                    cache_ttl_s=ttl if prepared.prefix_tokens else None)
-        result = collect(_echo(events, not args.json))
+        result = collect(echo_events(events, show=not args.json))
         if result.finish_reason == "error":
             raise KVChatError(f"generation failed: {result.error}")
         notice = self.record(prepared, ttl)
@@ -95,16 +96,6 @@ class AskSession:
             "left_out": prepared.report(self.docs), "notice": notice,
             **prepared.to_dict(),
         }
-
-
-def _echo(events, show: bool):
-    for event in events:
-        if show:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
-        yield event
-    if show:
-        sys.stdout.write("\n")
 
 
 def _summary(out: dict) -> str:

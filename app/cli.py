@@ -133,13 +133,19 @@ def print_result(eng: EngineLike, result, *, as_json: bool, metrics=None) -> Non
 
 def _stream(eng: EngineLike, ids, params, args):
     """The request's events, echoing text as it streams unless --json."""
-    for event in eng.generate(ids, params, tenant=args.tenant,
-                              permission_version=args.permission_version):
-        if not args.json:
+    events = eng.generate(ids, params, tenant=args.tenant,
+                          permission_version=args.permission_version)
+    return echo_events(events, show=not args.json)
+
+
+def echo_events(events, *, show: bool):
+    """Pass ``events`` through, writing their text to stdout as it streams when ``show``."""
+    for event in events:
+        if show:
             sys.stdout.write(event.text)
             sys.stdout.flush()
         yield event
-    if not args.json:
+    if show:
         sys.stdout.write("\n")
 
 

@@ -9,7 +9,7 @@ most relevant chunks), and returns the prompt's ids with a report of what was le
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from app.documents.chunks import DEFAULT_CHUNK_TOKENS, Chunk, split_document
 from app.documents.load import Document
@@ -83,11 +83,10 @@ class DocumentQA:
         """Budget, placement and ids for ``question`` (see the module docstring)."""
         count = self.engine.count_tokens
         base = count(self.system) + count(question) + TEMPLATE_TOKENS
-        total = self.budget(answer_tokens, base).total
+        budget = self.budget(answer_tokens, base)  # one metrics snapshot per question
         kept, dropped, dropped_tokens = trim_history(
-            history, max(0, (total - answer_tokens - base) // HISTORY_SHARE), count)
-        fixed = base + sum(count(m["content"]) + 4 for m in kept)
-        budget = self.budget(answer_tokens, fixed)
+            history, max(0, (budget.total - answer_tokens - base) // HISTORY_SHARE), count)
+        budget = replace(budget, fixed=base + sum(count(m["content"]) + 4 for m in kept))
         placement = place(self.docs, self.chunks, question, budget.documents, count)
         ids, prefix = self.engine.encode_pinned(placement.text, question, system=self.system,
                                                 history=kept)
