@@ -17,6 +17,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import engine  # noqa: F401  (preloads OpenBLAS before anything imports mlx.core)
 from app import arg_types
+from app.distributed import add_distributed_args, print_rank_lines, run_if_worker
 from app.engine_args import (
     add_engine_args,
     add_scope_args,
@@ -60,10 +61,15 @@ def cmd_generate(args) -> int:
 
     if args.prompt is not None and not args.prompt.strip():
         raise KVChatError("the prompt is empty")  # before the model loads
+    worker_status = run_if_worker(args)  # --distributed, ranks other than 0
+    if worker_status is not None:
+        return worker_status
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             stop=args.stop or [])
-    eng = build_engine(args)
+    # one request: a pool of one full context is all it can use (the rest of the budget
+    # would be allocated and zero-filled for nothing)
+    eng = build_engine(args, pool_sequences=1, max_running=1)
     for notice in eng.notices:  # e.g. a KV format this model cannot use
         print(f"kvchat: note: {notice}", file=sys.stderr)
     try:
@@ -83,6 +89,7 @@ def cmd_generate(args) -> int:
     if metrics.disk_warning:  # the answer came; the disk cache did not work as asked
         print(f"kvchat: warning: disk prefix cache: {metrics.disk_warning}", file=sys.stderr)
     print_result(eng, result, as_json=args.json, metrics=metrics)
+    print_rank_lines(eng)  # --distributed: each rank's pool accounting
     return 0
 
 
@@ -114,6 +121,7 @@ def print_result(eng: EngineLike, result, *, as_json: bool, metrics=None) -> Non
                 "name": loaded.name,
                 "path": str(loaded.path),
                 "weight_format": loaded.weight_format,
+                "cpu_ext": loaded.cpu_ext,
                 "fingerprint": loaded.fingerprint,
                 "tokenizer_fingerprint": loaded.tokenizer_fingerprint,
             },
@@ -202,6 +210,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_scope_args(g)
     add_engine_args(g)
+    add_distributed_args(g)
     g.set_defaults(func=cmd_generate)
 
     ch = sub.add_parser("chat", help="the terminal chat (the default command)")

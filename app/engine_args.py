@@ -93,5 +93,11 @@ def load_engine(spec: str | None, *, weights: str = "auto",
 
 def build_engine(args: argparse.Namespace, **overrides) -> Engine:
     """The engine the flags describe (see `add_engine_args`)."""
+    if getattr(args, "distributed", False):  # rank 0 of a multi-rank run (app.distributed)
+        from app.distributed import build_distributed_engine
+
+        config = config_from_args(args, **overrides)
+        check_kv_budget(config.kv_budget_bytes)
+        return build_distributed_engine(args, config)
     return load_engine(args.model, weights=args.weights,
                        config=config_from_args(args, **overrides))

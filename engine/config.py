@@ -31,11 +31,21 @@ class EngineConfig:
     """Concatenate q/k/v and gate/up weights of float models (fewer, larger matmuls)."""
     max_running: int = 16
     """Sequences running (prefilling or decoding) at once; all decodes share one forward."""
+    pool_sequences: int | None = None
+    """Cut the pool to this many full-context sequences when the budget is larger (a
+    one-shot command: a bigger pool would be allocated and never used); None = the budget."""
     max_step_tokens: int | None = None
     """Prompt tokens prefilled per step over all requests; None = prefill_chunk."""
     max_step_tokens_decoding: int = 128
     """Prefill budget of a step while other sequences decode: bounds their inter-token latency
     (a 512-token chunk takes seconds on a CPU); a lone prompt still prefills in full chunks."""
+    step_target_s: float | None = 0.2
+    """Seconds a step with decodes should take: its prefill budget is sized from measured
+    forward times so decoding sequences keep their pace (max_step_tokens_decoding caps it);
+    None keeps the fixed budget."""
+    cancel_check_s: float = 0.12
+    """Seconds of a long prefill forward between cancel checks (layer groups): a cancel
+    lands within about this, not after a whole chunk."""
     watermark: float = 0.01
     """Fraction of the pool kept free at admission so running sequences can grow."""
     preempt_mode: str | None = None
@@ -69,6 +79,12 @@ class EngineConfig:
             raise ValueError("prefill_chunk must be positive")
         if self.max_running < 1:
             raise ValueError("max_running must be positive")
+        if self.pool_sequences is not None and self.pool_sequences < 1:
+            raise ValueError("pool_sequences must be positive or None")
+        if self.step_target_s is not None and not self.step_target_s > 0:
+            raise ValueError("step_target_s must be positive or None")
+        if not self.cancel_check_s > 0:
+            raise ValueError("cancel_check_s must be positive")
         if not 0 <= self.watermark < 1:
             raise ValueError("watermark must be in [0, 1)")
         if self.preempt_mode not in (None, "recompute", "swap"):

@@ -1,10 +1,15 @@
-"""Runs one planned step on the model: prefill chunks, one batched decode, sampling.
+"""Runs one planned step on the model: prefill chunks and decodes, then sampling.
 
-It is handed the model runner and the KV pool, and returns one `Outcome` per
-planned request (tokens computed, a sampled token, or an error); the engine
-applies them. Everything that can fail for one request alone (its inputs, its
-sampler and logits processors) runs inside that request's own ``try``, so an
-error fails that request and no other.
+A step with prefill chunks of several requests, or a chunk and decodes, runs as
+one packed forward (`engine.model.packed_batch`): the weights are read once and
+decodes never wait behind a separate prefill forward. A lone prefill chunk or a
+decode-only batch keeps its own forward (the lone chunk is exactly mlx-lm's
+computation). It returns one `Outcome` per planned request (tokens computed, a
+sampled token, or an error); the engine applies them. Everything that can fail
+for one request alone (its inputs, its sampler and logits processors) runs inside
+that request's own ``try``, so an error fails that request and no other. A
+forward whose requests were all cancelled meanwhile stops between layer groups
+and returns no outcome for them (the engine's cancel releases them).
 """
 
 from __future__ import annotations
@@ -18,12 +23,24 @@ import mlx.core as mx
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.metrics import MetricsRecorder
-from engine.model.model_runner import PagedModel, StepBatch
+from engine.model.model_runner import PagedModel, StepBatch, StepInterrupted
+from engine.model.packed_batch import pack
 from engine.model.paged_attention import contiguous_run
+from engine.pacing import StepPacer
 from engine.request import Request
 from engine.scheduler import StepPlan
 
 FaultHook = Callable[[Request, str], None]
+Unwanted = Callable[[list[Request]], bool]
+
+
+@dataclass(slots=True)
+class Flight:
+    """A greedy decode step launched (`mx.async_eval`) whose tokens are not read yet."""
+
+    requests: list[Request]
+    tokens: mx.array  # (B,) lazy argmax
+    started: float
 
 
 @dataclass(slots=True)
@@ -38,6 +55,11 @@ class Outcome:
 
 def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
+
+
+def _greedy(logits: mx.array) -> mx.array:
+    # argmax of the log-probs, as mlx-lm's greedy sampler takes it (same ties)
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
 
 
 def build_batch(blocks: BlockManager, seq_ids: list[int], input_ids: mx.array,
@@ -61,66 +83,179 @@ class StepExecutor:
     """Executes `StepPlan`s on a model runner over a paged KV pool."""
 
     def __init__(self, runner: PagedModel, kv: PagedKVCache, blocks: BlockManager,
-                 recorder: MetricsRecorder):
+                 recorder: MetricsRecorder, pacer: StepPacer | None = None):
         self.runner, self.kv, self.blocks, self.recorder = runner, kv, blocks, recorder
+        self.pacer = pacer or StepPacer(len(runner.layers))
         self.fault_hook: FaultHook | None = None  # tests: may raise for (request, phase)
+        self.unwanted: Unwanted | None = None  # True when none of these requests is wanted
+        self.pipeline = True  # launch greedy decodes ahead (see `run`)
+        self.flight: Flight | None = None
+        self._last: dict[int, int] = {}  # tokens read from a flight, not yet applied
+
+    @property
+    def in_flight(self) -> bool:
+        return self.flight is not None
+
+    def resolve(self) -> list[Outcome]:
+        """Read the launched step's tokens (waits for it) and return its outcomes."""
+        flight, self.flight = self.flight, None
+        if flight is None:
+            return []
+        try:
+            tokens = flight.tokens.tolist()
+        except Exception as e:  # noqa: BLE001 - the batch forward failed: all of it
+            return [Outcome(r, error=_error(e)) for r in flight.requests]
+        self._timed("decode", len(flight.requests), time.perf_counter() - flight.started)
+        self._last.update((r.request_id, t) for r, t in zip(flight.requests, tokens,
+                                                            strict=True))
+        return [Outcome(r, 1, t) for r, t in zip(flight.requests, tokens, strict=True)]
+
+    def _last_token(self, req: Request) -> int:
+        """The token a decode feeds: read from a flight this step, or the request's last."""
+        return self._last.get(req.request_id, req.all_ids[-1])
+
+    def _can_chain(self, plan: StepPlan) -> bool:
+        """The plan decodes exactly the flight's requests: feed its tokens unread."""
+        f = self.flight
+        return (f is not None and not plan.prefills and not any(s.copies for _, s in plan.decodes)
+                and len(plan.decodes) == len(f.requests) and self.fault_hook is None
+                and all(r is q for (r, _), q in zip(plan.decodes, f.requests, strict=True)))
 
     def fault(self, req: Request, phase: str) -> None:
         if self.fault_hook is not None:
             self.fault_hook(req, phase)
 
     def run(self, plan: StepPlan) -> list[Outcome]:
-        out = [self._prefill(req, n, slots) for req, n, slots in plan.prefills]
-        if plan.decodes:
-            out += self._decode(plan.decodes)
-        return out
+        """Run ``plan``; the outcomes of an earlier launched step come first.
 
-    def _prefill(self, req: Request, n: int, slots) -> Outcome:
+        Greedy decode-only steps are pipelined the way mlx-lm pipelines tokens: the step
+        is launched with `mx.async_eval` and its tokens are returned by the next `run`
+        (or `resolve`), which builds and launches its own graph first, feeding the
+        unread tokens straight in. The engine resolves before any plan that could
+        preempt; a request that finished meanwhile just drops its extra token.
+        """
         try:
-            self.fault(req, "prefill")
-            self.kv.copy_blocks(slots.copies)
+            if self._can_chain(plan):
+                return self._decode(plan.decodes)
+            out = self.resolve()
+            if plan.prefills and len(plan.prefills) + len(plan.decodes) > 1:
+                return out + self._mixed(plan)
+            out += [self._prefill(req, n, slots) for req, n, slots in plan.prefills]
+            if plan.decodes:
+                out += self._decode(plan.decodes)
+            return [o for o in out if o is not None]
+        finally:
+            self._last.clear()
+
+    def _interrupt(self, reqs: list[Request]):
+        if self.unwanted is None:
+            return None
+
+        def check() -> bool:
+            if self.unwanted(reqs):
+                self.recorder.interrupted_forwards += 1
+                return True
+            return False
+
+        return check
+
+    def _timed(self, kind: str, tokens: int, seconds: float) -> None:
+        self.recorder.time_forward(kind, tokens, seconds)
+        self.pacer.observe(tokens, seconds, decode_only=kind == "decode")
+
+    def _prepare(self, req: Request, phase: str, copies, out: list[Outcome]) -> bool:
+        """The request's own checks and copy-on-write; an error ends it alone."""
+        try:
+            self.fault(req, phase)
+            self.kv.copy_blocks(copies)
+            return True
+        except Exception as e:  # noqa: BLE001 - one request's failure stays its own
+            out.append(Outcome(req, error=_error(e)))
+            return False
+
+    def _prefill(self, req: Request, n: int, slots) -> Outcome | None:
+        out: list[Outcome] = []
+        if not self._prepare(req, "prefill", slots.copies, out):
+            return out[0]
+        try:
             start = req.num_computed
             ids = mx.array(req.all_ids[start:start + n], dtype=mx.int32)
             batch = build_batch(self.blocks, [req.request_id], ids[None], [slots.slots])
             t = time.perf_counter()
-            self.runner(batch, self.kv, logits=False)
+            self.runner(batch, self.kv, logits=False, interrupt=self._interrupt([req]),
+                        group=self.pacer.layer_group(n))
             mx.eval(self.kv.keys, self.kv.values)
-            self.recorder.time_forward("prefill", n, time.perf_counter() - t)
+            self._timed("prefill", n, time.perf_counter() - t)
             return Outcome(req, computed=n)
+        except StepInterrupted:
+            return None
         except Exception as e:  # noqa: BLE001 - one request's failure stays its own
             return Outcome(req, error=_error(e))
 
-    def _decode(self, decodes) -> list[Outcome]:
-        out, ok = [], []
-        for req, slots in decodes:
-            try:
-                self.fault(req, "decode")
-                self.kv.copy_blocks(slots.copies)
-                ok.append((req, slots))
-            except Exception as e:  # noqa: BLE001
-                out.append(Outcome(req, error=_error(e)))
-        if not ok:
+    def _mixed(self, plan: StepPlan) -> list[Outcome]:
+        """Prefill chunks and decodes as one packed forward."""
+        out: list[Outcome] = []
+        pre = [(r, n, s) for r, n, s in plan.prefills
+               if self._prepare(r, "prefill", s.copies, out)]
+        dec = [(r, s) for r, s in plan.decodes if self._prepare(r, "decode", s.copies, out)]
+        if not pre and not dec:
             return out
-        reqs = [r for r, _ in ok]
-        ids = mx.array([[r.all_ids[-1]] for r in reqs], dtype=mx.int32)
+        tables, lens = self.blocks.block_tables, self.blocks.num_tokens
+        batch = pack(
+            [(r.all_ids[r.num_computed:r.num_computed + n], s.slots, tables[r.request_id],
+              lens[r.request_id]) for r, n, s in pre],
+            [(self._last_token(r), s.slots[0], tables[r.request_id], lens[r.request_id])
+             for r, s in dec])
+        reqs = [r for r, _, _ in pre] + [r for r, _ in dec]
         t = time.perf_counter()
         try:
+            logits = self.runner.forward_packed(batch, self.kv, interrupt=self._interrupt(reqs),
+                                                group=self.pacer.layer_group(batch.num_tokens))
+            picked = self._pick([r for r, _ in dec], logits) if dec else []
+            mx.eval(self.kv.keys, self.kv.values)
+        except StepInterrupted:
+            return out
+        except Exception as e:  # noqa: BLE001 - the packed forward failed: all of it
+            return out + [Outcome(r, error=_error(e)) for r in reqs]
+        self._timed("mixed", batch.num_tokens, time.perf_counter() - t)
+        return out + [Outcome(r, computed=n) for r, n, _ in pre] + picked
+
+    def _decode(self, decodes) -> list[Outcome]:
+        out: list[Outcome] = []
+        ok = [(r, s) for r, s in decodes if self._prepare(r, "decode", s.copies, out)]
+        if not ok:
+            return out + self.resolve()
+        reqs = [r for r, _ in ok]
+        chained = self.flight is not None  # `_can_chain`: feed the flight's unread tokens
+        t = time.perf_counter()
+        try:
+            if chained:
+                ids = self.flight.tokens.astype(mx.int32)[:, None]
+            else:
+                ids = mx.array([[self._last_token(r)] for r in reqs], dtype=mx.int32)
             batch = build_batch(self.blocks, [r.request_id for r in reqs], ids,
                                 [s.slots for _, s in ok])
             logits = self.runner(batch, self.kv)
-            if all(r.decoder.greedy for r in reqs):
-                # argmax of the log-probs, as mlx-lm's greedy sampler takes it (same ties)
-                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                tokens = mx.argmax(logprobs, axis=-1)
-                mx.eval(tokens, self.kv.keys, self.kv.values)
-                picked = [Outcome(r, 1, int(tok)) for r, tok in zip(reqs, tokens.tolist(),
-                                                                     strict=True)]
-            else:
-                picked = [self._sample(r, logits[i:i + 1]) for i, r in enumerate(reqs)]
+            if self.pipeline and all(r.decoder.greedy for r in reqs):
+                tokens = _greedy(logits)
+                mx.async_eval(tokens, self.kv.keys, self.kv.values)
+                out += self.resolve()  # the previous step's tokens, while this one runs
+                self.flight = Flight(reqs, tokens, t)
+                return out
+            picked = self._pick(reqs, logits)
         except Exception as e:  # noqa: BLE001 - the batch forward failed: all of it
-            return out + [Outcome(r, error=_error(e)) for r in reqs]
-        self.recorder.time_forward("decode", len(reqs), time.perf_counter() - t)
+            return out + self.resolve() + [Outcome(r, error=_error(e)) for r in reqs]
+        self._timed("decode", len(reqs), time.perf_counter() - t)
         return out + picked
+
+    def _pick(self, reqs: list[Request], logits: mx.array) -> list[Outcome]:
+        """Each request's next token from its row of ``logits`` (the pool is evaluated)."""
+        if all(r.decoder.greedy for r in reqs):
+            tokens = _greedy(logits)
+            mx.eval(tokens, self.kv.keys, self.kv.values)
+            return [Outcome(r, 1, int(tok)) for r, tok in zip(reqs, tokens.tolist(),
+                                                              strict=True)]
+        return [self._sample(r, logits[i:i + 1]) for i, r in enumerate(reqs)]
 
     def _sample(self, req: Request, row: mx.array) -> Outcome:
         """Per-request samplers and logits processors (temperature, top-p, penalties)."""

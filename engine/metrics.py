@@ -39,7 +39,8 @@ class Percentiles:
 
 @dataclass(slots=True)
 class ForwardClock:
-    """Time spent in one kind of forward (prefill chunks or batched decodes), summed."""
+    """Time spent in one kind of forward (prefill chunks, batched decodes, or mixed steps
+    packing both), summed."""
 
     steps: int = 0
     tokens: int = 0
@@ -86,10 +87,12 @@ class EngineMetrics:
     swapped: int = 0
     preemptions: int = 0
     rejections: int = 0
+    interrupted_forwards: int = 0  # stopped between layer groups: all their requests cancelled
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     steps: int = 0
     prefill_forward: ForwardClock = field(default_factory=ForwardClock)
     decode_forward: ForwardClock = field(default_factory=ForwardClock)
+    mixed_forward: ForwardClock = field(default_factory=ForwardClock)  # tokens: all packed
     latency: dict[str, Percentiles] = field(default_factory=dict)
     kernel_fallback: str | None = None  # why the decode kernels were dropped, once they are
 
@@ -106,15 +109,17 @@ class MetricsRecorder:
         self.peak_blocks = 0
         self.preemptions = 0
         self.rejections = 0
+        self.interrupted_forwards = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
         self.release_latency_ms = 0.0
         self.steps = 0
         self.finished: dict[str, int] = {}
-        self.forwards = {"prefill": ForwardClock(), "decode": ForwardClock()}
+        self.forwards = {"prefill": ForwardClock(), "decode": ForwardClock(),
+                         "mixed": ForwardClock()}
 
     def time_forward(self, kind: str, tokens: int, seconds: float) -> None:
-        """Add one forward of ``kind`` ("prefill" or "decode") over ``tokens`` tokens."""
+        """Add one forward of ``kind`` ("prefill", "decode" or "mixed") over ``tokens`` tokens."""
         with self._lock:
             clock = self.forwards[kind]
             clock.steps, clock.tokens = clock.steps + 1, clock.tokens + tokens
@@ -173,6 +178,7 @@ def snapshot(blocks, recorder: MetricsRecorder, layout, scheduler, prefix,
         swapped=len(scheduler.swapped),
         preemptions=rec.preemptions,
         rejections=rec.rejections,
+        interrupted_forwards=rec.interrupted_forwards,
         finished=dict(rec.finished),
         steps=rec.steps,
         **{f"{k}_forward": c for k, c in rec.forward_clocks().items()},

@@ -77,6 +77,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
+        self.pacer = None  # a StepPacer sizes the prefill budget of steps with decodes
 
     # -- checks ------------------------------------------------------------------
     def check(self, prompt_len: int, max_tokens: int) -> tuple[int, str | None]:
@@ -152,7 +153,8 @@ class Scheduler:
         plan = StepPlan()
         budget = self.config.max_prefill_tokens
         if any(not r.in_prefill for r in self.running):
-            budget = min(budget, self.config.max_prefill_tokens_decoding)
+            cap = self.config.max_prefill_tokens_decoding
+            budget = min(budget, self.pacer.decoding_budget(cap) if self.pacer else cap)
         self.running.sort(key=lambda r: (r.priority, r.started, r.request_id))
         i = 0
         while i < len(self.running):

@@ -94,6 +94,10 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     if num_blocks < 1:
         raise KVChatError(f"a KV budget of {config.kv_budget_bytes} bytes holds no block of "
                           f"{layout.bytes_per_block} bytes")
+    max_context = min(config.max_context or loaded.context_length, loaded.context_length)
+    if config.pool_sequences is not None:
+        per_seq = -(-max_context // config.block_size)
+        num_blocks = min(num_blocks, config.pool_sequences * per_seq + 1)
     kv = PagedKVCache(layout, num_blocks)
     blocks = BlockManager(num_blocks, config.block_size)
     store = None
@@ -110,7 +114,7 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     prefix = PrefixCache(kv, blocks, base, enabled=config.prefix_cache, store=store)
     swap = HostSwap(kv, blocks, config.swap_budget_bytes)
     sched = SchedulerConfig(
-        max_context=min(config.max_context or loaded.context_length, loaded.context_length),
+        max_context=max_context,
         max_running=config.max_running,
         max_prefill_tokens=config.max_step_tokens or config.prefill_chunk,
         prefill_chunk=config.prefill_chunk,

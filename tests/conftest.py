@@ -20,10 +20,26 @@ from mlx.utils import tree_flatten  # noqa: E402
 
 @pytest.fixture(scope="session")
 def default_model():
-    """The embedded SmolLM2-135M, float32 on CPU (the engine's fast path)."""
+    """The embedded SmolLM2-135M with float32 weights: the path whose greedy tokens equal
+    mlx-lm's exactly (the parity tests). The CPU default (`load_model()`) keeps the Q4/Q8
+    weights on kvchat's CPU extension when it builds: see `default_model_ext`."""
     from engine import load_model
 
-    return load_model()
+    return load_model(weights="float32")
+
+
+@pytest.fixture(scope="session")
+def default_model_ext():
+    """The embedded model as `load_model()` gives it on CPU: Q4/Q8 weights on the C++
+    extension (built once per session under the test KVCHAT_HOME); skipped without it."""
+    from engine import load_model
+    from engine.model.cpu_ext import build
+
+    if not build.available():
+        pytest.skip(f"CPU extension unavailable: {build.unavailable_reason()}")
+    loaded = load_model()
+    assert loaded.cpu_ext
+    return loaded
 
 
 @pytest.fixture(scope="session")

@@ -25,9 +25,11 @@ GEN = 3
 
 
 def test_worker_never_imports_the_engine():
-    """The mlx-lm side must run without kvchat's OpenBLAS preload: no engine import."""
-    code = ("import sys, app.bench.worker; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'mlx')))")
+    """The peers must run without kvchat's OpenBLAS preload (no engine import), and
+    llama.cpp only loads in its worker when it runs."""
+    code = ("import sys, app.bench.worker, app.bench.llama_worker, app.bench.prompts; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('engine', 'mlx', 'llama_cpp')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=True)
     assert proc.stdout.strip() == "[]"
@@ -84,6 +86,11 @@ def test_bench_end_to_end_json(tmp_path, capsys):
     assert ran["decode_ratio"] == pytest.approx(
         ran["kvchat"]["decode_tps"] / ran["mlx_lm"]["decode_tps"])
     assert 0 <= ran["greedy_agree_tokens"] <= GEN
+    assert ran["ratios"]["mlx_lm"]["prefill"] == pytest.approx(ran["prefill_ratio"])
+    assert ran["ratios"]["llama_cpp"] is None and ran["llama_cpp_skipped"]
+    for side in (ran["kvchat"], ran["mlx_lm"], skipped["kvchat"]):  # every prefill cold
+        assert [run["cached_tokens"] for run in side["runs"]] == [0]
+    assert report["cold"]["all_cold"]
 
     assert skipped["mlx_lm"] is None
     assert skipped["prefill_ratio"] is None and skipped["decode_ratio"] is None
@@ -91,4 +98,4 @@ def test_bench_end_to_end_json(tmp_path, capsys):
     assert any("skipped" in n and "24" in n for n in report["notes"])
 
     table = capsys.readouterr().out
-    assert "mlx-lm prefill" in table and "skipped" in table
+    assert "prefill (cold)" in table and "vs mlx-lm" in table and "skipped" in table

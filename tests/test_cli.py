@@ -37,7 +37,8 @@ def test_generate_json_fields():
     assert out["text"] == "The capital of France is Paris."
     assert out["generation_tokens"] == len(out["tokens"])
     kv = out["kv"]
-    assert kv["bytes_per_token"] == 30 * 2 * 3 * 64 * 4  # float32 KV on CPU
+    # float16 K/V next to the Q4/Q8 weights on the CPU extension, else float32 (float weights)
+    assert kv["bytes_per_token"] == 30 * 2 * 3 * 64 * (2 if out["model"]["cpu_ext"] else 4)
     assert kv["blocks_used"] == -(-(out["prompt_tokens"] + out["generation_tokens"]) // 16)
     assert kv["bytes_used"] == kv["blocks_used"] * 16 * kv["bytes_per_token"]
 

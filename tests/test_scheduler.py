@@ -108,6 +108,7 @@ def test_cancel_mid_prefill_releases_within_a_step(default_model):
     engine = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20, prefill_chunk=64))
     ids = engine.encode_prompt("word " * 600)
     it = iter(engine.submit(ids, params()))
+    assert next(it).prefill == (0, len(ids))  # at admission: a progress bar shows at once
     first = next(it)
     assert first.prefill == (64, len(ids)) and first.token is None
     steps = engine.metrics().steps

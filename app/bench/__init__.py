@@ -1,15 +1,17 @@
 """kvchat's benchmarks, one module per `kvchat bench` mode.
 
-- `compare`: ``kvchat bench`` — prefill/decode speed vs mlx-lm as shipped (`worker` runs
-  mlx-lm in its own interpreter; `compare_report` prints the table)
+- `compare`: ``kvchat bench`` — cold prefill/decode speed vs mlx-lm as shipped and, with
+  ``--peer llama.cpp``, llama.cpp (`peers` runs each in its own interpreter: `worker` for
+  mlx-lm, `llama_worker` for llama.cpp; `prompts` gives every run its own text;
+  `compare_report` builds the ratios and prints the tables)
 - `load`: ``bench load`` — throughput and latency under concurrent load (`load_report`)
 - `prefix`: ``bench prefix`` — TTFT with a long shared prefix, cold vs warm RAM vs warm disk
 - `decode`: ``bench decode`` — aggregate decode tok/s of B streams vs one
 - `kernel`: ``bench kernel`` — the paged decode kernel vs the reference (Metal/CUDA only)
 - `common`: machine info, prompt token ids, timing and summaries shared by all
 
-Nothing here is imported at package import: ``python -m app.bench.worker`` must not
-load the engine.
+Nothing here is imported at package import: ``python -m app.bench.worker`` (and
+``llama_worker``) must not load the engine.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser(
         "bench",
-        help="prefill/decode speed of kvchat vs mlx-lm (a benchmark, not a test)",
+        help="cold prefill/decode speed of kvchat vs mlx-lm and llama.cpp (a benchmark)",
         description=compare.__doc__.splitlines()[0],
     )
     compare.add_arguments(p)

@@ -19,11 +19,26 @@ def log(prefix: str, msg: str) -> None:
     print(f"[{prefix}] {msg}", file=sys.stderr, flush=True)
 
 
+def _total_ram_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def load_avg() -> float | None:
+    """The 1-minute load average: above the core count, other work competed for the CPUs."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
 def machine_info() -> dict:
-    """Platform, CPU, backend and library versions, for a report's header."""
+    """Platform, CPU, RAM, backend, BLAS and library versions, for a report's header."""
     import importlib.metadata
 
-    from engine.model import memory
+    from engine.model import blas, memory
 
     cpu = platform.processor() or "?"
     try:
@@ -44,10 +59,14 @@ def machine_info() -> dict:
         "machine": platform.machine(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
+        "ram_bytes": _total_ram_bytes(),
+        "load_avg": load_avg(),  # when the report began; the bench adds load_avg_end
         "python": platform.python_version(),
         "backend": memory.backend(),
+        "blas": blas.loaded_path,  # kvchat's preloaded BLAS (None: MLX's linked one)
         "mlx": version("mlx"),
         "mlx_lm": version("mlx-lm"),
+        "llama_cpp_python": version("llama-cpp-python"),
     }
 
 
@@ -104,12 +123,19 @@ def time_stream(prompt_tokens: int, make_tokens: Callable[[], Iterable[int]]) ->
     }
 
 
+# What each repeat keeps in the JSON (the ITL list and token ids would bloat it).
+RUN_FIELDS = ("prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "prefill_tps",
+              "decode_tps")
+
+
 def summarize(runs: list[dict]) -> dict:
     """Median over repeats; ITL percentiles over all repeats' steps pooled.
 
     Percentiles are nearest rank (`engine.metrics.Percentiles`), the engine's own
     definition, so bench, bench load and the TUI panel report the same statistic.
-    Called in the parent only: the worker sends its raw runs.
+    ``runs`` keeps each repeat's own figures, with the prompt tokens its engine said it
+    served from a cache (``cached_tokens``; None where a run did not say).
+    Called in the parent only: the workers send their raw runs.
     """
     from engine.metrics import Percentiles
 
@@ -126,5 +152,6 @@ def summarize(runs: list[dict]) -> dict:
         "itl_p95_ms": 1000 * itl.p95,
         "prefill_tps_runs": [r["prefill_tps"] for r in runs],
         "decode_tps_runs": [r["decode_tps"] for r in runs],
+        "runs": [{k: r.get(k) for k in RUN_FIELDS} for r in runs],
         "tokens": runs[0]["tokens"],
     }

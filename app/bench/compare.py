@@ -1,32 +1,39 @@
-"""`kvchat bench`: prefill and decode speed of kvchat next to mlx-lm as shipped.
+"""`kvchat bench`: cold prefill and decode speed of kvchat next to mlx-lm and llama.cpp.
 
-Both sides get the same raw token ids (no chat template), decode greedily with
-EOS ignored, and are timed by the same code (`common.time_stream`):
+Every side gets the same raw token ids (no chat template), decodes greedily with
+EOS ignored, and is timed by the same code (`common.time_stream`):
 
 - prefill tok/s = prompt tokens / time to first token
 - decode tok/s  = (generated tokens - 1) / (first token -> last token)
 - inter-token latency (ITL) P50/P95 over the decode steps (nearest rank)
 
-kvchat runs in this process (float32 weights + OpenBLAS on CPU). mlx-lm runs the
-way a user runs it: its own model code and ``generate_step``, the shipped
-quantized weights, no OpenBLAS preload. That needs a fresh interpreter (the
-preload is process-wide), so it runs as ``python -m app.bench.worker``
-(see `app.bench.worker`).
+Every prefill is cold, and each run shows it: every length and repeat has its own
+text (`app.bench.prompts`), and each engine reports per run how many prompt tokens it
+served from a cache (``cached_tokens``), which must be 0. kvchat keys its prefix cache
+by a salt that includes the request's tenant, so each run gets a fresh tenant (its
+blocks can match nothing), and the disk cache goes to a throwaway directory unless
+``--cache-dir`` names one; the count is the engine's own (the request's final stats).
+
+kvchat runs in this process (float32 weights + OpenBLAS on CPU). The peers run the
+way a user runs them, each in a fresh interpreter (`app.bench.peers`): mlx-lm with its
+shipped weights, and with ``--peer llama.cpp`` llama.cpp on the GGUF kvchat's model
+comes from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-import subprocess
-import sys
+import secrets
 import tempfile
 from pathlib import Path
 
 from app import arg_types
-from app.bench.common import log, machine_info, prompt_ids, summarize, time_stream
-from app.bench.compare_report import print_report, skip_note
-from app.bench.worker import WARMUP_GEN_TOKENS, WORKER_FLAG
+from app.bench.common import load_avg, log, machine_info, summarize, time_stream
+from app.bench.compare_report import build_results, print_report, skip_note, warm_runs
+from app.bench.peers import LLAMA_CPP, PEER_CHOICES, check_llama_cpp, run_llama_cpp, run_mlx_lm
+from app.bench.prompts import DEFAULT_SEED, cold_prompts
+from app.bench.worker import WARMUP_GEN_TOKENS
 from app.engine_args import add_engine_args, build_engine
 
 WARMUP_PROMPT_TOKENS = 8
@@ -40,146 +47,90 @@ def add_arguments(p) -> None:
     p.add_argument("--gen-tokens", type=arg_types.int_in(2), default=64,
                    help="tokens decoded per run, EOS ignored (64; at least 2)")
     p.add_argument("--repeats", type=arg_types.positive_int, default=1,
-                   help="runs per length; the median is reported (1)")
+                   help="cold runs per length, each on its own prompt; the median is "
+                        "reported (1)")
+    p.add_argument("--peer", action="append", choices=PEER_CHOICES, default=[],
+                   help="also run llama.cpp on the same GGUF and token ids (needs "
+                        "pip install -e '.[peers]')")
+    p.add_argument("--llama-cpp-threads", type=arg_types.positive_int, default=None, metavar="N",
+                   help="llama.cpp's n_threads and n_threads_batch (default: every core)")
+    p.add_argument("--seed", type=arg_types.non_negative_int, default=DEFAULT_SEED,
+                   help=f"seed that picks and orders the prompts' source text ({DEFAULT_SEED})")
     p.add_argument("--mlx-lm-max-prompt", type=arg_types.positive_int, default=1024,
                    help="skip mlx-lm for longer prompts: its CPU prefill with shipped "
                         "quantized weights is slow (1024)")
-    p.add_argument("--no-mlx-lm", action="store_true", help="run kvchat only")
+    p.add_argument("--no-mlx-lm", action="store_true", help="do not run mlx-lm")
     p.add_argument("--json", metavar="FILE", default=None, help="write all results to FILE")
     p.set_defaults(func=run)
 
 
-def run_mlx_lm(model_path: Path, prompts: dict[int, list[int]], warmup: list[int],
-               gen_tokens: int, repeats: int) -> dict:
-    """Run the mlx-lm worker in a fresh interpreter without the OpenBLAS preload."""
-    root = Path(__file__).resolve().parents[2]  # the directory holding `app`
-    env = dict(os.environ, KVCHAT_BLAS="none")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    job = {"model_path": str(model_path), "gen_tokens": gen_tokens, "repeats": repeats,
-           "warmup_ids": warmup, "prompts": [[n, ids] for n, ids in prompts.items()]}
-    with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
-        job_file = Path(tmp) / "job.json"
-        job_file.write_text(json.dumps(job))
-        # stderr is inherited so the worker's progress shows up live.
-        cmd = [sys.executable, "-m", "app.bench.worker", WORKER_FLAG, str(job_file)]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, env=env, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"the mlx-lm worker exited with status {proc.returncode} "
-                           "(its error is above)")
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    if not lines:
-        raise RuntimeError("the mlx-lm worker printed no result")
-    return json.loads(lines[-1])
+def kvchat_run(eng, ids: list[int], n: int, tenant: str) -> dict:
+    """One timed kvchat generation, with the cached prompt tokens the engine reported."""
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    final = []
+
+    def tokens():
+        for e in eng.generate(ids, params, tenant=tenant):
+            if e.finish_reason == "error":
+                raise RuntimeError(f"kvchat's request failed: {e.error}")
+            if e.stats is not None:
+                final.append(e.stats)
+            if e.token is not None:
+                yield e.token
+
+    r = time_stream(len(ids), tokens)
+    if not final:
+        raise RuntimeError("kvchat's request ended without its stats")
+    return r | {"cached_tokens": final[-1].cached_tokens, "cache_source": final[-1].cache_source}
 
 
-def agree(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two greedy runs share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _public(summary: dict | None) -> dict | None:
-    # Token ids are kept only as the agreement count; they would bloat the JSON.
-    if summary is None:
-        return None
-    return {k: v for k, v in summary.items() if k != "tokens"}
+def _cache_overrides(args, stack: contextlib.ExitStack) -> dict:
+    # Fresh tenants already make every lookup miss; a throwaway directory also keeps the
+    # bench's blocks from filling (and evicting) the user's disk cache.
+    if getattr(args, "no_disk_cache", False) or getattr(args, "cache_dir", None):
+        return {}
+    return {"disk_cache_dir": stack.enter_context(
+        tempfile.TemporaryDirectory(prefix="kvchat-bench-cache-"))}
 
 
 def run(args) -> int:
     """Run the benchmark; print the table (stdout) and progress (stderr)."""
     import engine
-    from engine import SamplingParams
 
-    log("kvchat", "loading the model")
-    eng = build_engine(args)
-    loaded = eng.loaded
+    peers = sorted(set(args.peer))
+    gguf = check_llama_cpp(args.model) if LLAMA_CPP in peers else None  # before the slow part
     lengths = list(args.lengths)
     notes: list[str] = []
-    fits = [n for n in lengths if n + args.gen_tokens <= eng.max_context]
-    for n in lengths:
-        if n not in fits:
-            notes.append(f"length {n} skipped for both: {n} + {args.gen_tokens} tokens exceed "
-                         f"the context of {eng.max_context}")
-    prompts = prompt_ids(eng.tokenizer, fits + [WARMUP_PROMPT_TOKENS])
-    warmup = prompts[WARMUP_PROMPT_TOKENS]
-    machine = machine_info()
-
-    def kvchat_run(ids: list[int], n: int) -> dict:
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        return time_stream(len(ids), lambda: (e.token for e in eng.generate(ids, params)
-                                              if e.token is not None))
-
-    log("kvchat", "warm-up")
-    kvchat_run(warmup, WARMUP_GEN_TOKENS)
-    kv_results: dict[int, dict] = {}
-    for n in fits:
-        runs = []
-        for i in range(args.repeats):
-            log("kvchat", f"length {n} run {i + 1}/{args.repeats}")
-            runs.append(kvchat_run(prompts[n], args.gen_tokens))
-        kv_results[n] = s = summarize(runs)
-        log("kvchat", f"length {n}: prefill {s['prefill_tps']:.1f} tok/s, "
-                      f"decode {s['decode_tps']:.1f} tok/s")
-
-    mlx_info: dict | None = None
-    mlx_lengths = [] if args.no_mlx_lm else [n for n in fits if n <= args.mlx_lm_max_prompt]
-    status = 0
-    if args.no_mlx_lm:
-        notes.append("mlx-lm not run (--no-mlx-lm)")
-    elif mlx_lengths:
-        log("mlx-lm", f"starting a separate process for lengths {mlx_lengths} "
-                      "(shipped weights, no OpenBLAS; this is the slow part)")
-        try:
-            mlx_info = run_mlx_lm(loaded.path, {n: prompts[n] for n in mlx_lengths}, warmup,
-                                  args.gen_tokens, args.repeats)
-        except (RuntimeError, OSError, ValueError) as e:
-            notes.append(f"mlx-lm failed: {e}")
-            status = 1
-    mlx_results = {int(k): summarize(runs)
-                   for k, runs in (mlx_info or {}).get("results", {}).items()}
-    if not args.no_mlx_lm:
-        slow = [n for n in fits if n > args.mlx_lm_max_prompt]
-        if slow:
-            notes.append(skip_note(slow, args.mlx_lm_max_prompt, mlx_results, machine))
-
-    for n in fits:
-        if n in mlx_results:
-            for side, s in (("kvchat", kv_results[n]), ("mlx-lm", mlx_results[n])):
-                if s["generated_tokens"] != args.gen_tokens:
-                    notes.append(f"length {n}: {side} decoded {s['generated_tokens']} tokens, "
-                                 f"not {args.gen_tokens}")
-
-    results = []
-    for n in fits:
-        kv, ml = kv_results[n], mlx_results.get(n)
-        results.append({
-            "length": n,
-            "kvchat": _public(kv),
-            "mlx_lm": _public(ml),
-            "mlx_lm_skipped": None if ml else _skip_reason(n, args),
-            "prefill_ratio": kv["prefill_tps"] / ml["prefill_tps"] if ml else None,
-            "decode_ratio": kv["decode_tps"] / ml["decode_tps"] if ml else None,
-            "greedy_agree_tokens": agree(kv["tokens"], ml["tokens"]) if ml else None,
-        })
-
-    report = {
-        "machine": machine,
-        "model": {
-            "name": loaded.name,
-            "path": str(loaded.path),
-            "model_type": loaded.model_type,
-            "fingerprint": loaded.fingerprint,
-        },
-        "settings": {
-            "lengths": lengths, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
-            "mlx_lm_max_prompt": args.mlx_lm_max_prompt, "greedy": True, "ignore_eos": True,
-            "prompt": "raw token ids cut from stdlib argparse+textwrap source, no chat template",
-        },
-        "kvchat": {
+    bench_id = secrets.token_hex(6)  # in every tenant: no run can match an earlier one
+    with contextlib.ExitStack() as stack:
+        log("kvchat", "loading the model")
+        eng = build_engine(args, **_cache_overrides(args, stack))
+        stack.callback(eng.shutdown)  # before the throwaway cache directory goes
+        loaded = eng.loaded
+        fits = [n for n in lengths if n + args.gen_tokens <= eng.max_context]
+        for n in lengths:
+            if n not in fits:
+                notes.append(f"length {n} skipped for all: {n} + {args.gen_tokens} tokens "
+                             f"exceed the context of {eng.max_context}")
+        warmup, prompts = cold_prompts(eng.tokenizer, fits, args.repeats,
+                                       block_size=eng.config.block_size,
+                                       warmup_tokens=WARMUP_PROMPT_TOKENS, seed=args.seed)
+        machine = machine_info()
+        log("kvchat", "warm-up")
+        kvchat_run(eng, warmup, WARMUP_GEN_TOKENS, f"bench-{bench_id}-warmup")
+        sides: dict[str, dict[int, dict]] = {"kvchat": {}, "mlx_lm": {}, "llama_cpp": {}}
+        for n in fits:
+            runs = []
+            for i, ids in enumerate(prompts[n]):
+                log("kvchat", f"length {n} run {i + 1}/{args.repeats}")
+                runs.append(kvchat_run(eng, ids, args.gen_tokens, f"bench-{bench_id}-{n}-{i}"))
+            sides["kvchat"][n] = s = summarize(runs)
+            log("kvchat", f"length {n}: prefill {s['prefill_tps']:.1f} tok/s, "
+                          f"decode {s['decode_tps']:.1f} tok/s, cached tokens "
+                          f"{[r['cached_tokens'] for r in s['runs']]}")
+        kvchat_info = {
             "weight_format": loaded.weight_format,
             "device": machine["backend"],
             "blas": engine.model.blas.loaded_path,
@@ -188,13 +139,87 @@ def run(args) -> int:
             "prefill_chunk": eng.config.prefill_chunk,
             # getattr: the engine's options evolve; the report should not break on them.
             "fuse_projections": getattr(eng.config, "fuse_projections", None),
+            "prefix_cache": eng.config.prefix_cache,
+            "disk_cache": ("off" if not eng.config.disk_cache else
+                           "throwaway directory" if not getattr(args, "cache_dir", None)
+                           else args.cache_dir),
+            "tenants": f"bench-{bench_id}-<length>-<repeat>: one per run",
+        }
+
+    status = 0
+    infos: dict[str, dict | None] = {"mlx_lm": None, "llama_cpp": None}
+    mlx_lengths = [] if args.no_mlx_lm else [n for n in fits if n <= args.mlx_lm_max_prompt]
+    if args.no_mlx_lm:
+        notes.append("mlx-lm not run (--no-mlx-lm)")
+    elif mlx_lengths:
+        log("mlx-lm", f"starting a separate process for lengths {mlx_lengths} "
+                      "(shipped weights, no OpenBLAS; this is the slow part)")
+        try:
+            infos["mlx_lm"] = run_mlx_lm(loaded.path, {n: prompts[n] for n in mlx_lengths},
+                                         warmup, args.gen_tokens)
+        except (RuntimeError, OSError, ValueError) as e:
+            notes.append(f"mlx-lm failed: {e}")
+            status = 1
+    if gguf is not None and fits:
+        log("llama.cpp", f"starting a separate process for lengths {fits} ({gguf.name})")
+        try:
+            infos["llama_cpp"] = run_llama_cpp(gguf, {n: prompts[n] for n in fits}, warmup,
+                                               args.gen_tokens, args.llama_cpp_threads)
+        except (RuntimeError, OSError, ValueError) as e:
+            notes.append(f"llama.cpp failed: {e}")
+            status = 1
+    for key, info in infos.items():
+        sides[key] = {int(k): summarize(runs) for k, runs in (info or {}).get("results",
+                                                                             {}).items()}
+    if not args.no_mlx_lm:
+        slow = [n for n in fits if n > args.mlx_lm_max_prompt]
+        if slow:
+            notes.append(skip_note(slow, args.mlx_lm_max_prompt, sides["mlx_lm"], machine))
+
+    machine["load_avg_end"] = load_avg()
+    busy = max(x or 0 for x in (machine["load_avg"], machine["load_avg_end"]))
+    if busy > (machine["cpu_count"] or 1):
+        notes.append(f"the machine was busy: load average up to {busy:.1f} on "
+                     f"{machine['cpu_count']} cpus, so other work competed with every side "
+                     "(unevenly: engines that spin-wait across threads suffer most)")
+    results = build_results(fits, sides, args, peers, notes)
+    warm = warm_runs(sides)
+    if warm:
+        status = 1
+        notes.insert(0, f"NOT COLD: {len(warm)} run(s) reported prompt tokens served from a "
+                        f"cache, so their prefill figures are not cold prefill: {warm}")
+    report = {
+        "machine": machine,
+        "model": {
+            "name": loaded.name,
+            "path": str(loaded.path),
+            "gguf": str(gguf) if gguf else None,
+            "model_type": loaded.model_type,
+            "fingerprint": loaded.fingerprint,
         },
-        "mlx_lm": None if mlx_info is None else {
-            k: v for k, v in mlx_info.items() if k != "results"},
+        "settings": {
+            "lengths": lengths, "gen_tokens": args.gen_tokens, "repeats": args.repeats,
+            "peers": ["mlx-lm"] * (not args.no_mlx_lm) + peers, "seed": args.seed,
+            "mlx_lm_max_prompt": args.mlx_lm_max_prompt, "greedy": True, "ignore_eos": True,
+            "prompt": "raw token ids, no chat template; every length and repeat its own text "
+                      "(40-line stdlib source chunks, seeded shuffle, none reused; no two "
+                      "prompts share a first block)",
+        },
+        "cold": {
+            "all_cold": not warm,
+            "warm_runs": warm,
+            "how": "kvchat: a fresh prefix-cache tenant per run (it salts every block hash), "
+                   "disk cache in a throwaway directory; mlx-lm: a new prompt cache per run; "
+                   "llama.cpp: Llama.reset per run. cached_tokens per run is what each "
+                   "engine reported (kvchat: request stats; mlx-lm: cache offset before the "
+                   "prompt; llama.cpp: prompt tokens minus those its perf counters evaluated)",
+        },
+        "kvchat": kvchat_info,
+        **{key: None if info is None else {k: v for k, v in info.items() if k != "results"}
+           for key, info in infos.items()},
         "results": results,
         "notes": notes,
     }
-    eng.shutdown()
     print_report(report)
     if args.json:
         out = Path(args.json)
@@ -202,11 +227,3 @@ def run(args) -> int:
         out.write_text(json.dumps(report, indent=2) + "\n")
         log("kvchat", f"wrote {args.json}")
     return status
-
-
-def _skip_reason(n: int, args) -> str:
-    if args.no_mlx_lm:
-        return "--no-mlx-lm"
-    if n > args.mlx_lm_max_prompt:
-        return f"longer than --mlx-lm-max-prompt {args.mlx_lm_max_prompt}"
-    return "mlx-lm failed"

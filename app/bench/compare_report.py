@@ -1,6 +1,99 @@
-"""The text report of `kvchat bench` (kvchat vs mlx-lm): header, table, notes."""
+"""The report of `kvchat bench`: per-length rows with ratios to each peer, the coldness
+check, and the text tables (prefill, decode, per-token latency).
+
+Every ratio reads "how many times faster kvchat is": tok/s kvchat / tok/s peer for
+prefill and decode, and peer ms / kvchat ms for the ITL P95 (so > 1 is kvchat ahead).
+"""
 
 from __future__ import annotations
+
+PEERS = (("llama_cpp", "llama.cpp"), ("mlx_lm", "mlx-lm"))  # JSON key, display name
+SIDES = (("kvchat", "kvchat"),) + PEERS
+
+
+def agree(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy runs share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _div(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def ratios(kv: dict, peer: dict | None) -> dict | None:
+    """kvchat's speed over a peer's: prefill, decode and ITL P95 (> 1: kvchat faster)."""
+    if peer is None:
+        return None
+    return {"prefill": _div(kv["prefill_tps"], peer["prefill_tps"]),
+            "decode": _div(kv["decode_tps"], peer["decode_tps"]),
+            "itl_p95": _div(peer["itl_p95_ms"], kv["itl_p95_ms"])}
+
+
+def _public(summary: dict | None) -> dict | None:
+    # Token ids are kept only as the agreement count; they would bloat the JSON.
+    if summary is None:
+        return None
+    return {k: v for k, v in summary.items() if k != "tokens"}
+
+
+def _skip_reason(key: str, n: int, args, peers: list[str]) -> str:
+    if key == "mlx_lm":
+        if args.no_mlx_lm:
+            return "--no-mlx-lm"
+        if n > args.mlx_lm_max_prompt:
+            return f"longer than --mlx-lm-max-prompt {args.mlx_lm_max_prompt}"
+        return "mlx-lm failed"
+    return "llama.cpp failed" if "llama.cpp" in peers else "not requested (--peer llama.cpp)"
+
+
+def build_results(lengths: list[int], sides: dict[str, dict[int, dict]], args,
+                  peers: list[str], notes: list[str]) -> list[dict]:
+    """One row per length: every side's summary, ratios and greedy agreement per peer.
+
+    The flat ``prefill_ratio``/``decode_ratio``/``greedy_agree_tokens`` (vs mlx-lm) are
+    kept for older readers of the JSON; ``ratios`` and ``greedy_agree`` hold every peer.
+    """
+    results = []
+    for n in lengths:
+        kv = sides["kvchat"][n]
+        got = {key: sides[key].get(n) for key, _ in PEERS}
+        for (key, name) in SIDES:
+            s = kv if key == "kvchat" else got[key]
+            if s is not None and s["generated_tokens"] != args.gen_tokens:
+                notes.append(f"length {n}: {name} decoded {s['generated_tokens']} tokens, "
+                             f"not {args.gen_tokens}")
+        row = {"length": n, "kvchat": _public(kv)}
+        for key, _ in PEERS:
+            row[key] = _public(got[key])
+            row[f"{key}_skipped"] = None if got[key] else _skip_reason(key, n, args, peers)
+        ml = got["mlx_lm"]
+        row |= {
+            "prefill_ratio": _div(kv["prefill_tps"], ml["prefill_tps"]) if ml else None,
+            "decode_ratio": _div(kv["decode_tps"], ml["decode_tps"]) if ml else None,
+            "greedy_agree_tokens": agree(kv["tokens"], ml["tokens"]) if ml else None,
+            "ratios": {key: ratios(kv, got[key]) for key, _ in PEERS},
+            "greedy_agree": {key: agree(kv["tokens"], got[key]["tokens"]) if got[key] else None
+                             for key, _ in PEERS},
+        }
+        results.append(row)
+    return results
+
+
+def warm_runs(sides: dict[str, dict[int, dict]]) -> list[dict]:
+    """Every run whose engine reported cached prompt tokens, or did not report them."""
+    warm = []
+    for side, by_length in sides.items():
+        for n, summary in by_length.items():
+            for i, run in enumerate(summary["runs"]):
+                if run["cached_tokens"] != 0:
+                    warm.append({"side": side, "length": n, "repeat": i,
+                                 "cached_tokens": run["cached_tokens"]})
+    return warm
 
 
 def skip_note(slow: list[int], limit: int, mlx_results: dict[int, dict], machine: dict) -> str:
@@ -23,59 +116,106 @@ def _fmt(x: float | None, spec: str = ".1f", suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
-def print_report(report: dict) -> None:
-    """Print the header, the table and the notes to stdout."""
-    m, kv, ml = report["machine"], report["kvchat"], report["mlx_lm"]
-    st = report["settings"]
-    print(f"kvchat bench: model {report['model']['name']} ({report['model']['model_type']}, "
-          f"{report['model']['path']})")
-    print(f"machine: {m['cpu']}, {m['cpu_count']} cpus, {m['machine']}, backend {m['backend']}, "
-          f"python {m['python']}, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}")
-    shim = "on" if kv["gemv_shim"] else "off"
-    print(f"kvchat: {kv['weight_format']} weights on {kv['device']}, "
-          f"BLAS {kv['blas'] or 'none preloaded (MLX linked BLAS)'} (GEMV shim {shim}), "
-          f"in-process, paged KV (block {kv['block_size']}), prefill chunk {kv['prefill_chunk']}")
-    if ml:
-        libs = ", ".join(ml["blas_libraries"]) or "?"
-        print(f"mlx-lm {ml['mlx_lm_version']}: {ml['weight_format']} weights as shipped on "
-              f"{ml['device']}, no BLAS preload (MLX links {libs}), separate process, "
-              f"generate_step")
-    else:
-        print("mlx-lm: not run")
-    print(f"runs: greedy, EOS ignored, {st['gen_tokens']} decode tokens, "
-          f"median of {st['repeats']} run(s); prefill tok/s = prompt / TTFT, "
-          f"decode tok/s = (gen - 1) / (last - first token); ratio = kvchat / mlx-lm; "
-          f"ITL percentiles nearest rank")
-    print()
-    header = ["length", "kvchat prefill", "mlx-lm prefill", "ratio", "kvchat decode",
-              "mlx-lm decode", "ratio", "kvchat ITL p50/p95 ms", "mlx-lm ITL p50/p95 ms",
-              "agree"]
-    rows = [header, ["", "tok/s", "tok/s", "", "tok/s", "tok/s", "", "", "", "tokens"]]
-    for r in report["results"]:
-        k, x = r["kvchat"], r["mlx_lm"]
-        skipped = None if x is not None else (
-            "failed" if r["mlx_lm_skipped"] == "mlx-lm failed" else "skipped")
-        rows.append([
-            str(r["length"]),
-            _fmt(k["prefill_tps"]),
-            skipped or _fmt(x["prefill_tps"]),
-            _fmt(r["prefill_ratio"], ".2f", "x"),
-            _fmt(k["decode_tps"]),
-            skipped or _fmt(x["decode_tps"]),
-            _fmt(r["decode_ratio"], ".2f", "x"),
-            f"{k['itl_p50_ms']:.1f} / {k['itl_p95_ms']:.1f}",
-            skipped or f"{x['itl_p50_ms']:.1f} / {x['itl_p95_ms']:.1f}",
-            "-" if r["greedy_agree_tokens"] is None
-            else f"{r['greedy_agree_tokens']}/{k['generated_tokens']}",
-        ])
+def _table(title: str, header: list[str], units: list[str], rows: list[list[str]]) -> None:
+    rows = [header, units] + rows
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    print(title)
     for j, row in enumerate(rows):
         print(" | ".join(c.rjust(w) if j > 1 or i else c.ljust(w)
                          for i, (c, w) in enumerate(zip(row, widths, strict=True))))
         if j == 1:
             print("-+-".join("-" * w for w in widths))
     print()
+
+
+def _header(report: dict) -> None:
+    m, kv = report["machine"], report["kvchat"]
+    ram = f"{m['ram_bytes'] / 2**30:.0f} GiB RAM" if m.get("ram_bytes") else "RAM ?"
+    print(f"kvchat bench: model {report['model']['name']} ({report['model']['model_type']}, "
+          f"{report['model']['path']})")
+    load = f", load {m.get('load_avg')} -> {m.get('load_avg_end')}" if m.get("load_avg") else ""
+    print(f"machine: {m['cpu']}, {m['cpu_count']} cpus{load}, {ram}, {m['machine']}, backend "
+          f"{m['backend']}, python {m['python']}, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, "
+          f"llama-cpp-python {m.get('llama_cpp_python') or 'not installed'}")
+    shim = "on" if kv["gemv_shim"] else "off"
+    print(f"kvchat: {kv['weight_format']} weights on {kv['device']}, "
+          f"BLAS {kv['blas'] or 'none preloaded (MLX linked BLAS)'} (GEMV shim {shim}), "
+          f"in-process, paged KV (block {kv['block_size']}), prefill chunk "
+          f"{kv['prefill_chunk']}, a fresh prefix-cache tenant per run")
+    lc, ml = report.get("llama_cpp"), report["mlx_lm"]
+    if lc:
+        print(f"llama.cpp (llama-cpp-python {lc['llama_cpp_python_version']}): "
+              f"{lc['weight_format']} GGUF as shipped ({lc['gguf']}), {lc['n_threads']} "
+              f"thread(s), n_batch {lc['n_batch']}, separate process, Llama.reset per run; "
+              f"{lc['system_info']}")
+    if ml:
+        libs = ", ".join(ml["blas_libraries"]) or "?"
+        print(f"mlx-lm {ml['mlx_lm_version']}: {ml['weight_format']} weights as shipped on "
+              f"{ml['device']}, no BLAS preload (MLX links {libs}), separate process, "
+              f"generate_step, a new prompt cache per run")
+    st = report["settings"]
+    print(f"runs: greedy, EOS ignored, {st['gen_tokens']} decode tokens, median of "
+          f"{st['repeats']} cold run(s), each on its own prompt; prefill tok/s = prompt / "
+          f"TTFT, decode tok/s = (gen - 1) / (last - first token); vs X = kvchat / X "
+          f"(> 1: kvchat faster; for ITL P95: X ms / kvchat ms); ITL nearest rank")
+    print()
+
+
+def print_report(report: dict) -> None:
+    """Print the header, the prefill, decode and ITL tables, and the notes to stdout."""
+    _header(report)
+    cold = report["cold"]
+    if not cold["all_cold"]:
+        print(f"!!! NOT COLD: {len(cold['warm_runs'])} run(s) reported cached prompt tokens "
+              "(see notes); their prefill figures measure a cache, not prefill !!!")
+        print()
+    shown = [(key, name) for key, name in PEERS if name in report["settings"]["peers"]]
+    sides = [("kvchat", "kvchat")] + shown
+
+    def cell(r: dict, key: str, text) -> str:
+        s = r[key]
+        if s is not None:
+            return text(s)
+        return "failed" if "failed" in r[f"{key}_skipped"] else "skipped"
+
+    def ratio(r: dict, key: str, what: str) -> str:
+        return _fmt((r["ratios"][key] or {}).get(what), ".2f", "x")
+
+    def cached(r: dict) -> str:
+        counts = [run["cached_tokens"] for key, _ in sides if r[key] for run in r[key]["runs"]]
+        bad = [c for c in counts if c != 0]
+        if not bad:
+            return "0"
+        return "? !" if None in bad else f"{sum(bad)} !"  # None: a run that did not say
+
+    rows = [[str(r["length"])]
+            + [cell(r, k, lambda s: _fmt(s["prefill_tps"])) for k, _ in sides]
+            + [ratio(r, k, "prefill") for k, _ in shown] + [cached(r)]
+            for r in report["results"]]
+    _table("prefill (cold)", ["length"] + [n for _, n in sides] + [f"vs {n}" for _, n in shown]
+           + ["cached"], ["tokens"] + ["tok/s"] * len(sides) + [""] * len(shown) + ["tokens"],
+           rows)
+    rows = [[str(r["length"])]
+            + [cell(r, k, lambda s: _fmt(s["decode_tps"])) for k, _ in sides]
+            + [ratio(r, k, "decode") for k, _ in shown]
+            + [_fmt(r["greedy_agree"][k], "d", f"/{r['kvchat']['generated_tokens']}")
+               for k, _ in shown]
+            for r in report["results"]]
+    _table("decode", ["length"] + [n for _, n in sides] + [f"vs {n}" for _, n in shown]
+           + [f"agree {n}" for _, n in shown],
+           ["tokens"] + ["tok/s"] * len(sides) + [""] * len(shown) + ["tokens"] * len(shown),
+           rows)
+    rows = [[str(r["length"])]
+            + [cell(r, k, lambda s: f"{s['itl_p50_ms']:.1f} / {s['itl_p95_ms']:.1f}")
+               for k, _ in sides]
+            + [ratio(r, k, "itl_p95") for k, _ in shown]
+            for r in report["results"]]
+    _table("inter-token latency", ["length"] + [n for _, n in sides]
+           + [f"P95 vs {n}" for _, n in shown],
+           ["tokens"] + ["P50 / P95 ms"] * len(sides) + [""] * len(shown), rows)
     print("notes:")
     for note in report["notes"]:
         print(f"  - {note}")
-    print("  - agree = leading greedy tokens identical on both sides (weights differ in format)")
+    print("  - agree = leading greedy tokens identical to kvchat's (weight formats differ)")
+    print("  - cached = prompt tokens the engines reported served from a cache, all runs; "
+          "0 = every prefill cold")

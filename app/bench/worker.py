@@ -50,36 +50,43 @@ def worker_main(job_file: str) -> int:
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
 
     log("mlx-lm", f"loading {job['model_path']} (shipped weights)")
     model, tokenizer = load(job["model_path"])
     gen = job["gen_tokens"]
 
     def run(ids: list[int], n: int) -> dict:
+        # A new prompt cache per run, as generate_step makes when given none; passing it
+        # in lets the run report what it held before the prompt (0: a cold prefill).
+        cache = make_prompt_cache(model)
+        cached = max((getattr(c, "offset", 0) for c in cache), default=0)
+
         def tokens():
             # As stream_generate does, minus its EOS stop: detokenize each token.
             detok = tokenizer.detokenizer
             detok.reset()
-            for token, _ in generate_step(mx.array(ids), model, max_tokens=n):
+            for token, _ in generate_step(mx.array(ids), model, max_tokens=n,
+                                          prompt_cache=cache):
                 detok.add_token(token)
                 yield token
 
-        return time_stream(len(ids), tokens)
+        return time_stream(len(ids), tokens) | {"cached_tokens": int(cached)}
 
     log("mlx-lm", "warm-up")
     run(job["warmup_ids"], WARMUP_GEN_TOKENS)
     results = {}
     rate = None  # prefill tok/s seen so far, for a time estimate
-    for length, ids in job["prompts"]:
+    for length, repeats in job["prompts"]:  # one independent prompt per repeat
         eta = f", expect ~{length / rate:.0f}s prefill" if rate else ""
         runs = []
-        for i in range(job["repeats"]):
-            log("mlx-lm", f"length {length} run {i + 1}/{job['repeats']}{eta}")
+        for i, ids in enumerate(repeats):
+            log("mlx-lm", f"length {length} run {i + 1}/{len(repeats)}{eta}")
             runs.append(run(ids, gen))
         rate = statistics.median(r["prefill_tps"] for r in runs)
         log("mlx-lm", f"length {length}: prefill {rate:.1f} tok/s, decode "
                       f"{statistics.median(r['decode_tps'] for r in runs):.1f} tok/s")
-        results[str(length)] = runs  # raw: the parent summarizes both sides alike
+        results[str(length)] = runs  # raw: the parent summarizes every side alike
     import mlx_lm
 
     info = {

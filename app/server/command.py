@@ -15,6 +15,7 @@ import socket
 import sys
 
 from app import arg_types
+from app.distributed import add_distributed_args
 from app.engine_args import add_engine_args, build_engine, check_kv_budget, config_from_args
 from engine.errors import KVChatError
 
@@ -45,6 +46,7 @@ def add_parser(sub) -> None:
     p.add_argument("--log-level", choices=["warning", "info", "debug"], default="warning",
                    help="uvicorn's log level; info logs every request (warning)")
     add_engine_args(p)
+    add_distributed_args(p)
     p.set_defaults(func=run)
 
 
@@ -81,7 +83,12 @@ def model_id(loaded) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / Ctrl+C; 0 when every block came back."""
+    from app.distributed import rank_lines, run_if_worker
     from app.server.keys import KeyStore
+
+    worker_status = run_if_worker(args)  # --distributed, ranks other than 0: no socket
+    if worker_status is not None:
+        return worker_status
 
     keys = KeyStore(args.api_keys)  # a bad or non-0600 file: one line, before the load
     check_host(args.host, keys.required)
@@ -106,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
     log(f"stopped: {m.blocks_used} blocks in use, {m.blocks_cached} cached, "
         f"{m.blocks_free} free of {m.blocks_total}; disk cache {m.disk_entries} entries"
         + (f", {m.disk_write_errors} write errors" if m.disk_write_errors else ""))
+    for line in rank_lines(engine):
+        log(line)
     return 0 if m.blocks_used == 0 and m.running == 0 else 1
 
 

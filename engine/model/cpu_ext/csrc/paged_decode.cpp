@@ -1,0 +1,162 @@
+// The PagedDecode primitive: argument checks, and eval_cpu handing the
+// problem to the kernel (paged_decode_kernel.cpp) on MLX's CPU stream.
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "ops.h"
+#include "paged_decode_kernel.h"
+#include "tensor.h"
+
+namespace kvchat {
+
+namespace {
+
+Side make_side(const mx::array& rows, const mx::array* scales, const mx::array* biases,
+               QuantSide quant, int D, std::vector<char>* bufs) {
+  Side side{};
+  side.data = static_cast<const char*>(row_major(rows, bufs[0]));
+  side.D = D;
+  side.bits = quant.bits;
+  side.group = quant.group;
+  if (quant.bits == 0) {
+    side.elem = elem_of(rows.dtype());
+  } else {
+    side.row_bytes = int64_t(D) * quant.bits / 8;
+    side.scales = row_major(*scales, bufs[1]);
+    side.biases = row_major(*biases, bufs[2]);
+    side.scale_elem = elem_of(scales->dtype());
+  }
+  return side;
+}
+
+void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, QuantSide kq,
+         QuantSide vq) {
+  const mx::array& queries = inputs[0];
+  const mx::array& k = inputs[1];
+  const mx::array& v = inputs[2];
+  size_t next = 5;
+  const mx::array* ks = kq.bits ? &inputs[next++] : nullptr;
+  const mx::array* kb = kq.bits ? &inputs[next++] : nullptr;
+  const mx::array* vs = vq.bits ? &inputs[next++] : nullptr;
+  const mx::array* vb_ = vq.bits ? &inputs[next++] : nullptr;
+
+  Problem pb{};
+  std::vector<float> q_buf;
+  std::vector<char> bufs[8];
+  pb.q = rows_as_float(queries, q_buf);
+  pb.B = queries.shape(0);
+  pb.Hq = queries.shape(1);
+  pb.D = queries.shape(3);
+  pb.Hkv = k.shape(0);
+  pb.num_blocks = k.shape(1);
+  pb.BS = k.shape(2);
+  pb.k = make_side(k, ks, kb, kq, pb.D, bufs);
+  pb.v = make_side(v, vs, vb_, vq, pb.D, bufs + 3);
+  pb.tables = static_cast<const int32_t*>(row_major(inputs[3], bufs[6]));
+  pb.table_width = inputs[3].shape(1);
+  pb.lens = static_cast<const int32_t*>(row_major(inputs[4], bufs[7]));
+  pb.scale = scale;
+  const int group = pb.Hq / pb.Hkv;
+  pb.heads_per_task = std::min(group, kMaxHeadsPerTask);
+  pb.head_chunks = (group + pb.heads_per_task - 1) / pb.heads_per_task;
+  for (int b = 0; b < pb.B; ++b) {
+    if (pb.lens[b] < 0 || int64_t(pb.lens[b]) > pb.table_width * pb.BS) {
+      fill_nan(out);  // a context longer than its table: nothing valid to read
+      return;
+    }
+  }
+  std::vector<float> o_buf;
+  float* o = out.dtype() == mx::float32
+                 ? out.data<float>()
+                 : (o_buf.resize(size_t(pb.B) * pb.Hq * pb.D), o_buf.data());
+  run_problem(pb, o);
+  if (out.dtype() != mx::float32)
+    store_any(out.data<char>(), elem_of(out.dtype()), o, int64_t(pb.B) * pb.Hq * pb.D);
+}
+
+}  // namespace
+
+void PagedDecode::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([inputs, out, scale = scale_, kq = k_, vq = v_]() mutable {
+    guarded(out, [&] { run(inputs, out, scale, kq, vq); });
+  });
+}
+
+void PagedDecode::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("KvchatPagedDecode runs on the CPU only");
+}
+
+bool PagedDecode::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const PagedDecode&>(other);
+  return scale_ == o.scale_ && k_ == o.k_ && v_ == o.v_;
+}
+
+namespace {
+
+void check_side(const mx::array& rows, const std::optional<mx::array>& scales,
+                const std::optional<mx::array>& biases, int bits, int group, int Hkv, int D,
+                const mx::Shape& pool_shape, const char* name) {
+  const std::string what = std::string("paged_decode: ") + name;
+  if (rows.ndim() != 4 || rows.shape(0) != Hkv || rows.shape(1) != pool_shape[1] ||
+      rows.shape(2) != pool_shape[2])
+    throw std::invalid_argument(what + " must be (Hkv, num_blocks, block_size, .)");
+  if (bits == 0) {
+    if (!is_float_dtype(rows.dtype()) || rows.shape(3) != D)
+      throw std::invalid_argument(what + " must be float rows of the head dim");
+    return;
+  }
+  if ((bits != 4 && bits != 8) || group <= 0 || group % 32 != 0 || D % group != 0)
+    throw std::invalid_argument(what + ": unsupported bits / group size");
+  if (rows.dtype() != mx::uint32 || int64_t(rows.shape(3)) * 32 / bits != D)
+    throw std::invalid_argument(what + " must be packed uint32 rows");
+  if (!scales || !biases || !is_float_dtype(scales->dtype()) ||
+      biases->dtype() != scales->dtype() || scales->ndim() != 4 ||
+      scales->shape(3) != D / group || biases->shape() != scales->shape() ||
+      scales->shape(0) != Hkv || scales->shape(1) != pool_shape[1] ||
+      scales->shape(2) != pool_shape[2])
+    throw std::invalid_argument(what + " needs scales and biases (Hkv, nb, bs, D / group)");
+}
+
+}  // namespace
+
+mx::array paged_decode(const mx::array& queries, const mx::array& k, const mx::array& v,
+                       const mx::array& block_tables, const mx::array& context_lens,
+                       float scale, const std::optional<mx::array>& k_scales,
+                       const std::optional<mx::array>& k_biases, int k_bits, int k_group,
+                       const std::optional<mx::array>& v_scales,
+                       const std::optional<mx::array>& v_biases, int v_bits, int v_group,
+                       mx::StreamOrDevice s) {
+  if (queries.ndim() != 4 || queries.shape(2) != 1 || !is_float_dtype(queries.dtype()))
+    throw std::invalid_argument("paged_decode: queries must be float (B, Hq, 1, D)");
+  const int B = queries.shape(0), Hq = queries.shape(1), D = queries.shape(3);
+  if (k.ndim() != 4) throw std::invalid_argument("paged_decode: pools must be 4-d");
+  const int Hkv = k.shape(0);
+  if (D % W != 0 || Hkv <= 0 || Hq % Hkv != 0)
+    throw std::invalid_argument("paged_decode: head dim must be a multiple of 16 and "
+                                "Hq a multiple of Hkv");
+  check_side(k, k_scales, k_biases, k_bits, k_group, Hkv, D, k.shape(), "k");
+  check_side(v, v_scales, v_biases, v_bits, v_group, Hkv, D, k.shape(), "v");
+  if (block_tables.ndim() != 2 || block_tables.shape(0) != B ||
+      block_tables.dtype() != mx::int32)
+    throw std::invalid_argument("paged_decode: block_tables must be int32 (B, max_blocks)");
+  if (context_lens.ndim() != 1 || context_lens.shape(0) != B ||
+      context_lens.dtype() != mx::int32)
+    throw std::invalid_argument("paged_decode: context_lens must be int32 (B,)");
+  std::vector<mx::array> inputs = {queries, k, v, block_tables, context_lens};
+  if (k_bits) inputs.insert(inputs.end(), {*k_scales, *k_biases});
+  if (v_bits) inputs.insert(inputs.end(), {*v_scales, *v_biases});
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  return mx::array(queries.shape(), queries.dtype(),
+                   std::make_shared<PagedDecode>(stream, scale, QuantSide{k_bits, k_group},
+                                                 QuantSide{v_bits, v_group}),
+                   std::move(inputs));
+}
+
+}  // namespace kvchat

@@ -1,0 +1,222 @@
+// Decode attention straight from the block-paged KV pool (one query per
+// sequence), the contract of engine/model/paged_attention.py for L == 1.
+//
+// One task per (sequence, KV head, head chunk, context partition): each K and V
+// row is read once and used by every query head of its GQA group; an online
+// softmax runs block by block (vectorized exp), and partitions of a long
+// context are merged at the end (split-K), so one sequence still uses both
+// cores. Quantized rows (mx.quantize, 4/8 bits) are dequantized as read.
+#include "paged_decode_kernel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "pool.h"
+
+namespace kvchat {
+
+namespace {
+
+constexpr int kMinPartitionTokens = 256;  // split-K only for contexts longer than this
+constexpr int64_t kParallelMinElements = 1 << 20;  // K/V elements read
+
+// (evens, odds) order of each 32-chunk <-> natural order.
+void permute4(const float* src, float* dst, int D) {
+  for (int d = 0; d < D; d += 32)
+    for (int i = 0; i < 16; ++i) {
+      dst[d + i] = src[d + 2 * i];
+      dst[d + 16 + i] = src[d + 2 * i + 1];
+    }
+}
+
+void unpermute4(const float* src, float* dst, int D) {
+  for (int d = 0; d < D; d += 32)
+    for (int i = 0; i < 16; ++i) {
+      dst[d + 2 * i] = src[d + i];
+      dst[d + 2 * i + 1] = src[d + 16 + i];
+    }
+}
+
+// Online-softmax state of one task: running max, sum and output per head.
+struct Partial {
+  float* m;
+  float* l;
+  float* acc;  // heads x D (in V's row order)
+};
+
+void attend(const Problem& pb, int b, int h, int hc, int part, Partial st) {
+  const int G = std::min(pb.heads_per_task, pb.Hq / pb.Hkv - hc * pb.heads_per_task);
+  const int D = pb.D, BS = pb.BS;
+  const int q_head0 = h * (pb.Hq / pb.Hkv) + hc * pb.heads_per_task;
+  const int len = pb.lens[b];
+  const int per_part = ((len + pb.parts - 1) / pb.parts + BS - 1) / BS * BS;
+  const int t0 = std::min(len, part * per_part), t1 = std::min(len, t0 + per_part);
+  const int padded_bs = (BS + W - 1) / W * W;
+
+  thread_local std::vector<float> scratch;
+  scratch.resize(size_t(G) * D + size_t(G) * padded_bs + 2 * size_t(D));
+  float* q = scratch.data();  // G x D, scaled, in K's row order
+  float* p = q + size_t(G) * D;  // G x padded_bs scores, then probabilities
+  float* kbuf = p + size_t(G) * padded_bs;
+  float* vbuf = kbuf + D;
+  for (int g = 0; g < G; ++g) {
+    const float* src = pb.q + (int64_t(b) * pb.Hq + q_head0 + g) * D;
+    float* dst = q + size_t(g) * D;
+    if (pb.k.bits == 4)
+      permute4(src, dst, D);
+    else
+      std::copy(src, src + D, dst);
+    for (int d = 0; d < D; ++d) dst[d] *= pb.scale;
+  }
+  for (int g = 0; g < G; ++g) {
+    st.m[g] = -std::numeric_limits<float>::infinity();
+    st.l[g] = 0.0f;
+    std::fill(st.acc + size_t(g) * D, st.acc + size_t(g + 1) * D, 0.0f);
+  }
+
+  for (int t = t0; t < t1;) {
+    const int blk = t / BS, r0 = t % BS, r1 = std::min(BS, t1 - blk * BS);
+    const int32_t phys = pb.tables[int64_t(b) * pb.table_width + blk];
+    if (phys < 0 || phys >= pb.num_blocks) {
+      // Never read outside the pool; a NaN row tells the caller (an exception
+      // cannot leave a dispatched task: MLX would abort the process).
+      for (int g = 0; g < G; ++g) st.l[g] = std::numeric_limits<float>::quiet_NaN();
+      return;
+    }
+    const int64_t row0 = (int64_t(h) * pb.num_blocks + phys) * BS;
+    // Scores of this block's rows for every head of the group.
+    for (int r = r0; r < r1; ++r) {
+      const float* kr = pb.k.row(row0 + r, kbuf);
+      vf dot[kMaxHeadsPerTask];
+      for (int g = 0; g < G; ++g) dot[g] = vf{};
+      for (int d = 0; d < D; d += W) {
+        const vf kv = load(kr + d);
+        for (int g = 0; g < G; ++g) dot[g] += load(q + size_t(g) * D + d) * kv;
+      }
+      for (int g = 0; g < G; ++g) p[size_t(g) * padded_bs + r] = hsum(dot[g]);
+    }
+    // Update the running max, rescale, and turn scores into probabilities.
+    for (int g = 0; g < G; ++g) {
+      float* pg = p + size_t(g) * padded_bs;
+      float block_max = pg[r0];
+      for (int r = r0 + 1; r < r1; ++r) block_max = std::max(block_max, pg[r]);
+      const float m_new = std::max(st.m[g], block_max);
+      const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first block
+      st.m[g] = m_new;
+      float* acc = st.acc + size_t(g) * D;
+      if (alpha != 1.0f)
+        for (int d = 0; d < D; d += W) store(acc + d, load(acc + d) * alpha);
+      float sum = 0.0f;
+      int r = r0;
+      for (; r + W <= r1; r += W) {
+        const vf e = exp_neg(load(pg + r) - m_new);
+        store(pg + r, e);
+        sum += hsum(e);
+      }
+      for (; r < r1; ++r) {
+        pg[r] = std::exp(pg[r] - m_new);
+        sum += pg[r];
+      }
+      st.l[g] = st.l[g] * alpha + sum;
+    }
+    // Accumulate the value rows.
+    for (int r = r0; r < r1; ++r) {
+      const float* vr = pb.v.row(row0 + r, vbuf);
+      for (int d = 0; d < D; d += W) {
+        const vf vv = load(vr + d);
+        for (int g = 0; g < G; ++g) {
+          float* acc = st.acc + size_t(g) * D + d;
+          store(acc, load(acc) + splat(p[size_t(g) * padded_bs + r]) * vv);
+        }
+      }
+    }
+    t = blk * BS + r1;
+  }
+}
+
+int choose_parts(int units, int max_len, int threads) {
+  if (threads <= 1 || units >= 2 * threads) return 1;
+  const int want = (2 * threads + units - 1) / units;
+  const int most = std::max(1, max_len / kMinPartitionTokens);
+  return std::max(1, std::min(want, most));
+}
+
+}  // namespace
+
+void run_problem(Problem pb, float* out /* (B, Hq, D) */) {
+  // Waking the second thread costs 50-300 us on the 2-core build VMs: small
+  // problems (~0.3 ms on one core) stay on this thread, unsplit.
+  int64_t rows_read = 0;  // K and V rows of every (sequence, KV head)
+  int max_len = 0;
+  for (int b = 0; b < pb.B; ++b) {
+    rows_read += 2 * int64_t(pb.lens[b]) * pb.Hkv;
+    max_len = std::max(max_len, pb.lens[b]);
+  }
+  auto& pool = ThreadPool::instance();
+  const bool parallel = rows_read * pb.D >= kParallelMinElements && pool.size() > 1;
+  const int tasks_per_part = pb.B * pb.Hkv * pb.head_chunks;
+  pb.parts = parallel ? choose_parts(tasks_per_part, max_len, pool.size()) : 1;
+  const int num_tasks = tasks_per_part * pb.parts;
+  const int H = pb.heads_per_task, D = pb.D;
+  // Partial results of every task: m, l (H each) and acc (H x D).
+  std::vector<float> partials(size_t(num_tasks) * H * (D + 2));
+  auto partial = [&](int task) {
+    float* base = partials.data() + size_t(task) * H * (D + 2);
+    return Partial{base, base + H, base + 2 * H};
+  };
+  auto body = [&](int task) {
+    const int part = task / tasks_per_part;
+    int rest = task % tasks_per_part;
+    const int hc = rest % pb.head_chunks;
+    rest /= pb.head_chunks;
+    attend(pb, rest / pb.Hkv, rest % pb.Hkv, hc, part, partial(task));
+  };
+  if (parallel) {
+    pool.run(num_tasks, body);
+  } else {
+    for (int t = 0; t < num_tasks; ++t) body(t);
+  }
+  // Merge the partitions of each (sequence, head) and normalize.
+  const int group = pb.Hq / pb.Hkv;
+  std::vector<float> row(D), tmp(D);
+  for (int unit = 0; unit < tasks_per_part; ++unit) {
+    const int hc = unit % pb.head_chunks, bh = unit / pb.head_chunks;
+    const int b = bh / pb.Hkv, h = bh % pb.Hkv;
+    const int G = std::min(H, group - hc * H);
+    for (int g = 0; g < G; ++g) {
+      float m = -std::numeric_limits<float>::infinity();
+      bool bad = false;  // a partition met an invalid block id
+      for (int part = 0; part < pb.parts; ++part) {
+        Partial st = partial(part * tasks_per_part + unit);
+        m = std::max(m, st.m[g]);
+        bad = bad || std::isnan(st.l[g]);
+      }
+      float l = bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+      std::fill(row.begin(), row.end(), 0.0f);
+      if (!bad && m != -std::numeric_limits<float>::infinity()) {
+        for (int part = 0; part < pb.parts; ++part) {
+          Partial st = partial(part * tasks_per_part + unit);
+          if (st.l[g] == 0.0f) continue;
+          const float w = std::exp(st.m[g] - m);
+          l += st.l[g] * w;
+          const float* acc = st.acc + size_t(g) * D;
+          for (int d = 0; d < D; ++d) row[d] += acc[d] * w;
+        }
+      }
+      const float inv = std::isnan(l) ? l : l > 0.0f ? 1.0f / l : 0.0f;
+      for (int d = 0; d < D; ++d) row[d] *= inv;
+      float* dst = out + (int64_t(b) * pb.Hq + h * group + hc * H + g) * D;
+      if (pb.v.bits == 4) {
+        unpermute4(row.data(), tmp.data(), D);
+        std::copy(tmp.begin(), tmp.end(), dst);
+      } else {
+        std::copy(row.begin(), row.end(), dst);
+      }
+    }
+  }
+}
+
+
+}  // namespace kvchat

@@ -1,0 +1,73 @@
+// The paged decode attention kernel (see paged_decode_kernel.cpp) and the
+// description of one problem it solves.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+namespace kvchat {
+
+constexpr int kMaxHeadsPerTask = 16;  // query heads sharing one pass over K/V
+
+// One side (K or V) of the pool: float rows or packed rows + scales/biases.
+struct Side {
+  const char* data;
+  Elem elem;  // float rows
+  int bits;  // 0: float rows
+  int group;
+  const void* scales;
+  const void* biases;
+  Elem scale_elem;
+  int D;
+  int64_t row_bytes;
+
+  // Row `row` (in pool order) as D floats; 4-bit rows come out in the
+  // (evens, odds) order of each 32-chunk. May return a pointer into the pool.
+  const float* row(int64_t row, float* buf) const {
+    if (bits == 0) {
+      if (elem == Elem::f32) return reinterpret_cast<const float*>(data) + row * D;
+      for (int d = 0; d < D; d += W) store(buf + d, load_any(data, elem, row * D + d));
+      return buf;
+    }
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(data) + row * row_bytes;
+    const int groups = D / group;
+    for (int g = 0; g < groups; ++g) {
+      const vf S = splat(scalar_any(scales, scale_elem, row * groups + g));
+      const vf B = splat(scalar_any(biases, scale_elem, row * groups + g));
+      for (int d = g * group; d < (g + 1) * group; d += 32) {
+        vb raw0, raw1;
+        if (bits == 4) {
+          std::memcpy(&raw1, p + d / 2, 16);
+          nibbles(raw1, raw0, raw1);
+        } else {
+          std::memcpy(&raw0, p + d, 16);
+          std::memcpy(&raw1, p + d + 16, 16);
+        }
+        store(buf + d, bytes_to_float(raw0) * S + B);
+        store(buf + d + 16, bytes_to_float(raw1) * S + B);
+      }
+    }
+    return buf;
+  }
+};
+
+// One decode-attention call: queries, the pool sides, tables and lengths.
+struct Problem {
+  const float* q;  // (B, Hq, D), unscaled
+  Side k, v;
+  const int32_t* tables;
+  int64_t table_width;
+  const int32_t* lens;
+  int B, Hq, Hkv, D, BS, num_blocks;
+  float scale;
+  int heads_per_task, head_chunks;
+  int parts;  // context partitions (split-K); set by run_problem
+};
+
+// Attention of every (sequence, query head) into out (B, Hq, D), float32.
+void run_problem(Problem pb, float* out);
+
+
+}  // namespace kvchat

@@ -1,0 +1,335 @@
+// Quantized matmul y = x @ dequantize(w).T for MLX affine 4/8-bit weights.
+//
+// Decode (few rows of x): a GEMV that dequantizes each 32-weight chunk into
+// registers once and multiplies it into up to 4 rows of x; rows of w are split
+// over the pool. Prefill (many rows): tiles of w are dequantized to float32
+// and multiplied with the process's BLAS (cblas_sgemm, OpenBLAS when
+// engine.model.blas preloaded it). Accumulation is float32 throughout.
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "ops.h"
+#include "pool.h"
+#include "tensor.h"
+
+namespace kvchat {
+
+namespace {
+
+// x rows at or below this use the GEMV; above, dequantize + sgemm
+// (KVCHAT_QMM_GEMV_ROWS overrides it, for tuning on another machine).
+int gemv_max_rows() {
+  static const int rows = [] {
+    const char* env = std::getenv("KVCHAT_QMM_GEMV_ROWS");
+    return env ? std::atoi(env) : 16;
+  }();
+  return rows;
+}
+// Bytes of float32 weights dequantized per sgemm call (a tile stays in L2/L3).
+constexpr int64_t kTileBytes = 4 << 20;
+// Waking the second thread costs 50-300 us on the 2-core build VMs: only jobs of
+// at least this many weight-rows (~0.5 ms on one core) use the pool.
+constexpr int64_t kParallelMinWeights = 4 << 20;
+
+inline vb load_bytes(const uint8_t* p) {
+  vb v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+struct QuantWeights {
+  const uint8_t* w;  // N rows of K * bits / 8 bytes
+  const void* scales;  // N x G
+  const void* biases;
+  Elem elem;  // of scales and biases
+  int K, N, G, group, bits;
+
+  int64_t row_bytes() const {
+    return int64_t(K) * bits / 8;
+  }
+
+  // Row n's scales and biases as floats (G each).
+  void row_params(int n, float* s, float* b) const {
+    const int64_t base = int64_t(n) * G;
+    int g = 0;
+    for (; g + W <= G; g += W) {
+      store(s + g, load_any(scales, elem, base + g));
+      store(b + g, load_any(biases, elem, base + g));
+    }
+    for (; g < G; ++g) {
+      s[g] = scalar_any(scales, elem, base + g);
+      b[g] = scalar_any(biases, elem, base + g);
+    }
+  }
+};
+
+// The 32 weights at k of a row, dequantized: for 4 bits, w0 holds the even
+// positions k, k+2, ... and w1 the odd ones (the nibble order in a byte), so
+// x is permuted to match (permute_x4); for 8 bits, natural order.
+template <int BITS>
+inline void dequant32(const uint8_t* row, int k, vf S, vf B, vf& w0, vf& w1) {
+  if constexpr (BITS == 4) {
+    vb lo, hi;
+    nibbles(load_bytes(row + k / 2), lo, hi);
+    w0 = bytes_to_float(lo) * S + B;
+    w1 = bytes_to_float(hi) * S + B;
+  } else {
+    w0 = bytes_to_float(load_bytes(row + k)) * S + B;
+    w1 = bytes_to_float(load_bytes(row + k + 16)) * S + B;
+  }
+}
+
+// x rows with each 32-chunk reordered as (evens, odds): the 4-bit GEMV order.
+void permute_x4(const float* x, float* xp, int64_t M, int K) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* src = x + m * K;
+    float* dst = xp + m * K;
+    for (int k = 0; k < K; k += 32) {
+      for (int i = 0; i < 16; ++i) {
+        dst[k + i] = src[k + 2 * i];
+        dst[k + 16 + i] = src[k + 2 * i + 1];
+      }
+    }
+  }
+}
+
+// y[m, n] for MB rows of x and R rows n..n+R of w: each chunk of w is
+// dequantized once and used for every row of x; R > 1 gives the one-row case
+// independent FMA chains and shares its loads of x.
+template <int BITS, int MB, int R>
+inline void gemv_tile(const QuantWeights& q, const float* x, int n, const float* params,
+                      float* y, int64_t ldy) {
+  const uint8_t* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = q.w + (n + r) * q.row_bytes();
+  vf acc0[R][MB], acc1[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc0[r][m] = acc1[r][m] = vf{};
+  const int64_t ahead = int64_t(R) * q.row_bytes();  // the next tile's rows
+  for (int g = 0; g < q.G; ++g) {
+    vf S[R], B[R];
+    for (int r = 0; r < R; ++r) {
+      S[r] = splat(params[(2 * r) * q.G + g]);
+      B[r] = splat(params[(2 * r + 1) * q.G + g]);
+      // Weights stream from DRAM once per token: ask for the next tile's bytes early.
+      __builtin_prefetch(rows[r] + ahead + int64_t(g) * q.group * BITS / 8);
+    }
+    for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
+      vf x0[MB], x1[MB];
+      for (int m = 0; m < MB; ++m) {
+        x0[m] = load(x + int64_t(m) * q.K + k);
+        x1[m] = load(x + int64_t(m) * q.K + k + 16);
+      }
+      for (int r = 0; r < R; ++r) {
+        vf w0, w1;
+        dequant32<BITS>(rows[r], k, S[r], B[r], w0, w1);
+        for (int m = 0; m < MB; ++m) {
+          acc0[r][m] += w0 * x0[m];
+          acc1[r][m] += w1 * x1[m];
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) y[m * ldy + n + r] = hsum(acc0[r][m] + acc1[r][m]);
+}
+
+template <int BITS, int MB>
+void gemv_rows(const QuantWeights& q, const float* x, int n0, int n1, float* y, int64_t ldy) {
+  constexpr int R = MB >= 4 ? 1 : 4 / MB;
+  thread_local std::vector<float> params;
+  params.resize(2 * R * q.G);
+  int n = n0;
+  for (; n + R <= n1; n += R) {
+    for (int r = 0; r < R; ++r)
+      q.row_params(n + r, params.data() + 2 * r * q.G, params.data() + (2 * r + 1) * q.G);
+    gemv_tile<BITS, MB, R>(q, x, n, params.data(), y, ldy);
+  }
+  for (; n < n1; ++n) {
+    q.row_params(n, params.data(), params.data() + q.G);
+    gemv_tile<BITS, MB, 1>(q, x, n, params.data(), y, ldy);
+  }
+}
+
+template <int BITS>
+void gemv_block(const QuantWeights& q, const float* x, int64_t M, int n0, int n1, float* y) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) gemv_rows<BITS, 4>(q, x + m * q.K, n0, n1, y + m * q.N, q.N);
+  if (M - m >= 2) {
+    gemv_rows<BITS, 2>(q, x + m * q.K, n0, n1, y + m * q.N, q.N);
+    m += 2;
+  }
+  if (M - m == 1) gemv_rows<BITS, 1>(q, x + m * q.K, n0, n1, y + m * q.N, q.N);
+}
+
+void gemv(const QuantWeights& q, const float* x, int64_t M, float* y) {
+  std::vector<float> permuted;
+  if (q.bits == 4) {
+    permuted.resize(M * q.K);
+    permute_x4(x, permuted.data(), M, q.K);
+    x = permuted.data();
+  }
+  auto& pool = ThreadPool::instance();
+  const bool parallel = int64_t(q.N) * q.K * M >= kParallelMinWeights && pool.size() > 1;
+  const int tasks = parallel ? std::min(q.N / 8 + 1, 4 * pool.size()) : 1;
+  const int per_task = (q.N + tasks - 1) / tasks;
+  pool.run(tasks, [&](int t) {
+    const int n0 = t * per_task, n1 = std::min(q.N, n0 + per_task);
+    if (n0 >= n1) return;
+    if (q.bits == 4)
+      gemv_block<4>(q, x, M, n0, n1, y);
+    else
+      gemv_block<8>(q, x, M, n0, n1, y);
+  });
+}
+
+// Rows n0..n1 of w as float32 in natural order, (n1 - n0) x K.
+template <int BITS>
+void dequant_rows(const QuantWeights& q, int n0, int n1, float* dst) {
+  thread_local std::vector<float> params;
+  params.resize(2 * q.G);
+  float* s = params.data();
+  float* b = s + q.G;
+  for (int n = n0; n < n1; ++n) {
+    const uint8_t* row = q.w + n * q.row_bytes();
+    float* out = dst + int64_t(n - n0) * q.K;
+    q.row_params(n, s, b);
+    for (int g = 0; g < q.G; ++g) {
+      const vf S = splat(s[g]), B = splat(b[g]);
+      for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
+        if constexpr (BITS == 4) {
+          vb lo4, hi4, lo, hi;
+          nibbles(load_bytes(row + k / 2), lo4, hi4);
+          interleave(lo4, hi4, lo, hi);  // back to the natural order
+          store(out + k, bytes_to_float(lo) * S + B);
+          store(out + k + 16, bytes_to_float(hi) * S + B);
+        } else {
+          store(out + k, bytes_to_float(load_bytes(row + k)) * S + B);
+          store(out + k + 16, bytes_to_float(load_bytes(row + k + 16)) * S + B);
+        }
+      }
+    }
+  }
+}
+
+using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
+                         int, float, float*, int);
+
+SgemmFn find_sgemm() {
+  // Whatever BLAS the process bound (MLX's, or OpenBLAS preloaded by engine.model.blas).
+  static SgemmFn fn = reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
+  return fn;
+}
+
+void gemm(const QuantWeights& q, const float* x, int64_t M, float* y) {
+  SgemmFn sgemm = find_sgemm();
+  if (sgemm == nullptr) {  // no BLAS in the process: the GEMV in passes of 4 rows
+    gemv(q, x, M, y);
+    return;
+  }
+  const int tile = int(std::max<int64_t>(16, kTileBytes / (int64_t(q.K) * 4)));
+  thread_local std::vector<float> wtile;
+  wtile.resize(int64_t(std::min(tile, q.N)) * q.K);
+  auto& pool = ThreadPool::instance();
+  for (int n0 = 0; n0 < q.N; n0 += tile) {
+    const int n1 = std::min(q.N, n0 + tile);
+    const int rows = n1 - n0;
+    const int tasks = std::min(rows / 16 + 1, 2 * pool.size());
+    const int per_task = (rows + tasks - 1) / tasks;
+    float* dst = wtile.data();
+    pool.run(tasks, [&](int t) {
+      const int a = n0 + t * per_task, b = std::min(n1, a + per_task);
+      if (a >= b) return;
+      if (q.bits == 4)
+        dequant_rows<4>(q, a, b, dst + int64_t(a - n0) * q.K);
+      else
+        dequant_rows<8>(q, a, b, dst + int64_t(a - n0) * q.K);
+    });
+    // Row-major C[M, rows] = A[M, K] @ B[rows, K]^T, written into y's columns n0..n1.
+    sgemm(101, 111, 112, int(M), rows, q.K, 1.0f, x, q.K, dst, q.K, 0.0f, y + n0, q.N);
+  }
+}
+
+}  // namespace
+
+namespace {
+
+void run(const mx::array& x, const mx::array& w, const mx::array& scales,
+         const mx::array& biases, mx::array& out, int group, int bits) {
+  std::vector<float> x_buf;
+  std::vector<char> w_buf, s_buf, b_buf;
+  const float* xf = rows_as_float(x, x_buf);
+  QuantWeights q;
+  q.w = static_cast<const uint8_t*>(row_major(w, w_buf));
+  q.scales = row_major(scales, s_buf);
+  q.biases = row_major(biases, b_buf);
+  q.elem = elem_of(scales.dtype());
+  q.N = int(w.shape(0));
+  q.K = int(x.shape(-1));
+  q.G = q.K / group;
+  q.group = group;
+  q.bits = bits;
+  const int64_t M = int64_t(x.size()) / q.K;
+  std::vector<float> y_buf;
+  float* y = out.dtype() == mx::float32 ? out.data<float>()
+                                        : (y_buf.resize(M * q.N), y_buf.data());
+  if (M <= gemv_max_rows())
+    gemv(q, xf, M, y);
+  else
+    gemm(q, xf, M, y);
+  if (out.dtype() != mx::float32) store_any(out.data<char>(), elem_of(out.dtype()), y, M * q.N);
+}
+
+}  // namespace
+
+void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([x = inputs[0], w = inputs[1], scales = inputs[2], biases = inputs[3], out,
+                    group = group_size_, bits = bits_]() mutable {
+    guarded(out, [&] { run(x, w, scales, biases, out, group, bits); });
+  });
+}
+
+void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("KvchatQuantizedMatmul runs on the CPU only");
+}
+
+bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const QuantizedMatmul&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_;
+}
+
+mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+              const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("qmm: bits must be 4 or 8");
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    throw std::invalid_argument("qmm: group_size must be 32, 64 or 128");
+  if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2)
+    throw std::invalid_argument("qmm: x needs >= 1 dims; w, scales, biases 2");
+  if (w.dtype() != mx::uint32) throw std::invalid_argument("qmm: w must be uint32 (packed)");
+  if (!is_float_dtype(x.dtype()) || !is_float_dtype(scales.dtype()) ||
+      biases.dtype() != scales.dtype())
+    throw std::invalid_argument("qmm: x, scales and biases must be float32/float16/bfloat16");
+  const int K = x.shape(-1), N = w.shape(0);
+  if (K % group_size != 0 || int64_t(w.shape(1)) * 32 / bits != K ||
+      scales.shape(0) != N || scales.shape(1) != K / group_size || biases.shape() != scales.shape())
+    throw std::invalid_argument("qmm: shapes of x " + std::to_string(K) +
+                                " and w/scales/biases do not match");
+  auto shape = x.shape();
+  shape.back() = N;
+  const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  return mx::array(shape, dtype, std::make_shared<QuantizedMatmul>(stream, group_size, bits),
+                   {x, w, scales, biases});
+}
+
+}  // namespace kvchat

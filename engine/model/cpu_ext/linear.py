@@ -1,0 +1,107 @@
+"""Quantized linears that run on the extension's `qmm` (the CPU fast path).
+
+`install(model)` swaps every supported `nn.QuantizedLinear` for a `CpuQuantizedLinear`
+and a quantized embedding for a `CpuQuantizedEmbedding` (its ``as_linear``, the tied
+output projection, then runs on `qmm` too). Both subclass MLX's classes and keep the
+same parameters, so mlx-lm code that checks or walks the model still works, and
+mlx-lm's own forward (the parity reference) runs the fast path as well.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from engine.model.cpu_ext import ops
+
+
+def supported(layer: nn.Module) -> bool:
+    """A quantized layer `qmm` computes: affine mode, 4/8 bits, group 32/64/128."""
+    return (
+        isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
+        and getattr(layer, "mode", "affine") == "affine"
+        and layer.bits in ops.QMM_BITS
+        and layer.group_size in ops.QMM_GROUP_SIZES
+        and layer.get("biases") is not None
+        and layer["scales"].dtype in ops.FLOAT_DTYPES
+    )
+
+
+def rebind(cls, layer: nn.Module) -> nn.Module:
+    """A `cls` instance (a subclass of ``type(layer)``) sharing `layer`'s parameters and
+    settings: no re-quantizing, no new weights."""
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.__dict__.update(layer.__dict__)
+    for key, value in layer.items():
+        new[key] = value
+    return new
+
+
+class CpuQuantizedLinear(nn.QuantizedLinear):
+    """`nn.QuantizedLinear` whose forward is the extension's `qmm`."""
+
+    @classmethod
+    def from_quantized(cls, layer: nn.QuantizedLinear) -> CpuQuantizedLinear:
+        return rebind(cls, layer)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = ops.qmm(x, self["weight"], self["scales"], self["biases"],
+                    group_size=self.group_size, bits=self.bits)
+        return y + self["bias"] if "bias" in self else y
+
+
+class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
+    """`nn.QuantizedEmbedding` whose ``as_linear`` (tied output head) is `qmm`."""
+
+    @classmethod
+    def from_quantized(cls, layer: nn.QuantizedEmbedding) -> CpuQuantizedEmbedding:
+        return rebind(cls, layer)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return ops.qmm(x, self["weight"], self["scales"], self["biases"],
+                       group_size=self.group_size, bits=self.bits)
+
+
+def install(model: nn.Module) -> int:
+    """Swap the supported quantized layers of `model` in place; returns how many."""
+    swaps = []
+    for name, module in model.named_modules():
+        if type(module) is nn.QuantizedLinear and supported(module):
+            swaps.append((name, CpuQuantizedLinear.from_quantized(module)))
+        elif type(module) is nn.QuantizedEmbedding and supported(module):
+            swaps.append((name, CpuQuantizedEmbedding.from_quantized(module)))
+    if swaps:
+        model.update_modules(tree_unflatten(swaps))
+    return len(swaps)
+
+
+def fuse(layers: list[nn.Module]) -> CpuQuantizedLinear | None:
+    """One `CpuQuantizedLinear` computing ``layers`` side by side (outputs concatenated).
+
+    Their packed rows, scales, biases (and bias) are concatenated, and each layer is
+    re-pointed at its slice, so the weights are not held twice. Each output row is the
+    same computation either way (`qmm` works row by row), so results are unchanged.
+    None unless all are `CpuQuantizedLinear` with one bit width, group size and input width.
+    """
+    if not layers or not all(type(m) is CpuQuantizedLinear for m in layers):
+        return None
+    first = layers[0]
+    same = all(m.bits == first.bits and m.group_size == first.group_size
+               and m["weight"].shape[1] == first["weight"].shape[1]
+               and m["scales"].dtype == first["scales"].dtype for m in layers)
+    has_bias = ["bias" in m for m in layers]
+    if not same or (any(has_bias) and not all(has_bias)):
+        return None
+    names = ["weight", "scales", "biases"] + (["bias"] if all(has_bias) else [])
+    fused = rebind(CpuQuantizedLinear, first)
+    splits, total = [], 0
+    for m in layers[:-1]:
+        total += m["weight"].shape[0]
+        splits.append(total)
+    for key in names:
+        fused[key] = mx.concatenate([m[key] for m in layers])
+        for m, part in zip(layers, mx.split(fused[key], splits), strict=True):
+            m[key] = part
+    return fused

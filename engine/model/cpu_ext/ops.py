@@ -1,0 +1,88 @@
+"""Typed wrappers of the extension's primitives (build it first: `build.available()`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from engine.kvcache.kv_cache import QuantizedBlocks
+from engine.model.cpu_ext import build
+
+QMM_BITS = (4, 8)
+QMM_GROUP_SIZES = (32, 64, 128)
+FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def _ext():
+    module = build.load()
+    if module is None:
+        raise RuntimeError(f"the CPU extension is unavailable: {build.unavailable_reason()}")
+    return module
+
+
+def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
+        bits: int) -> mx.array:
+    """``x @ dequantize(w, scales, biases).T``: `mx.quantized_matmul` with ``transpose=True``.
+
+    Args:
+        x: (..., K) float32, float16 or bfloat16.
+        w: (N, K * bits / 32) uint32, packed by `mx.quantize` (affine mode).
+        scales, biases: (N, K / group_size), one float dtype.
+        group_size: 32, 64 or 128.
+        bits: 4 or 8.
+
+    Returns:
+        (..., N) in the promoted dtype of x and scales; accumulated in float32.
+    """
+    return _ext().qmm(x, w, scales, biases, group_size=group_size, bits=bits)
+
+
+def _side(pool: mx.array | QuantizedBlocks) -> dict:
+    if isinstance(pool, QuantizedBlocks):
+        q = pool.quant
+        return dict(rows=pool.data, scales=pool.scales, biases=pool.biases, bits=q.bits,
+                    group=q.group_size)
+    return dict(rows=pool, scales=None, biases=None, bits=0, group=0)
+
+
+def paged_decode(queries: mx.array, k_pool: mx.array | QuantizedBlocks,
+                 v_pool: mx.array | QuantizedBlocks, block_tables: mx.array,
+                 context_lens: Sequence[int] | mx.array, scale: float) -> mx.array:
+    """Decode attention read through the block table; the contract of `paged_attention`.
+
+    Args:
+        queries: (B, Hq, 1, D), D a multiple of 16.
+        k_pool, v_pool: (Hkv, num_blocks, block_size, D) float pools, or `QuantizedBlocks`
+            (4/8-bit rows, group dividing D).
+        block_tables: (B, max_blocks) int32 physical block ids.
+        context_lens: B ints, tokens per sequence including the new one.
+        scale: softmax scale.
+
+    Returns:
+        (B, Hq, 1, D) in the queries' dtype.
+    """
+    if not isinstance(context_lens, mx.array):
+        context_lens = mx.array([int(n) for n in context_lens], dtype=mx.int32)
+    k, v = _side(k_pool), _side(v_pool)
+    return _ext().paged_decode(
+        queries, k["rows"], v["rows"], block_tables.astype(mx.int32),
+        context_lens.astype(mx.int32), scale=float(scale),
+        k_scales=k["scales"], k_biases=k["biases"], k_bits=k["bits"], k_group=k["group"],
+        v_scales=v["scales"], v_biases=v["biases"], v_bits=v["bits"], v_group=v["group"])
+
+
+def supports_decode(queries: mx.array, k_pool, v_pool) -> bool:
+    """Whether `paged_decode` takes these shapes and dtypes (else use the reference)."""
+    B, Hq, L, D = queries.shape
+    Hkv = k_pool.shape[0]
+
+    def side_ok(pool) -> bool:
+        if isinstance(pool, QuantizedBlocks):
+            q = pool.quant
+            return (q.bits in QMM_BITS and q.group_size % 32 == 0 and D % q.group_size == 0
+                    and pool.scales.dtype in FLOAT_DTYPES and pool.head_dim == D)
+        return pool.dtype in FLOAT_DTYPES and pool.shape[3] == D
+
+    return (L == 1 and D % 16 == 0 and Hq % Hkv == 0 and queries.dtype in FLOAT_DTYPES
+            and side_ok(k_pool) and side_ok(v_pool) and k_pool.shape[:3] == v_pool.shape[:3])

@@ -1,0 +1,150 @@
+"""The C++ CPU extension: its quantized matmul against `mx.quantized_matmul`, the build
+cache, and the clean fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.model.cpu_ext import build, ops, toolchain
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if not build.available():
+        pytest.skip(f"CPU extension unavailable: {build.unavailable_reason()}")
+    return build.load()
+
+
+def quantized(N: int, K: int, *, bits: int, group: int, seed: int, scale_dtype=mx.float16):
+    mx.random.seed(seed)
+    w, scales, biases = mx.quantize(mx.random.normal((N, K)), group_size=group, bits=bits)
+    return w, scales.astype(scale_dtype), biases.astype(scale_dtype)
+
+
+def check_qmm(x, w, scales, biases, *, group, bits, rel=2e-6):
+    """qmm vs MLX's own quantized matmul: same dtype and shape, close in float32."""
+    out = ops.qmm(x, w, scales, biases, group_size=group, bits=bits)
+    ref = mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=group, bits=bits)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+    bound = rel * max(1.0, mx.abs(ref.astype(mx.float32)).max().item()) * x.shape[-1] ** 0.5
+    assert err <= bound, (err, bound)
+    return out, ref
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3, 16, 100])
+def test_qmm_matches_quantized_matmul(ext, bits, group, rows):
+    w, s, b = quantized(200, 384, bits=bits, group=group, seed=rows)  # N not a multiple of 16
+    x = mx.random.normal((rows, 384))
+    check_qmm(x, w, s, b, group=group, bits=bits)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 96), (96,), (1, 1, 96)])
+def test_qmm_leading_shapes(ext, shape):
+    w, s, b = quantized(33, 96, bits=4, group=32, seed=1)
+    out, _ = check_qmm(mx.random.normal(shape), w, s, b, group=32, bits=4)
+    assert out.shape == (*shape[:-1], 33)
+
+
+@pytest.mark.parametrize("dtype,rel", [(mx.float16, 2e-3), (mx.bfloat16, 1.6e-2)])
+def test_qmm_half_inputs(ext, dtype, rel):
+    w, s, b = quantized(64, 256, bits=8, group=64, seed=2, scale_dtype=dtype)
+    for rows in (2, 40):  # the GEMV and the GEMM
+        check_qmm(mx.random.normal((rows, 256)).astype(dtype), w, s, b, group=64, bits=8,
+                  rel=rel)
+
+
+def test_qmm_float32_scales_and_strided_input(ext):
+    w, s, b = quantized(48, 128, bits=4, group=32, seed=3, scale_dtype=mx.float32)
+    x = mx.random.normal((128, 7)).T  # a transposed view: not row-contiguous
+    check_qmm(x, w, s, b, group=32, bits=4)
+    x = mx.broadcast_to(mx.random.normal((1, 128)), (20, 128))  # stride 0 rows
+    check_qmm(x, w, s, b, group=32, bits=4)
+
+
+def test_qmm_rows_do_not_depend_on_the_other_rows(ext):
+    """Fusing q/k/v (or gate/up) concatenates weights: each output row must be unchanged."""
+    parts = [quantized(n, 576, bits=4, group=32, seed=n) for n in (576, 192, 192)]
+    fused = [mx.concatenate([p[i] for p in parts]) for i in range(3)]
+    for rows in (1, 64):
+        x = mx.random.normal((rows, 576))
+        one = ops.qmm(x, *fused, group_size=32, bits=4)
+        apart = mx.concatenate([ops.qmm(x, *p, group_size=32, bits=4) for p in parts], axis=-1)
+        np.testing.assert_array_equal(np.array(one), np.array(apart))
+
+
+def test_qmm_rejects_bad_arguments(ext):
+    w, s, b = quantized(16, 64, bits=4, group=32, seed=4)
+    with pytest.raises(ValueError, match="bits"):
+        ops.qmm(mx.zeros((1, 64)), w, s, b, group_size=32, bits=3)
+    with pytest.raises(ValueError, match="shapes"):
+        ops.qmm(mx.zeros((1, 32)), w, s, b, group_size=32, bits=4)
+
+
+def test_cached_build_is_reused(ext):
+    path = build.build()
+    assert path == build.library_path() and build._is_trusted(path)
+    assert ext.simd() in ("avx512", "avx2", "neon", "generic") and ext.threads() >= 1
+
+
+@pytest.fixture
+def no_extension(monkeypatch, tmp_path):
+    """A process state in which the extension was never tried (restored afterwards)."""
+    monkeypatch.setattr(build, "_module", None)
+    monkeypatch.setattr(build, "_tried", False)
+    monkeypatch.setattr(build, "_reason", None)
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))  # no cached build to find
+    from engine.model.cpu_ext import attention
+
+    attention.reset()
+    yield monkeypatch
+    attention.reset()
+
+
+@pytest.mark.parametrize("compiler,why", [("/nonexistent/c++", "no C++ compiler"),
+                                          ("/bin/false", "exited 1")])
+def test_failed_build_falls_back_with_one_warning(no_extension, compiler, why):
+    no_extension.setenv(toolchain.ENV_COMPILER, compiler)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert not build.available() and not build.available()
+    lines = [str(w.message) for w in seen if "CPU extension unavailable" in str(w.message)]
+    assert len(lines) == 1 and why in lines[0], lines
+    assert why in build.unavailable_reason()
+    with pytest.raises(RuntimeError, match="unavailable"):
+        ops.qmm(mx.zeros((1, 32)), *quantized(8, 32, bits=4, group=32, seed=5), group_size=32,
+                bits=4)
+
+
+def test_switch_turns_the_extension_off_quietly(no_extension):
+    no_extension.setenv(build.ENV_SWITCH, "0")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert not build.available()
+    assert not seen and "KVCHAT_CPU_EXT" in build.unavailable_reason()
+
+
+def test_without_the_extension_everything_takes_mlx_paths(no_extension):
+    """Loader and attention both keep today's path; results are the reference's."""
+    import mlx.nn as nn
+
+    from engine.model import loader
+    from engine.model.paged_attention import paged_attention, paged_attention_ref
+
+    no_extension.setenv(toolchain.ENV_COMPILER, "/nonexistent/c++")
+    model = nn.Sequential(nn.QuantizedLinear(64, 32, group_size=32, bits=4))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert not loader.use_cpu_ext(model, "auto")
+        q = mx.random.normal((2, 4, 1, 32))
+        pool = mx.random.normal((2, 6, 4, 32)).astype(mx.float16)
+        tables = mx.array([[0, 1, 2], [3, 4, 5]], dtype=mx.int32)
+        out = paged_attention(q, pool, pool, tables, [9, 12], 0.2)
+    ref = paged_attention_ref(q, pool, pool, tables, [9, 12], 0.2)
+    np.testing.assert_array_equal(np.array(out), np.array(ref))

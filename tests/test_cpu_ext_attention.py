@@ -1,0 +1,156 @@
+"""The extension's paged decode attention against `paged_attention_ref`, its routing from
+`paged_attention` on CPU, and the fallback after a bad first launch."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.kvcache.kv_cache import QuantizedBlocks, QuantSpec
+from engine.model.cpu_ext import attention, build, ops
+from engine.model.paged_attention import paged_attention, paged_attention_ref
+
+TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ext():
+    if not build.available():
+        pytest.skip(f"CPU extension unavailable: {build.unavailable_reason()}")
+    attention.reset()
+    yield
+    attention.reset()
+
+
+def quantize_pool(pool: mx.array, bits: int, group: int) -> QuantizedBlocks:
+    H, nb, bs, D = pool.shape
+    data, scales, biases = mx.quantize(pool.reshape(-1, D), group_size=group, bits=bits)
+    return QuantizedBlocks(data.reshape(H, nb, bs, -1), scales.astype(mx.float16).reshape(
+        H, nb, bs, -1), biases.astype(mx.float16).reshape(H, nb, bs, -1),
+        QuantSpec(bits, group), D)
+
+
+def make_case(lens, Hq, Hkv, D, bs, *, seed, pool_dtype=mx.float32, q_dtype=mx.float32,
+              k_quant=None, v_quant=None):
+    """Scattered (shuffled) blocks per sequence, padding entries pointing at a valid block."""
+    rng = random.Random(seed)
+    num_blocks = sum(-(-n // bs) for n in lens) + 2
+    mx.random.seed(seed)
+    k = mx.random.normal((Hkv, num_blocks, bs, D)).astype(pool_dtype)
+    v = mx.random.normal((Hkv, num_blocks, bs, D)).astype(pool_dtype)
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    width = max(-(-n // bs) for n in lens)
+    tables, start = [], 0
+    for n in lens:
+        nb = -(-n // bs)
+        tables.append(ids[start:start + nb] + [ids[-1]] * (width - nb))
+        start += nb
+    q = mx.random.normal((len(lens), Hq, 1, D)).astype(q_dtype)
+    if k_quant:
+        k = quantize_pool(k, *k_quant)
+    if v_quant:
+        v = quantize_pool(v, *v_quant)
+    return q, k, v, mx.array(tables, dtype=mx.int32)
+
+
+def check(q, k, v, tables, lens, scale=None):
+    """Kernel vs reference. The reference rounds dequantized rows to their float16 scales'
+    dtype, the kernel keeps them in float32: quantized pools get float16's allowance."""
+    scale = scale or q.shape[-1] ** -0.5
+    out = ops.paged_decode(q, k, v, tables, lens, scale)
+    ref = paged_attention_ref(q, k, v, tables, lens, scale)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+    quantized = isinstance(k, QuantizedBlocks) or isinstance(v, QuantizedBlocks)
+    tol = max(TOLERANCE[q.dtype], TOLERANCE[mx.float16] if quantized else 0)
+    assert err <= tol * max(1.0, mx.abs(ref).max().item()), err
+    return out
+
+
+CASES = [
+    # lens, Hq, Hkv, D, bs
+    ([5], 4, 4, 16, 4),
+    ([17, 3, 33], 9, 3, 64, 16),  # GQA 3:1, ragged, partial last blocks
+    ([64, 1], 8, 1, 32, 16),  # GQA 8:1, a one-token sequence
+    ([16, 32], 2, 2, 128, 16),  # exact block multiples, D 128
+    ([3, 200, 9, 150, 700, 20, 1], 4, 2, 16, 4),  # very ragged batch
+    ([6000], 9, 3, 64, 16),  # one long sequence: split over both threads and merged
+    ([600, 900], 32, 2, 64, 32),  # 16 query heads per KV head: two head chunks
+]
+
+
+@pytest.mark.parametrize("lens,Hq,Hkv,D,bs", CASES)
+def test_matches_reference(lens, Hq, Hkv, D, bs):
+    check(*make_case(lens, Hq, Hkv, D, bs, seed=len(lens) + D), lens)
+
+
+@pytest.mark.parametrize("pool_dtype,q_dtype", [(mx.float16, mx.float32),
+                                                (mx.bfloat16, mx.float32),
+                                                (mx.float16, mx.float16),
+                                                (mx.bfloat16, mx.bfloat16)])
+def test_half_pools_and_queries(pool_dtype, q_dtype):
+    lens = [37, 300, 5]
+    check(*make_case(lens, 9, 3, 64, 16, seed=7, pool_dtype=pool_dtype, q_dtype=q_dtype), lens)
+
+
+@pytest.mark.parametrize("k_quant,v_quant", [((8, 32), (8, 32)), ((4, 32), (4, 32)),
+                                             ((8, 64), (4, 64)), ((4, 32), None)])
+def test_quantized_pools(k_quant, v_quant):
+    lens = [45, 260, 1]
+    check(*make_case(lens, 9, 3, 64, 16, seed=11, k_quant=k_quant, v_quant=v_quant), lens)
+
+
+def test_padding_blocks_are_never_read():
+    lens = [9, 2]
+    q, k, v, tables = make_case(lens, 4, 2, 16, 4, seed=3)
+    out1 = ops.paged_decode(q, k, v, tables, lens, 0.3)
+    tables2 = np.array(tables)
+    tables2[1, 1:] = 0  # other (valid) padding ids
+    out2 = ops.paged_decode(q, k, v, mx.array(tables2), lens, 0.3)
+    np.testing.assert_array_equal(np.array(out1), np.array(out2))
+
+
+def test_bad_inputs_raise_or_come_back_nan():
+    q, k, v, tables = make_case([9], 2, 2, 16, 4, seed=4)
+    with pytest.raises(ValueError, match="queries"):
+        ops.paged_decode(mx.concatenate([q, q], axis=2), k, v, tables, [9], 0.3)
+    # an id outside the pool is never read: its sequence comes back as NaN
+    out = ops.paged_decode(q, k, v, mx.array([[0, 99, 1]], dtype=mx.int32), [9], 0.3)
+    assert mx.isnan(out).all().item()
+    out = ops.paged_decode(q, k, v, tables, [13], 0.3)  # longer than its table
+    assert mx.isnan(out).all().item()
+
+
+def test_paged_attention_routes_cpu_decode():
+    """Batches go to the extension; one sequence with plain pools of the queries' dtype
+    stays on the reference (exactly mlx-lm's computation, the parity tests rely on it)."""
+    lens = [40, 7]
+    q, k, v, tables = make_case(lens, 9, 3, 64, 16, seed=5, pool_dtype=mx.float16)
+    routed = paged_attention(q, k, v, tables, lens, 0.125)
+    np.testing.assert_array_equal(np.array(routed),
+                                  np.array(ops.paged_decode(q, k, v, tables, lens, 0.125)))
+    q1, k1, v1, t1 = make_case([40], 9, 3, 64, 16, seed=6)
+    np.testing.assert_array_equal(np.array(paged_attention(q1, k1, v1, t1, [40], 0.125)),
+                                  np.array(paged_attention_ref(q1, k1, v1, t1, [40], 0.125)))
+    assert paged_attention(q, k, v, tables, lens, 0.125, use_kernels=False).shape == q.shape
+
+
+def test_bad_first_launch_falls_back_once(monkeypatch):
+    attention.reset()
+    monkeypatch.setattr(ops, "paged_decode", lambda q, *a: mx.zeros_like(q) + 7)
+    lens = [20, 9]
+    q, k, v, tables = make_case(lens, 4, 2, 32, 8, seed=8, pool_dtype=mx.float16)
+    ref = paged_attention_ref(q, k, v, tables, lens, 0.2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            out = paged_attention(q, k, v, tables, lens, 0.2)
+            np.testing.assert_array_equal(np.array(out), np.array(ref))
+    assert len([w for w in seen if "CPU decode attention off" in str(w.message)]) == 1
+    assert "first launch" in attention.fallback_reason()
+    attention.reset()
