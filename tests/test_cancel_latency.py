@@ -21,7 +21,8 @@ SAMPLES = 8
 @pytest.fixture(scope="module")
 def long_prompts(default_model):
     tok = default_model.tokenizer
-    words = ["harbor", "lantern", "copper", "meadow", "signal", "orchard", "granite", "violet", "tunnel", "ember"]
+    words = ["harbor", "lantern", "copper", "meadow", "signal", "orchard", "granite",
+             "violet", "tunnel", "ember"]
     rng = random.Random(7)
     # distinct texts: no request can reuse another's blocks
     return [tok.encode(" ".join(rng.choice(words) for _ in range(1400))) for _ in range(SAMPLES)]
