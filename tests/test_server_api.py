@@ -169,7 +169,8 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(server):
     with pytest.raises(openai.BadRequestError) as info:
         c.chat.completions.create(model="kvchat", messages=huge)
     assert info.value.code == "context_length_exceeded"
-    beyond_pool = [{"role": "user", "content": "hello " * 1600}]  # > 1456 tokens of KV pool
+    # > the 64 MiB pool: 2,912 tokens of float16 K/V (the CPU extension's path), 1,456 float32
+    beyond_pool = [{"role": "user", "content": "hello " * 3200}]
     with pytest.raises(openai.BadRequestError) as info:
         c.chat.completions.create(model="kvchat", messages=beyond_pool)
     assert info.value.code == "context_length_exceeded" and "KV pool" in info.value.message
