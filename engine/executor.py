@@ -57,6 +57,10 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _same(a: list[Request], b: list[Request]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
 def _greedy(logits: mx.array) -> mx.array:
     # argmax of the log-probs, as mlx-lm's greedy sampler takes it (same ties)
     return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
@@ -118,7 +122,7 @@ class StepExecutor:
         """The plan decodes exactly the flight's requests: feed its tokens unread."""
         f = self.flight
         return (f is not None and not plan.prefills and not any(s.copies for _, s in plan.decodes)
-                and len(plan.decodes) == len(f.requests) and self.fault_hook is None
+                and len(plan.decodes) == len(f.requests)
                 and all(r is q for (r, _), q in zip(plan.decodes, f.requests, strict=True)))
 
     def fault(self, req: Request, phase: str) -> None:
@@ -226,6 +230,8 @@ class StepExecutor:
         if not ok:
             return out + self.resolve()
         reqs = [r for r, _ in ok]
+        if self.flight is not None and not _same(reqs, self.flight.requests):
+            out += self.resolve()  # one failed its own checks: feed the tokens read back
         chained = self.flight is not None  # `_can_chain`: feed the flight's unread tokens
         t = time.perf_counter()
         try:
