@@ -298,6 +298,9 @@ class Engine(EngineLoop):
                                        stats=s, error=error))
 
     def _close(self) -> None:
+        # a launched decode step still running at interpreter exit aborts the process
+        # (MLX's stream thread is torn down under it): wait for it; its tokens are dropped
+        self.executor.resolve()
         self.prefix.close()  # drains the disk writer
 
     # -- observation -------------------------------------------------------------------------
