@@ -177,11 +177,17 @@ def cmd_convert(args) -> int:
     return 0
 
 
-def add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
-    """--max-tokens and --temp, shared by generate and chat."""
-    p.add_argument("--max-tokens", type=arg_types.positive_int, default=max_tokens,
+def add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int,
+                      typed_only: bool = False) -> None:
+    """--max-tokens and --temp, shared by generate and chat.
+
+    ``typed_only``: leave them None unless typed, so the chat's saved settings apply
+    when the command line says nothing (the chat's defaults are the same values).
+    """
+    p.add_argument("--max-tokens", type=arg_types.positive_int,
+                   default=None if typed_only else max_tokens,
                    help=f"max tokens per answer, >= 1 ({max_tokens})")
-    p.add_argument("--temp", type=arg_types.temperature, default=0.0,
+    p.add_argument("--temp", type=arg_types.temperature, default=None if typed_only else 0.0,
                    help="temperature, finite and >= 0 (0 = greedy)")
 
 
@@ -214,7 +220,7 @@ def make_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     ch = sub.add_parser("chat", help="the terminal chat (the default command)")
-    add_sampling_args(ch, max_tokens=512)
+    add_sampling_args(ch, max_tokens=512, typed_only=True)
     add_engine_args(ch)
     ch.set_defaults(func=cmd_chat)
 

@@ -217,3 +217,23 @@ async def test_generation_settings_per_chat_and_as_defaults(home, tmp_path):
     assert settings.generation_defaults().max_tokens == 64
     assert store.load(cid).params == {"temperature": 0.7, "repetition_penalty": 1.1}
     assert settings.load_settings().kv_cache is None  # the format was left as it was
+
+
+def test_typed_sampling_flags_win_over_saved_defaults_and_untyped_ones_do_not(home, tmp_path):
+    from app.cli import make_parser
+
+    settings.save_settings(generation={"max_tokens": 64, "temperature": 0.5})
+    store = ConversationStore(tmp_path / "conversations")
+
+    def app_for(argv):
+        args = make_parser().parse_args(["chat", *argv])
+        app = ChatApp(engine_factory=lambda spec, kv_cache=None: FakeEngine(), store=store,
+                      max_tokens=args.max_tokens, temperature=args.temp)
+        app.saved_generation = settings.load_settings().generation
+        return app.generation_defaults()
+
+    assert (app_for([]).max_tokens, app_for([]).temperature) == (64, 0.5)
+    # typing the built-in values is still a choice: it wins for this run
+    typed = app_for(["--max-tokens", "512", "--temp", "0"])
+    assert (typed.max_tokens, typed.temperature) == (512, 0.0)
+    assert app_for(["--temp", "0.9"]).max_tokens == 64

@@ -62,8 +62,8 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
     ]
 
     def __init__(self, *, model: str | None = None, engine_factory: EngineFactory | None = None,
-                 store: ConversationStore | None = None, max_tokens: int = 512,
-                 temperature: float = 0.0, conversation_id: str | None = None,
+                 store: ConversationStore | None = None, max_tokens: int | None = None,
+                 temperature: float | None = None, conversation_id: str | None = None,
                  remember: bool = True):
         super().__init__()
         self.engine_factory = engine_factory or default_engine_factory

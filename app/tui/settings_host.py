@@ -1,8 +1,8 @@
 """The app's settings: this chat's generation settings and the app-wide KV cache format (F6).
 
 The sampling an answer uses is layered: the built-in defaults, then the saved defaults,
-then ``--max-tokens``/``--temp`` when the command line gave other values than the
-built-in ones (they win for their run, as the KV flags do), then the chat's own settings.
+then ``--max-tokens``/``--temp`` when typed on the command line (they win for their run,
+as the KV flags do; None when not typed), then the chat's own settings.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class SettingsHost(App):
 
     engine: EngineLike | None
     kv_cache: str | None
-    max_tokens: int
-    temperature: float
+    max_tokens: int | None  # typed on the command line; None: not given
+    temperature: float | None
     remember: bool
     model_loading: bool
     model_name: str | None
@@ -44,10 +44,9 @@ class SettingsHost(App):
 
     def generation_defaults(self) -> GenerationSettings:
         """The defaults for a chat without settings of its own (see the module's layers)."""
-        builtin = GenerationSettings()
         cli = {"max_tokens": self.max_tokens, "temperature": self.temperature}
         return GenerationSettings.from_dict(
-            {k: v for k, v in cli.items() if v != getattr(builtin, k)},
+            {k: v for k, v in cli.items() if v is not None},
             GenerationSettings.from_dict(self.saved_generation))
 
     def chat_generation(self) -> GenerationSettings:
