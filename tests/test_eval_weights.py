@@ -1,0 +1,77 @@
+"""`kvchat eval weights`: the figures' arithmetic, then a quick run on the real default model
+(kvchat's quantized CPU path and float32 against mlx-lm as shipped, in its own process)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from app.eval import weights
+
+
+def test_greedy_counts_first_divergence_and_equal_positions():
+    assert weights.first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert weights.first_divergence([1, 2, 3], [7, 2, 3]) == 0
+    assert weights.greedy_row([1, 2, 3, 4], [1, 5, 3, 4]) == {
+        "first_divergence": 1, "equal": 3, "total": 4}
+    assert weights.greedy_row([1, 2], [1]) == {"first_divergence": 1, "equal": 1, "total": 2}
+
+
+def test_summary_pools_the_texts_and_takes_the_delta_from_the_perplexities():
+    texts = [{"name": "a", "ids": [0] * 3, "gen_tokens": 2},
+             {"name": "b", "ids": [0] * 4, "gen_tokens": 0}]
+    ref = {"scores": [{"nll": [1.0, 1.0], "top1": [5, 6]},
+                      {"nll": [2.0, 2.0, 2.0], "top1": [1, 2, 3]}], "greedy": [[9, 8], []]}
+    ours = {"scores": [{"nll": [1.0, 2.0], "top1": [5, 0]},
+                       {"nll": [2.0, 2.0, 2.0], "top1": [1, 2, 3]}], "greedy": [[9, 7], []]}
+    s = weights.summarize(texts, {"kvchat": ours, "mlx_lm": ref})
+    assert s["tokens_scored"] == 5
+    assert s["perplexity"]["mlx_lm"] == pytest.approx(math.exp(8 / 5))
+    assert s["perplexity"]["kvchat"] == pytest.approx(math.exp(9 / 5))
+    assert s["delta_pct"]["kvchat"] == pytest.approx(100 * (math.exp(1 / 5) - 1))
+    assert s["top1_agreement_vs_mlx_lm"]["kvchat"] == pytest.approx(4 / 5)
+    assert [t["perplexity"]["kvchat"] for t in s["texts"]] == pytest.approx(
+        [math.exp(1.5), math.exp(2.0)])
+    assert len(s["greedy"]) == 1  # the document is scored, not decoded
+    assert s["greedy"][0]["kvchat_vs_mlx_lm"] == {"first_divergence": 1, "equal": 1, "total": 2}
+
+
+@pytest.mark.slow
+def test_quick_run_on_the_default_model(default_model_ext, default_model, monkeypatch, tmp_path):
+    import engine
+    from app.cli import main
+
+    # The CLI loads the models the session already has (quantized on the extension, float32).
+    monkeypatch.setattr(engine, "load_model", lambda model=None, weights="auto":
+                        default_model if weights == "float32" else default_model_ext)
+    out = tmp_path / "w" / "weights.json"
+    assert main(["eval", "weights", "--quick", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+
+    assert r["weights"]["kvchat_cpu_ext"] is True
+    assert r["weights"]["kvchat"] == r["weights"]["mlx_lm"] != "float32"  # the same Q4/Q8
+    assert r["weights"]["float32"] == "float32" and r["notes"] == []
+    n = weights.QUICK["lengths"][0]
+    assert r["tokens_scored"] == n - 1 and [t["tokens"] for t in r["texts"]] == [n - 1]
+    ppl = r["perplexity"]
+    for side in weights.SIDES:
+        assert math.isfinite(ppl[side]) and ppl[side] > 1
+        assert r["texts"][0]["perplexity"][side] == pytest.approx(ppl[side])  # one text
+    for side in ("kvchat", "float32"):
+        assert r["delta_pct"][side] == pytest.approx(100 * (ppl[side] / ppl["mlx_lm"] - 1))
+        # the same weights: a few tenths of a percent apart at most, not another model
+        assert abs(r["delta_pct"][side]) < 2
+        assert 0.9 <= r["top1_agreement_vs_mlx_lm"][side] <= 1
+
+    (g,) = r["greedy"]
+    gen = weights.QUICK["gen_tokens"]
+    assert g["prompt_tokens"] == n
+    for side in weights.SIDES:
+        assert len(g["tokens"][side]) == gen
+    for side in ("kvchat", "float32"):
+        row = g[f"{side}_vs_mlx_lm"]
+        assert row["total"] == gen
+        assert 1 <= row["first_divergence"] <= row["equal"] <= gen  # the first token agrees
+        assert row == weights.greedy_row(g["tokens"]["mlx_lm"], g["tokens"][side])
