@@ -297,10 +297,15 @@ class Engine(EngineLoop):
         req.events.put(GenerationEvent(req.request_id, token, text, finish_reason=reason,
                                        stats=s, error=error))
 
-    def _close(self) -> None:
+    def _settle(self) -> None:
         # a launched decode step still running at interpreter exit aborts the process
         # (MLX's stream thread is torn down under it): wait for it; its tokens are dropped
-        self.executor.resolve()
+        with self._step_lock:
+            self.executor.resolve()
+        mx.synchronize()
+
+    def _close(self) -> None:
+        self._settle()  # without an engine thread, steps ran (and queued work) here
         self.prefix.close()  # drains the disk writer
 
     # -- observation -------------------------------------------------------------------------

@@ -43,6 +43,9 @@ class EngineLoop:
     def _close(self) -> None:
         """Release what outlives requests (the disk writer); called once by `shutdown`."""
 
+    def _settle(self) -> None:
+        """Finish the calling thread's queued MLX work (the engine thread, as it ends)."""
+
     # -- cancels ---------------------------------------------------------------------
     def cancel(self, request_id: int) -> bool:
         """Cancel a request; it ends within one step. False if unknown or already done."""
@@ -97,14 +100,19 @@ class EngineLoop:
             self._thread.start()
 
     def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not (self._stopped or self._inbox or self._cancels
-                           or self.scheduler.has_work):
-                    self._wake.wait()
-                if self._stopped:
-                    return
-            self.step()
+        try:
+            while True:
+                with self._wake:
+                    while not (self._stopped or self._inbox or self._cancels
+                               or self.scheduler.has_work):
+                        self._wake.wait()
+                    if self._stopped:
+                        return
+                self.step()
+        finally:
+            # MLX streams are per thread: work this thread queued (a launched decode, the
+            # K/V writes behind its tokens) must end before the thread and its stream do
+            self._settle()
 
     def _fail_all(self, error: str) -> None:
         with self._step_lock:

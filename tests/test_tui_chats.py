@@ -7,6 +7,7 @@ import pytest
 from rich.cells import cell_len
 from test_tui_app import SIZE, ask, boxes, make_app, store, wait_for
 from test_tui_fakes import FakeEngine
+from textual.widgets import Input
 
 from app.tui.app import ChatApp
 from app.tui.screens.conversations import ConversationsScreen
@@ -68,7 +69,8 @@ async def test_search_rename_and_export_in_the_list(store, tmp_path):
         await pilot.press("slash", *"sourdough")  # text, not only titles
         await wait_for(pilot, lambda: len(table_titles(screen)) == 1)
         assert table_titles(screen) == ["Bread recipes please"]
-        await pilot.press("enter")  # from the search box to the list
+        await pilot.press("down")  # from the search box to the list (as Enter)
+        assert not isinstance(app.screen.focused, Input)
         await pilot.press("r")
         await wait_for(pilot, lambda: isinstance(app.screen, TextInputScreen))
         await pilot.press(*"Baking", "enter")

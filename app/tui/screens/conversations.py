@@ -122,6 +122,12 @@ class ConversationsScreen(ModalScreen[str | None]):
     def action_search(self) -> None:
         self.query_one("#conversation-search", Input).focus()
 
+    def on_key(self, event) -> None:
+        # ↓ in the search box goes to the list, as Enter does
+        if event.key == "down" and isinstance(self.focused, Input):
+            event.stop()
+            self.query_one(DataTable).focus()
+
     def _selected(self) -> str | None:
         table = self.query_one(DataTable)
         if not table.row_count:
