@@ -73,6 +73,11 @@ class ModelHost(App):
     @work(thread=True, exclusive=True, group="model", exit_on_error=False)
     def _load_worker(self, spec: str | None, fallback: bool, kv_cache: str | None) -> None:
         worker = get_current_worker()
+        from engine.model.cpu_ext.build import build_pending
+
+        if build_pending():  # the first launch on this machine compiles it: say why it waits
+            self.call_from_thread(setattr, self, "model_status",
+                                  "building kvchat's CPU extension (first run only, ~30 s)…")
         try:
             engine = self.engine_factory(spec, kv_cache=kv_cache)
             engine.start()

@@ -203,6 +203,19 @@ def available() -> bool:
     return load() is not None
 
 
+def build_pending() -> bool:
+    """Whether the next `load()` will compile the extension (its first use on this machine,
+    on the CPU backend): callers say so, as it takes ~20-30 s."""
+    from engine.model.memory import backend
+
+    if _tried or not enabled() or backend() != "cpu":
+        return False
+    try:
+        return not _is_trusted(library_path())
+    except Exception:  # noqa: BLE001 - no compiler or nanobind: nothing will be built
+        return False
+
+
 def unavailable_reason() -> str | None:
     """Why `available()` is False; None when it is True or was not tried yet."""
     return None if _module is not None else _reason

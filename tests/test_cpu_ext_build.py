@@ -1,0 +1,43 @@
+"""`build_pending`: the chat says "building" only when the next load compiles the extension."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.model.cpu_ext import build, toolchain
+
+
+@pytest.fixture
+def untried(monkeypatch, tmp_path):
+    monkeypatch.setattr(build, "_module", None)
+    monkeypatch.setattr(build, "_tried", False)
+    monkeypatch.setattr(build, "_reason", None)
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))  # an empty cache: nothing built here
+    return monkeypatch
+
+
+def test_pending_on_an_empty_cache_and_not_once_tried(untried):
+    if toolchain.find_compiler() is None:
+        pytest.skip("no C++ compiler: nothing would be built")
+    assert build.build_pending()
+    untried.setattr(build, "_tried", True)  # this process already built or gave up
+    assert not build.build_pending()
+
+
+def test_not_pending_when_it_cannot_or_may_not_build(untried):
+    untried.setenv(toolchain.ENV_COMPILER, "/nonexistent/c++")
+    assert not build.build_pending()
+    untried.delenv(toolchain.ENV_COMPILER)
+    untried.setenv(build.ENV_SWITCH, "0")
+    assert not build.build_pending()
+
+
+def test_not_pending_once_built(untried, tmp_path):
+    if toolchain.find_compiler() is None:
+        pytest.skip("no C++ compiler")
+    untried.setattr(build, "library_path", lambda: built)
+    built = tmp_path / "lib.so"
+    built.write_bytes(b"")
+    built.chmod(0o700)
+    tmp_path.chmod(0o700)
+    assert not build.build_pending()
