@@ -23,7 +23,7 @@ MODULE_NAME = "_kvchat_cpu_ext"  # must match NB_MODULE in csrc/bindings.cpp
 ENV_COMPILER = "KVCHAT_CXX"
 BUILD_TIMEOUT_S = 600  # one compiler run; a loaded 2-core machine can be slow
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("qmm.cpp", "paged_decode.cpp", "paged_decode_kernel.cpp", "norm_rope.cpp",
+SOURCES = ("qmm.cpp", "paged_attention.cpp", "paged_decode_kernel.cpp", "norm_rope.cpp",
            "tensor.cpp", "pool.cpp", "bindings.cpp")
 
 
