@@ -27,6 +27,7 @@ from engine.generation import GenerationEvent, GenerationResult, collect
 from engine.loop import EngineLoop
 from engine.metrics import EngineMetrics, MetricsRecorder, snapshot
 from engine.model.loader import LoadedModel
+from engine.model.memory import cpu_compile_off
 from engine.pacing import StepPacer
 from engine.request import Priority, Request, RequestHandle, RequestState
 from engine.sampling import SamplingParams
@@ -35,25 +36,12 @@ from engine.validation import check_ids, check_params, check_scope, check_ttl
 from engine.wiring import build_kv
 
 
-def _cpu_compile_off() -> None:
-    """Turn `mx.compile` off on MLX's CPU backend.
-
-    A function compiled on a worker thread (the engine's; mlx-lm's `swiglu` and samplers
-    are compiled) makes the process abort at exit with "terminate called without an
-    active exception" (3 of 5 runs of a 4-line script with MLX 0.32.4). On the CPU
-    the compiled and plain functions give bit-identical results (checked for `swiglu`
-    in float32/16, bf16) and fusing saves little; Metal and CUDA keep compiling.
-    """
-    if not (mx.metal.is_available() or mx.cuda.is_available()):
-        mx.disable_compile()
-
-
 class Engine(EngineLoop):
     """Serves generation requests for one model over a block-paged KV pool."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         super().__init__()
-        _cpu_compile_off()
+        cpu_compile_off()
         self.loaded = loaded
         self.config = config = config or EngineConfig()
         parts = build_kv(loaded, config)
@@ -189,7 +177,9 @@ class Engine(EngineLoop):
             if req.deadline is not None and now > req.deadline:
                 self._finish(req, "timeout")
         self.prefix.maybe_sweep()
-        if self.executor.in_flight and not self._can_pipeline():
+        with self._lock:
+            inbox_empty = not self._inbox
+        if self.executor.in_flight and not (inbox_empty and self.scheduler.can_plan_ahead()):
             for outcome in self.executor.resolve():
                 self._apply(outcome)
         plan = self.scheduler.schedule()
@@ -198,24 +188,6 @@ class Engine(EngineLoop):
             self._apply(outcome)
         self.recorder.steps += 1
         self.recorder.peak_blocks = max(self.recorder.peak_blocks, self.blocks.num_used_blocks)
-
-    def _can_pipeline(self) -> bool:
-        """Whether the next plan may be made before the launched step's tokens are applied:
-        nothing waits to be admitted or swapped in, and every running sequence can grow a
-        block, so the scheduler cannot preempt a sequence whose token is still in flight."""
-        s = self.scheduler
-        with self._lock:
-            if self._inbox:
-                return False
-        return (not s.waiting and not s.swapped and self.blocks.num_free_blocks
-                > len(s.running) + s.config.watermark_blocks)
-
-    def _unwanted(self, reqs: list[Request]) -> bool:
-        """True when every one of ``reqs`` is cancelled or finished, or the engine stops:
-        their forward may stop early (checked between layer groups)."""
-        with self._lock:
-            return self._stopped or all(r.finished or r.request_id in self._cancels
-                                        for r in reqs)
 
     def _admitted(self, plan: StepPlan) -> None:
         self.recorder.preemptions += len(plan.preempted)

@@ -47,6 +47,13 @@ class EngineLoop:
         """Finish the calling thread's queued MLX work (the engine thread, as it ends)."""
 
     # -- cancels ---------------------------------------------------------------------
+    def _unwanted(self, reqs: list[Request]) -> bool:
+        """True when every one of ``reqs`` is cancelled or finished, or the engine stops:
+        their forward may stop early (checked between layer groups)."""
+        with self._lock:
+            return self._stopped or all(r.finished or r.request_id in self._cancels
+                                        for r in reqs)
+
     def cancel(self, request_id: int) -> bool:
         """Cancel a request; it ends within one step. False if unknown or already done."""
         with self._wake:

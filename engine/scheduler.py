@@ -124,6 +124,13 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     # -- block needs ---------------------------------------------------------------
+    def can_plan_ahead(self) -> bool:
+        """Whether the next plan may be made before a launched step's tokens are applied:
+        nothing waits or is swapped out, and every running sequence can grow a block, so
+        `schedule` cannot preempt a sequence whose token is still in flight."""
+        return (not self.waiting and not self.swapped and self.blocks.num_free_blocks
+                > len(self.running) + self.config.watermark_blocks)
+
     def _prefill_len(self, req: Request, budget: int) -> int:
         left = req.total_len - 1 - req.num_computed
         return min(left, self.config.prefill_chunk, budget)
