@@ -33,7 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
     p.add_argument("--kv-budget", type=arg_types.size, default=parse_size(DEFAULT_KV_BUDGET),
                    help=f"bytes for the KV pool, e.g. 512M, 2G ({DEFAULT_KV_BUDGET})")
     p.add_argument("--weights", choices=["auto", "float32", "shipped"], default="auto",
-                   help="weight format: auto picks float32 on CPU, shipped on GPU")
+                   help="weight format: auto keeps the shipped Q4/Q8 (on CPU through "
+                        "kvchat's extension; float32 where it cannot build)")
     p.add_argument("--kv-bits", type=int, choices=[16, 8, 4], default=None,
                    help="store the KV cache quantized at 8 or 4 bits (16: unquantized)")
     p.add_argument("--k-bits", type=int, choices=[16, 8, 4], default=None,

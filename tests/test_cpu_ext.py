@@ -45,6 +45,15 @@ def test_qmm_matches_quantized_matmul(ext, bits, group, rows):
     check_qmm(x, w, s, b, group=group, bits=bits)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows,N,K", [(517, 300, 1536), (17, 33, 64), (512, 960, 576)])
+def test_qmm_prefill_gemm(ext, bits, rows, N, K):
+    """The GEMM's edges: x rows past a block of 256 and not a multiple of 8, weight
+    panels of 128 rows with a ragged last one, columns not a multiple of 32."""
+    w, s, b = quantized(N, K, bits=bits, group=32, seed=rows + bits)
+    check_qmm(mx.random.normal((rows, K)), w, s, b, group=32, bits=bits)
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 96), (96,), (1, 1, 96)])
 def test_qmm_leading_shapes(ext, shape):
     w, s, b = quantized(33, 96, bits=4, group=32, seed=1)
@@ -85,6 +94,23 @@ def test_qmm_rejects_bad_arguments(ext):
         ops.qmm(mx.zeros((1, 64)), w, s, b, group_size=32, bits=3)
     with pytest.raises(ValueError, match="shapes"):
         ops.qmm(mx.zeros((1, 32)), w, s, b, group_size=32, bits=4)
+
+
+@pytest.mark.parametrize("dtype,rel", [(mx.float32, 2e-6), (mx.float16, 1e-3),
+                                       (mx.bfloat16, 8e-3)])
+def test_swiglu_matches_mlx_lm(ext, dtype, rel):
+    from mlx_lm.models.activations import swiglu as reference
+
+    from engine.model.cpu_ext.norm_rope import swiglu
+
+    # the split halves of a fused gate/up output (strided views), odd sizes, big |x|
+    gate_up = (mx.random.normal((3, 37, 2 * 531), key=mx.random.key(5)) * 8).astype(dtype)
+    gate, up = mx.split(gate_up, [531], axis=-1)
+    gate = mx.concatenate([gate[..., :-2], mx.array([[[-200.0, 200.0]] * 37] * 3, dtype)], -1)
+    out, ref = swiglu(gate, up), reference(gate, up)
+    assert out.shape == ref.shape and out.dtype == ref.dtype == dtype
+    err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+    assert err <= rel * mx.abs(ref.astype(mx.float32)).max().item(), err
 
 
 def test_cached_build_is_reused(ext):

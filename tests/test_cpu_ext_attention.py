@@ -151,6 +151,6 @@ def test_bad_first_launch_falls_back_once(monkeypatch):
         for _ in range(2):
             out = paged_attention(q, k, v, tables, lens, 0.2)
             np.testing.assert_array_equal(np.array(out), np.array(ref))
-    assert len([w for w in seen if "CPU decode attention off" in str(w.message)]) == 1
+    assert len([w for w in seen if "CPU paged attention off" in str(w.message)]) == 1
     assert "first launch" in attention.fallback_reason()
     attention.reset()

@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from engine.kvcache.kv_cache import KVLayout, PagedKVCache, QuantSpec
+from engine.model.cpu_ext.norm_rope import swiglu as cpu_swiglu
 from engine.model.packed_batch import PackedBatch
 from engine.model.paged_attention import paged_attention
 
@@ -175,10 +176,13 @@ class PagedModel:
     def _mlp(self, mlp, x: mx.array, fused: FusedLayer | None):
         if fused is None or fused.w_gate_up is None:
             return mlp(x)
-        gate_up = fused.gate_up_proj(x) if fused.gate_up_proj is not None else (
-            x @ fused.w_gate_up.T)
-        gate, up = mx.split(gate_up, [fused.gate_up_split], axis=-1)
-        return mlp.down_proj(swiglu(gate, up))
+        if fused.gate_up_proj is None:
+            gate_up = x @ fused.w_gate_up.T
+            gate, up = mx.split(gate_up, [fused.gate_up_split], axis=-1)
+            return mlp.down_proj(swiglu(gate, up))
+        # the extension's path: its one-op swiglu (MLX's CPU sigmoid is scalar and slow)
+        gate, up = mx.split(fused.gate_up_proj(x), [fused.gate_up_split], axis=-1)
+        return mlp.down_proj(cpu_swiglu(gate, up))
 
     def _attention(self, attn, x: mx.array, layer: int, batch: StepBatch, kv: PagedKVCache):
         B, L, _ = x.shape

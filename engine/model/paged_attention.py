@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.model import kernels
-from engine.model.cpu_ext.attention import cpu_decode
+from engine.model.cpu_ext.attention import cpu_attention
 
 
 def gather_blocks(pool: mx.array | QuantizedBlocks, block_tables: mx.array) -> mx.array:
@@ -250,15 +250,16 @@ def paged_attention(
     Decode (one query per sequence) runs the Metal or CUDA kernel where MLX has
     that backend and `decode_route` picks it, plain or quantized
     (`QuantizedBlocks`) pools alike, unless `use_kernels` is False,
-    `KVCHAT_KERNELS=0` or the kernel failed before; prefill, the CPU backend
-    and shapes the kernel declines use the reference.
+    `KVCHAT_KERNELS=0` or the kernel failed before; on the CPU backend decode and
+    prefill go to kvchat's C++ extension where it routes them (`cpu_attention`);
+    GPU prefill and shapes the kernels decline use the reference.
     """
+    if use_kernels and kernels.kernel_available() is None:  # CPU: kvchat's C++ extension
+        out = cpu_attention(queries, k_pool, v_pool, block_tables, context_lens, scale,
+                            block_run=block_run)
+        if out is not None:
+            return out
     if use_kernels and queries.shape[2] == 1:
-        if kernels.kernel_available() is None:  # the CPU backend: kvchat's C++ extension
-            out = cpu_decode(queries, k_pool, v_pool, block_tables, context_lens, scale,
-                             block_run=block_run)
-            if out is not None:
-                return out
         route = decode_route(queries.shape[0], block_run, max(int(n) for n in context_lens))
         if route.path in KERNEL_PATHS:
             out = kernel_decode(queries, k_pool, v_pool, block_tables, context_lens, scale,

@@ -40,6 +40,16 @@ def rope(x: mx.array, *, dims: int, traditional: bool, base: float, scale: float
     return _ext().rope(x, offset, dims=dims, traditional=traditional, base=base, scale=scale)
 
 
+def swiglu(gate: mx.array, up: mx.array) -> mx.array:
+    """mlx-lm's ``swiglu(gate, up)`` (silu(gate) * up) as one op, float32 math.
+
+    MLX's CPU sigmoid is scalar (~30 ns an element here), and mlx-lm's swiglu runs as
+    three ops once mx.compile is off: 23 ms per 512-token chunk of the default model's
+    MLP against 1 ms for this.
+    """
+    return _ext().swiglu(gate, up)
+
+
 class CpuRMSNorm(nn.RMSNorm):
     """`nn.RMSNorm` computed by the extension in one op."""
 

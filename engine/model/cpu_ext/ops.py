@@ -46,6 +46,17 @@ def _side(pool: mx.array | QuantizedBlocks) -> dict:
     return dict(rows=pool, scales=None, biases=None, bits=0, group=0)
 
 
+def _paged(queries, k_pool, v_pool, block_tables, context_lens, scale) -> mx.array:
+    if not isinstance(context_lens, mx.array):
+        context_lens = mx.array([int(n) for n in context_lens], dtype=mx.int32)
+    k, v = _side(k_pool), _side(v_pool)
+    return _ext().paged_attention(
+        queries, k["rows"], v["rows"], block_tables.astype(mx.int32),
+        context_lens.astype(mx.int32), scale=float(scale),
+        k_scales=k["scales"], k_biases=k["biases"], k_bits=k["bits"], k_group=k["group"],
+        v_scales=v["scales"], v_biases=v["biases"], v_bits=v["bits"], v_group=v["group"])
+
+
 def paged_decode(queries: mx.array, k_pool: mx.array | QuantizedBlocks,
                  v_pool: mx.array | QuantizedBlocks, block_tables: mx.array,
                  context_lens: Sequence[int] | mx.array, scale: float) -> mx.array:
@@ -62,18 +73,26 @@ def paged_decode(queries: mx.array, k_pool: mx.array | QuantizedBlocks,
     Returns:
         (B, Hq, 1, D) in the queries' dtype.
     """
-    if not isinstance(context_lens, mx.array):
-        context_lens = mx.array([int(n) for n in context_lens], dtype=mx.int32)
-    k, v = _side(k_pool), _side(v_pool)
-    return _ext().paged_decode(
-        queries, k["rows"], v["rows"], block_tables.astype(mx.int32),
-        context_lens.astype(mx.int32), scale=float(scale),
-        k_scales=k["scales"], k_biases=k["biases"], k_bits=k["bits"], k_group=k["group"],
-        v_scales=v["scales"], v_biases=v["biases"], v_bits=v["bits"], v_group=v["group"])
+    if queries.ndim != 4 or queries.shape[2] != 1:
+        raise ValueError(f"paged_decode: queries must be (B, Hq, 1, D), not {queries.shape}")
+    return _paged(queries, k_pool, v_pool, block_tables, context_lens, scale)
 
 
-def supports_decode(queries: mx.array, k_pool, v_pool) -> bool:
-    """Whether `paged_decode` takes these shapes and dtypes (else use the reference)."""
+def paged_prefill(queries: mx.array, k_pool: mx.array | QuantizedBlocks,
+                  v_pool: mx.array | QuantizedBlocks, block_tables: mx.array,
+                  context_lens: Sequence[int] | mx.array, scale: float) -> mx.array:
+    """Causal attention of each sequence's L newest positions (already written to the
+    pool) over its blocks: `paged_decode`'s arguments with queries (B, Hq, L, D); query i
+    of sequence b sits at position ``context_lens[b] - L + i``.
+
+    Returns:
+        (B, Hq, L, D) in the queries' dtype.
+    """
+    return _paged(queries, k_pool, v_pool, block_tables, context_lens, scale)
+
+
+def supports(queries: mx.array, k_pool, v_pool) -> bool:
+    """Whether `paged_decode` / `paged_prefill` take these shapes and dtypes."""
     B, Hq, L, D = queries.shape
     Hkv = k_pool.shape[0]
 
@@ -84,5 +103,5 @@ def supports_decode(queries: mx.array, k_pool, v_pool) -> bool:
                     and pool.scales.dtype in FLOAT_DTYPES and pool.head_dim == D)
         return pool.dtype in FLOAT_DTYPES and pool.shape[3] == D
 
-    return (L == 1 and D % 16 == 0 and Hq % Hkv == 0 and queries.dtype in FLOAT_DTYPES
+    return (D % 16 == 0 and Hq % Hkv == 0 and queries.dtype in FLOAT_DTYPES
             and side_ok(k_pool) and side_ok(v_pool) and k_pool.shape[:3] == v_pool.shape[:3])

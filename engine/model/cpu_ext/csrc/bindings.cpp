@@ -28,20 +28,23 @@ const char* build_info() {
 }  // namespace kvchat
 
 NB_MODULE(_kvchat_cpu_ext, m) {
-  m.doc() = "kvchat CPU primitives for MLX (quantized matmul, paged decode attention)";
+  m.doc() = "kvchat CPU primitives for MLX (quantized matmul, paged attention)";
   m.def("qmm", &kvchat::qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T (MLX affine quantization), float32 accumulation.");
-  m.def("paged_decode", &kvchat::paged_decode, "queries"_a, "k"_a, "v"_a, "block_tables"_a,
-        "context_lens"_a, nb::kw_only(), "scale"_a, "k_scales"_a = nb::none(),
+  m.def("paged_attention", &kvchat::paged_attention, "queries"_a, "k"_a, "v"_a,
+        "block_tables"_a, "context_lens"_a, nb::kw_only(), "scale"_a, "k_scales"_a = nb::none(),
         "k_biases"_a = nb::none(), "k_bits"_a = 0, "k_group"_a = 0, "v_scales"_a = nb::none(),
         "v_biases"_a = nb::none(), "v_bits"_a = 0, "v_group"_a = 0, "stream"_a = nb::none(),
-        "Decode attention over a block-paged K/V pool (see engine/model/paged_attention.py).");
+        "Causal attention of each sequence's L newest positions over a block-paged K/V pool\n"
+        "(L == 1: decode; see engine/model/paged_attention.py).");
   m.def("rms_norm", &kvchat::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
         "stream"_a = nb::none(), "RMSNorm over the last axis (mx.fast.rms_norm), one op.");
   m.def("rope", &kvchat::rope, "x"_a, "offsets"_a, nb::kw_only(), "dims"_a, "traditional"_a,
         "base"_a, "scale"_a, "stream"_a = nb::none(),
         "Rotary embedding of (B, H, L, D) (mx.fast.rope), one op.");
+  m.def("swiglu", &kvchat::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "silu(gate) * up (mlx-lm's swiglu), one op.");
   m.def("simd", &kvchat::build_info, "The SIMD path compiled in.");
   m.def("threads", [] { return kvchat::ThreadPool::instance().size(); },
         "Threads the kernels use (KVCHAT_CPU_THREADS).");

@@ -1,5 +1,6 @@
 // kvchat's CPU primitives for MLX: a quantized matmul (decode GEMV and
-// prefill GEMM) and paged decode attention that reads the block table.
+// prefill GEMM) and paged attention (decode and causal prefill) that reads the
+// block table.
 #pragma once
 
 #include <optional>
@@ -19,17 +20,18 @@ mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
               const mx::array& biases, int group_size, int bits,
               mx::StreamOrDevice s = {});
 
-// Decode attention (one query per sequence) straight from a block-paged pool;
-// see engine/model/paged_attention.py for the contract. k / v are float pools
-// (Hkv, num_blocks, block_size, D) or packed uint32 rows with their scales
-// and biases (Hkv, num_blocks, block_size, D / group).
-mx::array paged_decode(const mx::array& queries, const mx::array& k, const mx::array& v,
-                       const mx::array& block_tables, const mx::array& context_lens,
-                       float scale, const std::optional<mx::array>& k_scales,
-                       const std::optional<mx::array>& k_biases, int k_bits, int k_group,
-                       const std::optional<mx::array>& v_scales,
-                       const std::optional<mx::array>& v_biases, int v_bits, int v_group,
-                       mx::StreamOrDevice s = {});
+// Attention straight from a block-paged pool; see engine/model/paged_attention.py
+// for the contract: queries (B, Hq, L, D) are each sequence's L newest positions,
+// causal (L == 1 is decode). k / v are float pools (Hkv, num_blocks, block_size, D)
+// or packed uint32 rows with their scales and biases (Hkv, num_blocks, block_size,
+// D / group).
+mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx::array& v,
+                          const mx::array& block_tables, const mx::array& context_lens,
+                          float scale, const std::optional<mx::array>& k_scales,
+                          const std::optional<mx::array>& k_biases, int k_bits, int k_group,
+                          const std::optional<mx::array>& v_scales,
+                          const std::optional<mx::array>& v_biases, int v_bits, int v_group,
+                          mx::StreamOrDevice s = {});
 
 // A short description of the compiled SIMD path and pool size (diagnostics).
 const char* build_info();
@@ -56,14 +58,14 @@ struct QuantSide {
   bool operator==(const QuantSide&) const = default;
 };
 
-class PagedDecode : public mx::UnaryPrimitive {
+class PagedAttention : public mx::UnaryPrimitive {
  public:
-  PagedDecode(mx::Stream stream, float scale, QuantSide k, QuantSide v)
+  PagedAttention(mx::Stream stream, float scale, QuantSide k, QuantSide v)
       : mx::UnaryPrimitive(stream), scale_(scale), k_(k), v_(v) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
-    return "KvchatPagedDecode";
+    return "KvchatPagedAttention";
   }
   bool is_equivalent(const mx::Primitive& other) const override;
 

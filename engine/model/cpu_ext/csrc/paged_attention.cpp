@@ -1,5 +1,6 @@
-// The PagedDecode primitive: argument checks, and eval_cpu handing the
-// problem to the kernel (paged_decode_kernel.cpp) on MLX's CPU stream.
+// The PagedAttention primitive: argument checks, and eval_cpu handing the
+// problem on MLX's CPU stream to the decode kernel (L == 1,
+// paged_decode_kernel.cpp) or the causal prefill kernel (paged_prefill_kernel.cpp).
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -49,6 +50,7 @@ void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, Quan
   pb.q = rows_as_float(queries, q_buf);
   pb.B = queries.shape(0);
   pb.Hq = queries.shape(1);
+  pb.L = queries.shape(2);
   pb.D = queries.shape(3);
   pb.Hkv = k.shape(0);
   pb.num_blocks = k.shape(1);
@@ -63,23 +65,25 @@ void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, Quan
   pb.heads_per_task = std::min(group, kMaxHeadsPerTask);
   pb.head_chunks = (group + pb.heads_per_task - 1) / pb.heads_per_task;
   for (int b = 0; b < pb.B; ++b) {
-    if (pb.lens[b] < 0 || int64_t(pb.lens[b]) > pb.table_width * pb.BS) {
-      fill_nan(out);  // a context longer than its table: nothing valid to read
+    // A context shorter than its queries or longer than its table: nothing valid to read.
+    if (pb.lens[b] < pb.L || int64_t(pb.lens[b]) > pb.table_width * pb.BS) {
+      fill_nan(out);
       return;
     }
   }
+  const int64_t size = int64_t(pb.B) * pb.Hq * pb.L * pb.D;
   std::vector<float> o_buf;
-  float* o = out.dtype() == mx::float32
-                 ? out.data<float>()
-                 : (o_buf.resize(size_t(pb.B) * pb.Hq * pb.D), o_buf.data());
-  run_problem(pb, o);
-  if (out.dtype() != mx::float32)
-    store_any(out.data<char>(), elem_of(out.dtype()), o, int64_t(pb.B) * pb.Hq * pb.D);
+  float* o = out.dtype() == mx::float32 ? out.data<float>() : (o_buf.resize(size), o_buf.data());
+  if (pb.L == 1)
+    run_problem(pb, o);
+  else
+    run_prefill(pb, o);
+  if (out.dtype() != mx::float32) store_any(out.data<char>(), elem_of(out.dtype()), o, size);
 }
 
 }  // namespace
 
-void PagedDecode::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
@@ -89,12 +93,12 @@ void PagedDecode::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
   });
 }
 
-void PagedDecode::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("KvchatPagedDecode runs on the CPU only");
+void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("KvchatPagedAttention runs on the CPU only");
 }
 
-bool PagedDecode::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const PagedDecode&>(other);
+bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const PagedAttention&>(other);
   return scale_ == o.scale_ && k_ == o.k_ && v_ == o.v_;
 }
 
@@ -103,7 +107,7 @@ namespace {
 void check_side(const mx::array& rows, const std::optional<mx::array>& scales,
                 const std::optional<mx::array>& biases, int bits, int group, int Hkv, int D,
                 const mx::Shape& pool_shape, const char* name) {
-  const std::string what = std::string("paged_decode: ") + name;
+  const std::string what = std::string("paged_attention: ") + name;
   if (rows.ndim() != 4 || rows.shape(0) != Hkv || rows.shape(1) != pool_shape[1] ||
       rows.shape(2) != pool_shape[2])
     throw std::invalid_argument(what + " must be (Hkv, num_blocks, block_size, .)");
@@ -126,35 +130,35 @@ void check_side(const mx::array& rows, const std::optional<mx::array>& scales,
 
 }  // namespace
 
-mx::array paged_decode(const mx::array& queries, const mx::array& k, const mx::array& v,
+mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx::array& v,
                        const mx::array& block_tables, const mx::array& context_lens,
                        float scale, const std::optional<mx::array>& k_scales,
                        const std::optional<mx::array>& k_biases, int k_bits, int k_group,
                        const std::optional<mx::array>& v_scales,
                        const std::optional<mx::array>& v_biases, int v_bits, int v_group,
                        mx::StreamOrDevice s) {
-  if (queries.ndim() != 4 || queries.shape(2) != 1 || !is_float_dtype(queries.dtype()))
-    throw std::invalid_argument("paged_decode: queries must be float (B, Hq, 1, D)");
+  if (queries.ndim() != 4 || queries.shape(2) < 1 || !is_float_dtype(queries.dtype()))
+    throw std::invalid_argument("paged_attention: queries must be float (B, Hq, L, D)");
   const int B = queries.shape(0), Hq = queries.shape(1), D = queries.shape(3);
-  if (k.ndim() != 4) throw std::invalid_argument("paged_decode: pools must be 4-d");
+  if (k.ndim() != 4) throw std::invalid_argument("paged_attention: pools must be 4-d");
   const int Hkv = k.shape(0);
   if (D % W != 0 || Hkv <= 0 || Hq % Hkv != 0)
-    throw std::invalid_argument("paged_decode: head dim must be a multiple of 16 and "
+    throw std::invalid_argument("paged_attention: head dim must be a multiple of 16 and "
                                 "Hq a multiple of Hkv");
   check_side(k, k_scales, k_biases, k_bits, k_group, Hkv, D, k.shape(), "k");
   check_side(v, v_scales, v_biases, v_bits, v_group, Hkv, D, k.shape(), "v");
   if (block_tables.ndim() != 2 || block_tables.shape(0) != B ||
       block_tables.dtype() != mx::int32)
-    throw std::invalid_argument("paged_decode: block_tables must be int32 (B, max_blocks)");
+    throw std::invalid_argument("paged_attention: block_tables must be int32 (B, max_blocks)");
   if (context_lens.ndim() != 1 || context_lens.shape(0) != B ||
       context_lens.dtype() != mx::int32)
-    throw std::invalid_argument("paged_decode: context_lens must be int32 (B,)");
+    throw std::invalid_argument("paged_attention: context_lens must be int32 (B,)");
   std::vector<mx::array> inputs = {queries, k, v, block_tables, context_lens};
   if (k_bits) inputs.insert(inputs.end(), {*k_scales, *k_biases});
   if (v_bits) inputs.insert(inputs.end(), {*v_scales, *v_biases});
   auto stream = mx::to_stream(s, mx::Device::cpu);
   return mx::array(queries.shape(), queries.dtype(),
-                   std::make_shared<PagedDecode>(stream, scale, QuantSide{k_bits, k_group},
+                   std::make_shared<PagedAttention>(stream, scale, QuantSide{k_bits, k_group},
                                                  QuantSide{v_bits, v_group}),
                    std::move(inputs));
 }

@@ -22,23 +22,6 @@ namespace {
 constexpr int kMinPartitionTokens = 256;  // split-K only for contexts longer than this
 constexpr int64_t kParallelMinElements = 1 << 20;  // K/V elements read
 
-// (evens, odds) order of each 32-chunk <-> natural order.
-void permute4(const float* src, float* dst, int D) {
-  for (int d = 0; d < D; d += 32)
-    for (int i = 0; i < 16; ++i) {
-      dst[d + i] = src[d + 2 * i];
-      dst[d + 16 + i] = src[d + 2 * i + 1];
-    }
-}
-
-void unpermute4(const float* src, float* dst, int D) {
-  for (int d = 0; d < D; d += 32)
-    for (int i = 0; i < 16; ++i) {
-      dst[d + 2 * i] = src[d + i];
-      dst[d + 2 * i + 1] = src[d + 16 + i];
-    }
-}
-
 // Online-softmax state of one task: running max, sum and output per head.
 struct Partial {
   float* m;

@@ -53,21 +53,44 @@ struct Side {
   }
 };
 
-// One decode-attention call: queries, the pool sides, tables and lengths.
+// (evens, odds) order of each 32-chunk <-> natural order: the order in which
+// Side::row hands out 4-bit rows.
+inline void permute4(const float* src, float* dst, int D) {
+  for (int d = 0; d < D; d += 32)
+    for (int i = 0; i < 16; ++i) {
+      dst[d + i] = src[d + 2 * i];
+      dst[d + 16 + i] = src[d + 2 * i + 1];
+    }
+}
+
+inline void unpermute4(const float* src, float* dst, int D) {
+  for (int d = 0; d < D; d += 32)
+    for (int i = 0; i < 16; ++i) {
+      dst[d + 2 * i] = src[d + i];
+      dst[d + 2 * i + 1] = src[d + 16 + i];
+    }
+}
+
+// One paged-attention call: queries, the pool sides, tables and lengths.
 struct Problem {
-  const float* q;  // (B, Hq, D), unscaled
+  const float* q;  // (B, Hq, L, D), unscaled
   Side k, v;
   const int32_t* tables;
   int64_t table_width;
   const int32_t* lens;
   int B, Hq, Hkv, D, BS, num_blocks;
+  int L;  // queries per sequence: the L newest positions (1 for decode)
   float scale;
   int heads_per_task, head_chunks;
   int parts;  // context partitions (split-K); set by run_problem
 };
 
-// Attention of every (sequence, query head) into out (B, Hq, D), float32.
+// Decode (L == 1): attention of every (sequence, query head) into out (B, Hq, D),
+// float32 (paged_decode_kernel.cpp).
 void run_problem(Problem pb, float* out);
+
+// Prefill (L >= 1, causal): out (B, Hq, L, D), float32 (paged_prefill_kernel.cpp).
+void run_prefill(const Problem& pb, float* out);
 
 
 }  // namespace kvchat

@@ -2,11 +2,8 @@
 //
 // Decode (few rows of x): a GEMV that dequantizes each 32-weight chunk into
 // registers once and multiplies it into up to 4 rows of x; rows of w are split
-// over the pool. Prefill (many rows): tiles of w are dequantized to float32
-// and multiplied with the process's BLAS (cblas_sgemm, OpenBLAS when
-// engine.model.blas preloaded it). Accumulation is float32 throughout.
-#include <dlfcn.h>
-
+// over the pool. Prefill (many rows): the GEMM of qgemm.cpp. Accumulation is
+// float32 throughout.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -17,13 +14,14 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "ops.h"
 #include "pool.h"
+#include "quant.h"
 #include "tensor.h"
 
 namespace kvchat {
 
 namespace {
 
-// x rows at or below this use the GEMV; above, dequantize + sgemm
+// x rows at or below this use the GEMV; above, the GEMM
 // (KVCHAT_QMM_GEMV_ROWS overrides it, for tuning on another machine).
 int gemv_max_rows() {
   static const int rows = [] {
@@ -32,43 +30,9 @@ int gemv_max_rows() {
   }();
   return rows;
 }
-// Bytes of float32 weights dequantized per sgemm call (a tile stays in L2/L3).
-constexpr int64_t kTileBytes = 4 << 20;
 // Waking the second thread costs 50-300 us on the 2-core build VMs: only jobs of
 // at least this many weight-rows (~0.5 ms on one core) use the pool.
 constexpr int64_t kParallelMinWeights = 4 << 20;
-
-inline vb load_bytes(const uint8_t* p) {
-  vb v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-struct QuantWeights {
-  const uint8_t* w;  // N rows of K * bits / 8 bytes
-  const void* scales;  // N x G
-  const void* biases;
-  Elem elem;  // of scales and biases
-  int K, N, G, group, bits;
-
-  int64_t row_bytes() const {
-    return int64_t(K) * bits / 8;
-  }
-
-  // Row n's scales and biases as floats (G each).
-  void row_params(int n, float* s, float* b) const {
-    const int64_t base = int64_t(n) * G;
-    int g = 0;
-    for (; g + W <= G; g += W) {
-      store(s + g, load_any(scales, elem, base + g));
-      store(b + g, load_any(biases, elem, base + g));
-    }
-    for (; g < G; ++g) {
-      s[g] = scalar_any(scales, elem, base + g);
-      b[g] = scalar_any(biases, elem, base + g);
-    }
-  }
-};
 
 // The 32 weights at k of a row, dequantized: for 4 bits, w0 holds the even
 // positions k, k+2, ... and w1 the odd ones (the nibble order in a byte), so
@@ -188,77 +152,6 @@ void gemv(const QuantWeights& q, const float* x, int64_t M, float* y) {
       gemv_block<8>(q, x, M, n0, n1, y);
   });
 }
-
-// Rows n0..n1 of w as float32 in natural order, (n1 - n0) x K.
-template <int BITS>
-void dequant_rows(const QuantWeights& q, int n0, int n1, float* dst) {
-  thread_local std::vector<float> params;
-  params.resize(2 * q.G);
-  float* s = params.data();
-  float* b = s + q.G;
-  for (int n = n0; n < n1; ++n) {
-    const uint8_t* row = q.w + n * q.row_bytes();
-    float* out = dst + int64_t(n - n0) * q.K;
-    q.row_params(n, s, b);
-    for (int g = 0; g < q.G; ++g) {
-      const vf S = splat(s[g]), B = splat(b[g]);
-      for (int k = g * q.group; k < (g + 1) * q.group; k += 32) {
-        if constexpr (BITS == 4) {
-          vb lo4, hi4, lo, hi;
-          nibbles(load_bytes(row + k / 2), lo4, hi4);
-          interleave(lo4, hi4, lo, hi);  // back to the natural order
-          store(out + k, bytes_to_float(lo) * S + B);
-          store(out + k + 16, bytes_to_float(hi) * S + B);
-        } else {
-          store(out + k, bytes_to_float(load_bytes(row + k)) * S + B);
-          store(out + k + 16, bytes_to_float(load_bytes(row + k + 16)) * S + B);
-        }
-      }
-    }
-  }
-}
-
-using SgemmFn = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
-                         int, float, float*, int);
-
-SgemmFn find_sgemm() {
-  // Whatever BLAS the process bound (MLX's, or OpenBLAS preloaded by engine.model.blas).
-  static SgemmFn fn = reinterpret_cast<SgemmFn>(dlsym(RTLD_DEFAULT, "cblas_sgemm"));
-  return fn;
-}
-
-void gemm(const QuantWeights& q, const float* x, int64_t M, float* y) {
-  SgemmFn sgemm = find_sgemm();
-  if (sgemm == nullptr) {  // no BLAS in the process: the GEMV in passes of 4 rows
-    gemv(q, x, M, y);
-    return;
-  }
-  const int tile = int(std::max<int64_t>(16, kTileBytes / (int64_t(q.K) * 4)));
-  thread_local std::vector<float> wtile;
-  wtile.resize(int64_t(std::min(tile, q.N)) * q.K);
-  auto& pool = ThreadPool::instance();
-  for (int n0 = 0; n0 < q.N; n0 += tile) {
-    const int n1 = std::min(q.N, n0 + tile);
-    const int rows = n1 - n0;
-    const int tasks = std::min(rows / 16 + 1, 2 * pool.size());
-    const int per_task = (rows + tasks - 1) / tasks;
-    float* dst = wtile.data();
-    pool.run(tasks, [&](int t) {
-      const int a = n0 + t * per_task, b = std::min(n1, a + per_task);
-      if (a >= b) return;
-      if (q.bits == 4)
-        dequant_rows<4>(q, a, b, dst + int64_t(a - n0) * q.K);
-      else
-        dequant_rows<8>(q, a, b, dst + int64_t(a - n0) * q.K);
-    });
-    // Row-major C[M, rows] = A[M, K] @ B[rows, K]^T, written into y's columns n0..n1.
-    sgemm(101, 111, 112, int(M), rows, q.K, 1.0f, x, q.K, dst, q.K, 0.0f, y + n0, q.N);
-  }
-}
-
-}  // namespace
-
-namespace {
 
 void run(const mx::array& x, const mx::array& w, const mx::array& scales,
          const mx::array& biases, mx::array& out, int group, int bits) {

@@ -31,8 +31,10 @@ inline void store(float* p, vf v) {
   std::memcpy(p, &v, sizeof(v));
 }
 
+// Not `vf{} + x`: that is an add (0 + -0 is +0) and then a register shuffle,
+// two extra uops on the FMA ports; this is one broadcast, from memory when x is.
 inline vf splat(float x) {
-  return vf{} + x;
+  return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
 }
 
 inline float hsum(vf v) {
@@ -106,6 +108,40 @@ inline void interleave(vb lo, vb hi, vb& first, vb& second) {
     second[2 * i] = lo[8 + i];
     second[2 * i + 1] = hi[8 + i];
   }
+#endif
+}
+
+// v[i] <- column i of the 16 x 16 matrix whose rows are v[0..15].
+inline void transpose16(vf* v) {
+#if defined(__AVX512F__)
+  __m512 r[W], t[W];
+  std::memcpy(r, v, sizeof(r));
+  for (int i = 0; i < W; i += 2) {  // 2 x 2 blocks
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < W; i += 4) {  // 4 x 4 blocks
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes across 4 and then 8 rows
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+  std::memcpy(v, r, sizeof(r));
+#else
+  float m[W][W];
+  std::memcpy(m, v, sizeof(m));
+  for (int i = 0; i < W; ++i)
+    for (int j = 0; j < W; ++j) v[i][j] = m[j][i];
 #endif
 }
 

@@ -1,0 +1,98 @@
+"""The extension's causal prefill attention (`ops.paged_prefill`) against
+`paged_attention_ref`, and its routing from `paged_attention` on CPU."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_cpu_ext_attention import TOLERANCE, make_case
+
+from engine.kvcache.kv_cache import QuantizedBlocks
+from engine.model.cpu_ext import attention, build, ops
+from engine.model.paged_attention import paged_attention, paged_attention_ref
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ext():
+    if not build.available():
+        pytest.skip(f"CPU extension unavailable: {build.unavailable_reason()}")
+    attention.reset()
+    yield
+    attention.reset()
+
+
+def prefill_case(lens, L, Hq, Hkv, D, bs, *, seed, q_dtype=mx.float32, **kw):
+    """`make_case`'s scattered pools, with L queries per sequence."""
+    _, k, v, tables = make_case(lens, Hq, Hkv, D, bs, seed=seed, q_dtype=q_dtype, **kw)
+    q = mx.random.normal((len(lens), Hq, L, D), key=mx.random.key(seed)).astype(q_dtype)
+    return q, k, v, tables
+
+
+def check(q, k, v, tables, lens, scale=None):
+    scale = scale or q.shape[-1] ** -0.5
+    out = ops.paged_prefill(q, k, v, tables, lens, scale)
+    ref = paged_attention_ref(q, k, v, tables, lens, scale)
+    assert out.shape == ref.shape and out.dtype == q.dtype
+    err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+    quantized = isinstance(k, QuantizedBlocks) or isinstance(v, QuantizedBlocks)
+    tol = max(TOLERANCE[q.dtype], TOLERANCE[mx.float16] if quantized else 0)
+    assert err <= tol * max(1.0, mx.abs(ref).max().item()), err
+    return out
+
+
+CASES = [
+    # lens, L, Hq, Hkv, D, bs
+    ([5], 5, 4, 4, 16, 4),  # the whole sequence is new: a plain causal square
+    ([600], 512, 9, 3, 64, 16),  # the default model's chunk after a first one, partial block
+    ([40, 33], 7, 9, 3, 64, 16),  # ragged batch, GQA 3:1, scattered blocks
+    ([130], 130, 8, 1, 32, 16),  # GQA 8:1, 12 positions per tile
+    ([70, 200], 64, 2, 2, 128, 16),  # D 128: two column passes of P.V
+    ([100], 33, 4, 2, 48, 8),  # D 48: a 3-vector column pass; rows not a multiple of 4
+    ([300], 100, 32, 2, 64, 32),  # 16 query heads per KV head: 6 positions per tile
+    ([2], 2, 9, 3, 64, 16),  # shorter than a block
+]
+
+
+@pytest.mark.parametrize("lens,L,Hq,Hkv,D,bs", CASES)
+def test_matches_reference(lens, L, Hq, Hkv, D, bs):
+    check(*prefill_case(lens, L, Hq, Hkv, D, bs, seed=L + D), lens)
+
+
+@pytest.mark.parametrize("pool_dtype,q_dtype", [(mx.float16, mx.float32),
+                                                (mx.bfloat16, mx.float32),
+                                                (mx.float16, mx.float16),
+                                                (mx.bfloat16, mx.bfloat16)])
+def test_half_pools_and_queries(pool_dtype, q_dtype):
+    lens = [37, 300]
+    check(*prefill_case(lens, 30, 9, 3, 64, 16, seed=7, pool_dtype=pool_dtype,
+                        q_dtype=q_dtype), lens)
+
+
+@pytest.mark.parametrize("k_quant,v_quant", [((8, 32), (8, 32)), ((4, 32), (4, 32)),
+                                             ((8, 64), (4, 64)), ((4, 32), None)])
+def test_quantized_pools(k_quant, v_quant):
+    lens = [45, 260]
+    check(*prefill_case(lens, 40, 9, 3, 64, 16, seed=11, k_quant=k_quant, v_quant=v_quant),
+          lens)
+
+
+def test_bad_inputs_come_back_nan():
+    q, k, v, tables = prefill_case([9], 4, 2, 2, 16, 4, seed=4)
+    out = ops.paged_prefill(q, k, v, mx.array([[0, 99, 1]], dtype=mx.int32), [9], 0.3)
+    assert mx.isnan(out).all().item()  # an id outside the pool is never read
+    assert mx.isnan(ops.paged_prefill(q, k, v, tables, [13], 0.3)).all().item()  # > table
+    assert mx.isnan(ops.paged_prefill(q, k, v, tables, [3], 0.3)).all().item()  # < L
+
+
+def test_paged_attention_routes_cpu_prefill():
+    """The extension path's float16 pools with float32 queries go to the extension; one
+    sequence with plain pools of the queries' dtype stays on the reference (mlx-lm's exact
+    computation, which the float32 parity tests rely on)."""
+    lens = [300]
+    q, k, v, tables = prefill_case(lens, 50, 9, 3, 64, 16, seed=5, pool_dtype=mx.float16)
+    np.testing.assert_array_equal(np.array(paged_attention(q, k, v, tables, lens, 0.125)),
+                                  np.array(ops.paged_prefill(q, k, v, tables, lens, 0.125)))
+    q1, k1, v1, t1 = prefill_case(lens, 50, 9, 3, 64, 16, seed=6)
+    np.testing.assert_array_equal(np.array(paged_attention(q1, k1, v1, t1, lens, 0.125)),
+                                  np.array(paged_attention_ref(q1, k1, v1, t1, lens, 0.125)))
