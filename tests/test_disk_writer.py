@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 
-from engine.kvcache.disk_writer import BackgroundWriter
+import pytest
+
+from engine.kvcache.disk_writer import WRITER_NICE, BackgroundWriter
 
 
 def test_runs_items_in_order_off_the_calling_thread():
@@ -62,3 +66,18 @@ def test_no_thread_until_the_first_item():
     w = BackgroundWriter(lambda: None, max_pending=1)
     assert threading.active_count() == before
     w.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_writer_thread_runs_nicer_than_its_caller():
+    niceness = []
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def write():
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    w = BackgroundWriter(write, max_pending=4)
+    assert w.submit(()) and w.flush(timeout=10)
+    w.close()
+    assert niceness == [min(19, mine + WRITER_NICE)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # only its own

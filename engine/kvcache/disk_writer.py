@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
+
+WRITER_NICE = 10
+"""How much nicer than the engine the writer thread runs (Linux): persisting blocks must
+not take a core from decode on a small machine (2 cores: decode 29 vs 40 tok/s with the
+writer at the same priority)."""
+
+
+def lower_thread_priority(nice: int = WRITER_NICE) -> None:
+    """Raise the calling thread's nice value by ``nice`` where the OS has per-thread
+    priorities (Linux); elsewhere nothing changes."""
+    if not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 class BackgroundWriter:
@@ -72,6 +90,7 @@ class BackgroundWriter:
             thread.join()
 
     def _run(self) -> None:
+        lower_thread_priority()
         while (item := self._queue.get()) is not None:
             failed = False
             try:

@@ -145,15 +145,19 @@ class PrefixCache:
             return
         hashes = self._hashes(seq, token_ids)
         table = self.blocks.block_tables[seq_id]
+        persist = []
         for i in range(seq.registered, full):
             tokens = self._block_tokens(token_ids, i)
             if not self.blocks.register(table[i], hashes[i], tokens):
                 continue
             if self.store is not None and (i + 1) * bs <= prompt_len:
-                arrays = block_arrays(self.kv, mx.arange(table[i] * bs, (table[i] + 1) * bs))
-                parent = hashes[i - 1] if i else seq.salt.digest()
-                self.store.put_async(seq.salt, hashes[i], parent, tokens, arrays,
-                                     ttl_s=seq.ttl_s, spec=self.entry_spec)
+                persist.append((i, tokens))
+        # one gather and one read-back for all of them (a block at a time was 60 syncs each)
+        copies = blocks_arrays(self.kv, [table[i] for i, _ in persist], bs)
+        for (i, tokens), arrays in zip(persist, copies, strict=True):
+            parent = hashes[i - 1] if i else seq.salt.digest()
+            self.store.put_async(seq.salt, hashes[i], parent, tokens, arrays,
+                                 ttl_s=seq.ttl_s, spec=self.entry_spec)
         seq.registered = full
 
     def maybe_sweep(self) -> int:
@@ -185,8 +189,20 @@ def block_arrays(kv: PagedKVCache, slots: mx.array) -> list[np.ndarray]:
     `EntrySpec.tensors` order: each layer's K, then each layer's V; a quantized side as
     data, scales, biases)."""
     keys, values = kv.take(slots)
-    return [_to_np(a) for store in keys + values
-            for a in (store if isinstance(store, tuple) else (store,))]
+    flat = [a for store in keys + values for a in (store if isinstance(store, tuple) else (store,))]
+    mx.eval(flat)  # one evaluation, not one per tensor
+    return [_to_np(a) for a in flat]
+
+
+def blocks_arrays(kv: PagedKVCache, blocks: Sequence[int],
+                  block_size: int) -> list[list[np.ndarray]]:
+    """`block_arrays` of several blocks at once: one gather per tensor, one read-back."""
+    if not blocks:
+        return []
+    slots = mx.array([b * block_size + r for b in blocks for r in range(block_size)])
+    whole = block_arrays(kv, slots)
+    return [[np.ascontiguousarray(a[:, j * block_size:(j + 1) * block_size]) for a in whole]
+            for j in range(len(blocks))]
 
 
 def block_stores(arrays: Sequence[np.ndarray],
