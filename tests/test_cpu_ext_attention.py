@@ -58,11 +58,12 @@ def make_case(lens, Hq, Hkv, D, bs, *, seed, pool_dtype=mx.float32, q_dtype=mx.f
     return q, k, v, mx.array(tables, dtype=mx.int32)
 
 
-def check(q, k, v, tables, lens, scale=None):
-    """Kernel vs reference. The reference rounds dequantized rows to their float16 scales'
-    dtype, the kernel keeps them in float32: quantized pools get float16's allowance."""
+def check(q, k, v, tables, lens, scale=None, op=None):
+    """Kernel (``op``: `ops.paged_decode` unless given) vs reference. The reference rounds
+    dequantized rows to their float16 scales' dtype, the kernel keeps them in float32:
+    quantized pools get float16's allowance."""
     scale = scale or q.shape[-1] ** -0.5
-    out = ops.paged_decode(q, k, v, tables, lens, scale)
+    out = (op or ops.paged_decode)(q, k, v, tables, lens, scale)
     ref = paged_attention_ref(q, k, v, tables, lens, scale)
     assert out.shape == ref.shape and out.dtype == q.dtype
     err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_cpu_ext_attention import TOLERANCE, make_case
+from test_cpu_ext_attention import check as check_kernel
+from test_cpu_ext_attention import make_case
 
-from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.model.cpu_ext import attention, build, ops
 from engine.model.paged_attention import paged_attention, paged_attention_ref
 
@@ -30,15 +30,7 @@ def prefill_case(lens, L, Hq, Hkv, D, bs, *, seed, q_dtype=mx.float32, **kw):
 
 
 def check(q, k, v, tables, lens, scale=None):
-    scale = scale or q.shape[-1] ** -0.5
-    out = ops.paged_prefill(q, k, v, tables, lens, scale)
-    ref = paged_attention_ref(q, k, v, tables, lens, scale)
-    assert out.shape == ref.shape and out.dtype == q.dtype
-    err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
-    quantized = isinstance(k, QuantizedBlocks) or isinstance(v, QuantizedBlocks)
-    tol = max(TOLERANCE[q.dtype], TOLERANCE[mx.float16] if quantized else 0)
-    assert err <= tol * max(1.0, mx.abs(ref).max().item()), err
-    return out
+    return check_kernel(q, k, v, tables, lens, scale, op=ops.paged_prefill)
 
 
 CASES = [
