@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 WRITER_NICE = 10
 """How much nicer than the engine the writer thread runs (Linux): persisting blocks must
-not take a core from decode on a small machine (2 cores: decode 29 vs 40 tok/s with the
-writer at the same priority)."""
+not take a core from decode on a small machine (2 cores: the bench's decode was 29 tok/s
+with the disk cache on against 40 off, before this and the batched block read-back)."""
 
 
 def lower_thread_priority(nice: int = WRITER_NICE) -> None:
