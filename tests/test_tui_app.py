@@ -12,6 +12,7 @@ import pytest
 from test_tui_fakes import FakeEngine
 
 from app.conversations import ConversationStore
+from app.settings import GenerationSettings
 from app.tui.app import ChatApp
 from app.tui.screens.conversations import ConversationsScreen
 from app.tui.screens.dialogs import ConfirmScreen, SystemPromptScreen
@@ -333,4 +334,5 @@ def test_chat_app_provides_what_the_chat_screen_needs(store):
     app = make_app(store)
     for name in ChatHost.__annotations__:
         assert hasattr(app, name), name
-    assert app.sampling().max_tokens == app.max_tokens
+    assert app.max_tokens is None  # not given: the chat's settings decide
+    assert app.sampling().max_tokens == GenerationSettings().max_tokens
