@@ -29,7 +29,7 @@ from engine.distributed.plan_wire import Op
 from engine.kvcache.disk_entry import EntrySpec
 from engine.kvcache.disk_store import DiskPrefixStore
 from engine.kvcache.kv_cache import PagedKVCache
-from engine.kvcache.prefix_cache import PrefixCache, SeqPrefix, block_arrays, block_stores
+from engine.kvcache.prefix_cache import PrefixCache, SeqPrefix, block_stores, blocks_arrays
 from engine.kvcache.prefix_key import CacheSalt, block_hashes
 from engine.paths import cache_root
 
@@ -164,12 +164,13 @@ class RankStore:
         salt, ttl_s, tokens, hashes, end = self._chain(p)
         bs = self.kv.layout.block_size
         n = int(p[end])
-        for i, block in p[end + 1:end + 1 + 2 * n].reshape(-1, 2):
-            i = int(i)
+        pairs = [(int(i), int(block)) for i, block in p[end + 1:end + 1 + 2 * n].reshape(-1, 2)]
+        # one gather and read-back for all of them, as the single-process cache does
+        copies = blocks_arrays(self.kv, [block for _, block in pairs], bs)
+        for (i, _), arrays in zip(pairs, copies, strict=True):
             parent = hashes[i - 1] if i else salt.digest()
             self.store.put_async(salt, hashes[i], parent, tokens[i * bs:(i + 1) * bs],
-                                 block_arrays(self.kv, self._slots(int(block))),
-                                 ttl_s=ttl_s, spec=self.spec)
+                                 arrays, ttl_s=ttl_s, spec=self.spec)
 
     def check(self, p: np.ndarray) -> np.ndarray:
         """Read the asked blocks (kept for the commit); the payload with the count this
