@@ -7,19 +7,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from test_cpu_ext_attention import check as check_kernel
-from test_cpu_ext_attention import make_case
+from test_cpu_ext_attention import (
+    ext,  # noqa: F401 - the module's autouse fixture
+    make_case,
+)
 
-from engine.model.cpu_ext import attention, build, ops
+from engine.model.cpu_ext import ops
 from engine.model.paged_attention import paged_attention, paged_attention_ref
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ext():
-    if not build.available():
-        pytest.skip(f"CPU extension unavailable: {build.unavailable_reason()}")
-    attention.reset()
-    yield
-    attention.reset()
 
 
 def prefill_case(lens, L, Hq, Hkv, D, bs, *, seed, q_dtype=mx.float32, **kw):
