@@ -190,17 +190,23 @@ def test_reduced_max_tokens_is_reported(server):
 
 
 def shared_blocks_while_both_run(server, key1: str, key2: str, messages) -> float:
-    """Start two streams one after the other; /metrics' shared blocks while both decode."""
-    s1 = client(server, key1).chat.completions.create(
-        model="kvchat", messages=messages, max_tokens=64, temperature=0, stream=True)
-    first_text(s1)
-    s2 = client(server, key2).chat.completions.create(
-        model="kvchat", messages=messages, max_tokens=64, temperature=0, stream=True)
-    first_text(s2)
-    shared = server.metrics()['kvchat_kv_blocks{state="shared"}']
-    s1.close()
-    s2.close()
-    return shared
+    """/metrics' shared blocks at a moment both streams are seen running.
+
+    A reading taken after one stream ended (an early EOS) would make either assertion on it
+    vacuous, so the reading counts only when /metrics shows both running."""
+    for _ in range(3):
+        streams = []
+        for key in (key1, key2):
+            streams.append(client(server, key).chat.completions.create(
+                model="kvchat", messages=messages, max_tokens=400, temperature=0, stream=True))
+            first_text(streams[-1])
+        m = server.metrics()
+        for s in streams:
+            s.close()
+        if m['kvchat_requests{state="running"}'] == 2:
+            return m['kvchat_kv_blocks{state="shared"}']
+        server.wait_idle()
+    raise AssertionError("the two streams were never seen running at once")
 
 
 def first_text(stream) -> str:
@@ -211,7 +217,7 @@ def first_text(stream) -> str:
 
 
 def test_two_tenants_never_share_blocks(server):
-    text = unique_chat("Count from one to forty in words, please.")
+    text = unique_chat("Write a long story about a lighthouse keeper and a storm.")
     assert cached(ask(server, text, ALICE)) == 0
     assert cached(ask(server, text, ALICE)) >= 32  # alice's own blocks
     assert cached(ask(server, text, BOB)) == 0  # identical text, other tenant: a miss
