@@ -57,6 +57,8 @@ class Engine(EngineLoop):
                           step_target_s=config.step_target_s)
         self.executor = StepExecutor(self.runner, self.kv, self.blocks, self.recorder, pacer)
         self.executor.unwanted = self._unwanted
+        self.executor.pipeline = (config.pipeline if config.pipeline is not None
+                                  else mx.default_device() == mx.gpu)
         self.scheduler.pacer = pacer
         self._ids = itertools.count()
 

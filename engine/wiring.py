@@ -26,6 +26,15 @@ from engine.model.model_runner import PagedModel
 from engine.scheduler import SchedulerConfig
 
 
+def row_writer(loaded):
+    """The CPU extension's one-op K/V write when the model runs on it, else None."""
+    if not loaded.cpu_ext:
+        return None
+    from engine.model.cpu_ext.ops import kv_write
+
+    return kv_write
+
+
 def kv_quant(config: EngineConfig, head_dim: int) -> tuple[QuantSpec | None, QuantSpec | None,
                                                           str | None, str | None]:
     """(K format, V format, a dtype override, a notice) from the config's bits.
@@ -98,7 +107,7 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     if config.pool_sequences is not None:
         per_seq = -(-max_context // config.block_size)
         num_blocks = min(num_blocks, config.pool_sequences * per_seq + 1)
-    kv = PagedKVCache(layout, num_blocks)
+    kv = PagedKVCache(layout, num_blocks, row_writer=row_writer(loaded))
     blocks = BlockManager(num_blocks, config.block_size)
     store = None
     if config.prefix_cache and config.disk_cache:

@@ -109,7 +109,8 @@ def test_chaos_no_block_leaks(tiny_model, mode, n):
     # 24 blocks of 4 tokens: a 200-token prompt alone fills half the pool
     engine = Engine(tiny_model, EngineConfig(
         block_size=4, kv_budget_bytes=24 * 4 * 2 * 2 * 2 * 16 * 4, prefill_chunk=16,
-        max_running=8, preempt_mode=mode, swap_budget_bytes=1 << 20))
+        max_running=8, preempt_mode=mode, swap_budget_bytes=1 << 20,
+        pipeline=mode == "recompute"))  # launched-ahead decodes (GPU's default) and plain ones
     assert engine.blocks.num_blocks == 24
     outcomes, by_action = drive(engine, n, seed=7 if mode == "recompute" else 11)
 

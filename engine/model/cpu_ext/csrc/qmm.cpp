@@ -14,6 +14,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "ops.h"
 #include "pool.h"
+#include "qmm_tiled.h"
 #include "quant.h"
 #include "tensor.h"
 
@@ -32,7 +33,7 @@ int gemv_max_rows() {
 }
 // Waking the second thread costs 50-300 us on the 2-core build VMs: only jobs of
 // at least this many weight-rows (~0.5 ms on one core) use the pool.
-constexpr int64_t kParallelMinWeights = 4 << 20;
+constexpr int64_t kParallelMinWeights = 256 << 10;
 
 // The 32 weights at k of a row, dequantized: for 4 bits, w0 holds the even
 // positions k, k+2, ... and w1 the odd ones (the nibble order in a byte), so
@@ -154,7 +155,7 @@ void gemv(const QuantWeights& q, const float* x, int64_t M, float* y) {
 }
 
 void run(const mx::array& x, const mx::array& w, const mx::array& scales,
-         const mx::array& biases, mx::array& out, int group, int bits) {
+         const mx::array& biases, mx::array& out, int group, int bits, bool tiled) {
   std::vector<float> x_buf;
   std::vector<char> w_buf, s_buf, b_buf;
   const float* xf = rows_as_float(x, x_buf);
@@ -172,7 +173,9 @@ void run(const mx::array& x, const mx::array& w, const mx::array& scales,
   std::vector<float> y_buf;
   float* y = out.dtype() == mx::float32 ? out.data<float>()
                                         : (y_buf.resize(M * q.N), y_buf.data());
-  if (M <= gemv_max_rows())
+  if (tiled)
+    qmm_tiled(q, xf, M, y);
+  else if (M <= gemv_max_rows())
     gemv(q, xf, M, y);
   else
     gemm(q, xf, M, y);
@@ -187,8 +190,8 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
   encoder.dispatch([x = inputs[0], w = inputs[1], scales = inputs[2], biases = inputs[3], out,
-                    group = group_size_, bits = bits_]() mutable {
-    guarded(out, [&] { run(x, w, scales, biases, out, group, bits); });
+                    group = group_size_, bits = bits_, tiled = tiled_]() mutable {
+    guarded(out, [&] { run(x, w, scales, biases, out, group, bits, tiled); });
   });
 }
 
@@ -198,11 +201,12 @@ void QuantizedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const QuantizedMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_;
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && tiled_ == o.tiled_;
 }
 
 mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
-              const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+              const mx::array& biases, int group_size, int bits, bool tiled,
+              mx::StreamOrDevice s) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("qmm: bits must be 4 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128)
     throw std::invalid_argument("qmm: group_size must be 32, 64 or 128");
@@ -213,6 +217,8 @@ mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
       biases.dtype() != scales.dtype())
     throw std::invalid_argument("qmm: x, scales and biases must be float32/float16/bfloat16");
   const int K = x.shape(-1), N = w.shape(0);
+  if (tiled && (bits != 4 || N % 16 != 0 || !tiled_supported()))
+    throw std::invalid_argument("qmm: tiled weights need 4 bits, rows in 16s and AVX-512 VNNI");
   if (K % group_size != 0 || int64_t(w.shape(1)) * 32 / bits != K ||
       scales.shape(0) != N || scales.shape(1) != K / group_size || biases.shape() != scales.shape())
     throw std::invalid_argument("qmm: shapes of x " + std::to_string(K) +
@@ -221,7 +227,7 @@ mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
   shape.back() = N;
   const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  return mx::array(shape, dtype, std::make_shared<QuantizedMatmul>(stream, group_size, bits),
+  return mx::array(shape, dtype, std::make_shared<QuantizedMatmul>(stream, group_size, bits, tiled),
                    {x, w, scales, biases});
 }
 

@@ -1,0 +1,183 @@
+"""The extension's tiled 4-bit matmul (int16 x, AVX-512 VNNI) and its one-op K/V write.
+
+The tiled matmul is checked two ways: exactly, against the formula it promises computed
+in float64 (x quantized to int16 per group, exact integer dot products, then scale and
+bias), and loosely, against MLX's own quantized matmul, which it approximates to about
+float16 precision."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache
+from engine.model.cpu_ext import build, linear, ops
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if not build.available():
+        pytest.skip(f"CPU extension unavailable: {build.unavailable_reason()}")
+    return build.load()
+
+
+@pytest.fixture(scope="module")
+def tiled(ext):
+    if not ops.tiled_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI: the tiled matmul is not built")
+
+
+def quantized4(N: int, K: int, group: int, seed: int):
+    mx.random.seed(seed)
+    w, s, b = mx.quantize(mx.random.normal((N, K)), group_size=group, bits=4)
+    return w, s.astype(mx.float16), b.astype(mx.float16)
+
+
+def promised(x: mx.array, w, s, b, group: int) -> np.ndarray:
+    """What qmm_tiled.cpp says it computes, in float64."""
+    M, K = x.shape
+    N = w.shape[0]
+    G = K // group
+    q = np.array(mx.dequantize(w, mx.ones_like(s), mx.zeros_like(b), group_size=group,
+                               bits=4)).astype(np.float64).reshape(N, G, group)
+    xg = np.array(x.astype(mx.float32)).reshape(M, G, group)
+    amax = np.abs(xg).max(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        qx = np.where(amax > 0, np.round(xg * (np.float32(32767) / amax)), 0).astype(np.float64)
+    dx = (amax / np.float32(32767)).astype(np.float32).astype(np.float64)[..., 0]
+    isum = np.einsum("mgk,ngk->mng", qx, q)
+    sn = np.array(s.astype(mx.float32)).astype(np.float64)
+    bn = np.array(b.astype(mx.float32)).astype(np.float64)
+    return (isum * sn[None] * dx[:, None]).sum(-1) + (bn[None] * xg.sum(-1)[:, None]).sum(-1)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("M,N,K", [(1, 16, 128), (3, 96, 256), (33, 48, 512), (70, 160, 384)])
+def test_tiled_qmm_computes_what_it_promises(tiled, group, M, N, K):
+    w, s, b = quantized4(N, K, group, seed=M + N)
+    x = mx.random.normal((M, K))
+    x = x.at[0, 5].add(80.0)  # an outlier, as the default model's activations have
+    out = ops.qmm(x, *ops.tile4(w, s, b, group), group_size=group, bits=4, tiled=True)
+    exp = promised(x, w, s, b, group)
+    assert out.shape == (M, N) and out.dtype == mx.float32
+    np.testing.assert_allclose(np.array(out), exp, rtol=0, atol=2e-6 * np.abs(exp).max())
+    ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group, bits=4)
+    err = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
+    assert err < 2e-3, err  # about float16's precision, not int8's ~1 %
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 40), split=st.integers(1, 39))
+def test_tiled_rows_do_not_depend_on_the_batch(tiled, rows, split):
+    """A row's result is the same alone or in any batch, decode or prefill sized."""
+    w, s, b = ops.tile4(*quantized4(64, 256, 32, seed=3), 32)
+    x = mx.random.normal((rows, 256), key=mx.random.key(rows))
+    whole = ops.qmm(x, w, s, b, group_size=32, bits=4, tiled=True)
+    k = min(split, rows)
+    parts = [ops.qmm(x[:k], w, s, b, group_size=32, bits=4, tiled=True)]
+    if k < rows:
+        parts.append(ops.qmm(x[k:], w, s, b, group_size=32, bits=4, tiled=True))
+    assert mx.array_equal(whole, mx.concatenate(parts)).item()
+
+
+def test_tiles_stack_and_slice_at_multiples_of_16(tiled):
+    """`linear.fuse` concatenates tiled layers and re-points each at its slice."""
+    parts = [quantized4(n, 128, 32, seed=n) for n in (32, 16, 48)]
+    tiles = [ops.tile4(*p, 32) for p in parts]
+    fused = [mx.concatenate([t[i] for t in tiles]) for i in range(3)]
+    x = mx.random.normal((2, 128))
+    whole = ops.qmm(x, *fused, group_size=32, bits=4, tiled=True)
+    alone = mx.concatenate([ops.qmm(x, *t, group_size=32, bits=4, tiled=True) for t in tiles],
+                           axis=1)
+    assert mx.array_equal(whole, alone).item()
+    sliced = [a[32:48] for a in fused]
+    assert mx.array_equal(ops.qmm(x, *sliced, group_size=32, bits=4, tiled=True),
+                          alone[:, 32:48]).item()
+
+
+def test_nan_input_gives_nan_rows_only(tiled):
+    w, s, b = ops.tile4(*quantized4(32, 64, 32, seed=1), 32)
+    x = mx.random.normal((3, 64)).at[1, 7].add(mx.array(float("nan")))
+    out = np.array(ops.qmm(x, w, s, b, group_size=32, bits=4, tiled=True))
+    assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all()
+
+
+def test_tiled_qmm_rejects_what_it_cannot_take(tiled):
+    w, s, b = quantized4(40, 64, 32, seed=1)  # 40 rows: not whole tiles
+    with pytest.raises(ValueError, match="rows in 16s"):
+        ops.tile4(w, s, b, 32)
+    with pytest.raises(ValueError, match="tiled"):
+        ops.qmm(mx.zeros((1, 64)), w, s, b, group_size=32, bits=4, tiled=True)
+    w8, s8, b8 = mx.quantize(mx.zeros((32, 64)), group_size=32, bits=8)
+    with pytest.raises(ValueError, match="tiled"):
+        ops.qmm(mx.zeros((1, 64)), w8, s8, b8, group_size=32, bits=8, tiled=True)
+
+
+def test_tiled_linear_keeps_the_layer_bytes(tiled):
+    import mlx.nn as nn
+
+    layer = nn.QuantizedLinear(128, 64, bias=True, group_size=32, bits=4)
+    layer.update({"scales": layer.scales.astype(mx.float16),
+                  "biases": layer.biases.astype(mx.float16)})
+    assert linear.tileable(layer)
+    x = mx.random.normal((5, 128))
+    ref = layer(x)
+    new = linear.CpuTiledLinear.from_quantized(layer)
+    assert new["weight"].nbytes == layer["weight"].nbytes and "bias" in new
+    err = (mx.abs(new(x) - ref).max() / mx.abs(ref).max()).item()
+    assert err < 2e-3, err
+
+
+# -- kv_write ------------------------------------------------------------------
+
+@pytest.mark.parametrize("pool_dtype,row_dtype", [(mx.float16, mx.float32),
+                                                  (mx.float16, mx.float16),
+                                                  (mx.bfloat16, mx.float32),
+                                                  (mx.float32, mx.float16)])
+def test_kv_write_equals_indexed_assignment(ext, pool_dtype, row_dtype):
+    H, S, D, N = 3, 64, 32, 5
+    pool = mx.random.normal((H, S, D)).astype(pool_dtype)
+    slots = mx.array([7, 0, 63, 20, 21], dtype=mx.int32)
+    rows = mx.random.normal((H, N, D)).astype(row_dtype)
+    ref = mx.array(pool)
+    ref[:, slots] = rows.astype(pool_dtype)
+    out = ops.kv_write(pool, slots, rows)
+    assert out.dtype == pool_dtype and mx.array_equal(out, ref).item()
+    # a transposed (strided) rows view is read correctly too
+    t = mx.random.normal((N, H, D)).astype(row_dtype)
+    ref[:, slots] = t.transpose(1, 0, 2).astype(pool_dtype)
+    assert mx.array_equal(ops.kv_write(out, slots, t.transpose(1, 0, 2)), ref).item()
+
+
+def test_kv_write_leaves_a_shared_pool_alone(ext):
+    """A pool someone else still holds is copied, not written in place."""
+    pool = mx.zeros((2, 8, 16))
+    mx.eval(pool)
+    keep = pool  # a second reference: not donatable
+    out = ops.kv_write(pool, mx.array([3], dtype=mx.int32), mx.ones((2, 1, 16)))
+    mx.eval(out)
+    assert keep.sum().item() == 0 and out.sum().item() == 32
+
+
+def test_kv_write_skips_slots_outside_the_pool(ext):
+    pool = mx.zeros((1, 4, 16))
+    out = ops.kv_write(pool, mx.array([-1, 4, 2], dtype=mx.int32), mx.ones((1, 3, 16)))
+    assert out[0, :, 0].tolist() == [0, 0, 1, 0]
+    with pytest.raises(ValueError, match="rows must be"):
+        ops.kv_write(pool, mx.array([0], dtype=mx.int32), mx.ones((1, 2, 16)))
+
+
+def test_paged_cache_with_the_row_writer_matches_the_plain_one(ext):
+    layout = KVLayout(num_layers=2, num_kv_heads=3, head_dim=16, block_size=4,
+                      dtype=mx.float16)
+    plain, fast = PagedKVCache(layout, 6), PagedKVCache(layout, 6, row_writer=ops.kv_write)
+    for step in range(3):
+        slots = mx.array([step * 5, step * 5 + 1], dtype=mx.int32)
+        k, v = mx.random.normal((3, 2, 16)), mx.random.normal((3, 2, 16))
+        for kv in (plain, fast):
+            kv.write(step % 2, slots, k, v)
+    for a, b in zip(plain.keys + plain.values, fast.keys + fast.values, strict=True):
+        assert mx.array_equal(a, b).item()
