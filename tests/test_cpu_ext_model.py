@@ -10,6 +10,7 @@ from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.model.cpu_ext.linear import (
     CpuQuantizedEmbedding,
     CpuQuantizedLinear,
+    CpuTiledEmbedding,
     CpuTiledLinear,
     tiled_enabled,
 )
@@ -35,8 +36,10 @@ def test_loader_records_the_extension_path(default_model_ext, default_model):
     assert not default_model.cpu_ext and default_model.weight_format == "float32"
     kinds = [type(x) for _, x in m.model.named_modules()]
     # on AVX-512 VNNI the 4-bit linears are tiled (KVCHAT_TILED=0: not)
-    linear = CpuTiledLinear if tiled_enabled() else CpuQuantizedLinear
-    assert kinds.count(linear) == 7 * 30 and CpuQuantizedEmbedding in kinds
+    tiled = tiled_enabled()
+    linear = CpuTiledLinear if tiled else CpuQuantizedLinear
+    embedding = CpuTiledEmbedding if tiled else CpuQuantizedEmbedding
+    assert kinds.count(linear) == 7 * 30 and embedding in kinds
     assert kinds.count(CpuRMSNorm) == 2 * 30 + 1 and kinds.count(CpuRoPE) == 30
     assert not any(type(x) is nn.QuantizedLinear for x in kinds)
 

@@ -30,19 +30,19 @@ def tiled(ext):
         pytest.skip("this CPU has no AVX-512 VNNI: the tiled matmul is not built")
 
 
-def quantized4(N: int, K: int, group: int, seed: int):
+def quantized(N: int, K: int, group: int, seed: int, bits: int = 4):
     mx.random.seed(seed)
-    w, s, b = mx.quantize(mx.random.normal((N, K)), group_size=group, bits=4)
+    w, s, b = mx.quantize(mx.random.normal((N, K)), group_size=group, bits=bits)
     return w, s.astype(mx.float16), b.astype(mx.float16)
 
 
-def promised(x: mx.array, w, s, b, group: int) -> np.ndarray:
+def promised(x: mx.array, w, s, b, group: int, bits: int) -> np.ndarray:
     """What qmm_tiled.cpp says it computes, in float64."""
     M, K = x.shape
     N = w.shape[0]
     G = K // group
     q = np.array(mx.dequantize(w, mx.ones_like(s), mx.zeros_like(b), group_size=group,
-                               bits=4)).astype(np.float64).reshape(N, G, group)
+                               bits=bits)).astype(np.float64).reshape(N, G, group)
     xg = np.array(x.astype(mx.float32)).reshape(M, G, group)
     amax = np.abs(xg).max(-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -54,17 +54,18 @@ def promised(x: mx.array, w, s, b, group: int) -> np.ndarray:
     return (isum * sn[None] * dx[:, None]).sum(-1) + (bn[None] * xg.sum(-1)[:, None]).sum(-1)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("M,N,K", [(1, 16, 128), (3, 96, 256), (33, 48, 512), (70, 160, 384)])
-def test_tiled_qmm_computes_what_it_promises(tiled, group, M, N, K):
-    w, s, b = quantized4(N, K, group, seed=M + N)
+def test_tiled_qmm_computes_what_it_promises(tiled, bits, group, M, N, K):
+    w, s, b = quantized(N, K, group, seed=M + N, bits=bits)
     x = mx.random.normal((M, K))
     x = x.at[0, 5].add(80.0)  # an outlier, as the default model's activations have
-    out = ops.qmm(x, *ops.tile4(w, s, b, group), group_size=group, bits=4, tiled=True)
-    exp = promised(x, w, s, b, group)
+    out = ops.qmm(x, *ops.tile(w, s, b, group, bits), group_size=group, bits=bits, tiled=True)
+    exp = promised(x, w, s, b, group, bits)
     assert out.shape == (M, N) and out.dtype == mx.float32
     np.testing.assert_allclose(np.array(out), exp, rtol=0, atol=2e-6 * np.abs(exp).max())
-    ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group, bits=4)
+    ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group, bits=bits)
     err = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
     assert err < 2e-3, err  # about float16's precision, not int8's ~1 %
 
@@ -73,7 +74,7 @@ def test_tiled_qmm_computes_what_it_promises(tiled, group, M, N, K):
 @given(rows=st.integers(1, 40), split=st.integers(1, 39))
 def test_tiled_rows_do_not_depend_on_the_batch(tiled, rows, split):
     """A row's result is the same alone or in any batch, decode or prefill sized."""
-    w, s, b = ops.tile4(*quantized4(64, 256, 32, seed=3), 32)
+    w, s, b = ops.tile(*quantized(64, 256, 32, seed=3), 32, 4)
     x = mx.random.normal((rows, 256), key=mx.random.key(rows))
     whole = ops.qmm(x, w, s, b, group_size=32, bits=4, tiled=True)
     k = min(split, rows)
@@ -85,8 +86,8 @@ def test_tiled_rows_do_not_depend_on_the_batch(tiled, rows, split):
 
 def test_tiles_stack_and_slice_at_multiples_of_16(tiled):
     """`linear.fuse` concatenates tiled layers and re-points each at its slice."""
-    parts = [quantized4(n, 128, 32, seed=n) for n in (32, 16, 48)]
-    tiles = [ops.tile4(*p, 32) for p in parts]
+    parts = [quantized(n, 128, 32, seed=n) for n in (32, 16, 48)]
+    tiles = [ops.tile(*p, 32, 4) for p in parts]
     fused = [mx.concatenate([t[i] for t in tiles]) for i in range(3)]
     x = mx.random.normal((2, 128))
     whole = ops.qmm(x, *fused, group_size=32, bits=4, tiled=True)
@@ -99,21 +100,33 @@ def test_tiles_stack_and_slice_at_multiples_of_16(tiled):
 
 
 def test_nan_input_gives_nan_rows_only(tiled):
-    w, s, b = ops.tile4(*quantized4(32, 64, 32, seed=1), 32)
+    w, s, b = ops.tile(*quantized(32, 64, 32, seed=1), 32, 4)
     x = mx.random.normal((3, 64)).at[1, 7].add(mx.array(float("nan")))
     out = np.array(ops.qmm(x, w, s, b, group_size=32, bits=4, tiled=True))
     assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all()
 
 
 def test_tiled_qmm_rejects_what_it_cannot_take(tiled):
-    w, s, b = quantized4(40, 64, 32, seed=1)  # 40 rows: not whole tiles
+    w, s, b = quantized(40, 64, 32, seed=1)  # 40 rows: not whole tiles
     with pytest.raises(ValueError, match="rows in 16s"):
-        ops.tile4(w, s, b, 32)
+        ops.tile(w, s, b, 32, 4)
     with pytest.raises(ValueError, match="tiled"):
         ops.qmm(mx.zeros((1, 64)), w, s, b, group_size=32, bits=4, tiled=True)
-    w8, s8, b8 = mx.quantize(mx.zeros((32, 64)), group_size=32, bits=8)
-    with pytest.raises(ValueError, match="tiled"):
-        ops.qmm(mx.zeros((1, 64)), w8, s8, b8, group_size=32, bits=8, tiled=True)
+
+
+def test_tiled_embedding_looks_up_and_projects_like_mlx(tiled):
+    import mlx.nn as nn
+
+    emb = nn.QuantizedEmbedding(96, 64, group_size=32, bits=8)
+    emb.update({"scales": emb.scales.astype(mx.float16), "biases": emb.biases.astype(mx.float16)})
+    assert linear.tileable(emb)
+    ids = mx.array([[0, 17, 95], [16, 15, 3]])
+    ref_rows, x = emb(ids), mx.random.normal((2, 64))
+    ref_head = emb.as_linear(x)
+    new = linear.CpuTiledEmbedding.from_quantized(emb)
+    assert mx.array_equal(new(ids), ref_rows).item()  # the lookup is exact
+    err = (mx.abs(new.as_linear(x) - ref_head).max() / mx.abs(ref_head).max()).item()
+    assert err < 2e-3, err
 
 
 def test_tiled_linear_keeps_the_layer_bytes(tiled):

@@ -55,7 +55,7 @@ class CpuQuantizedLinear(nn.QuantizedLinear):
 
 
 class CpuTiledLinear(CpuQuantizedLinear):
-    """A 4-bit `CpuQuantizedLinear` whose weight, scales and biases are in `ops.tile4`'s
+    """A `CpuQuantizedLinear` whose weight, scales and biases are in `ops.tile`'s
     layout, multiplied with x quantized to int16 per group in exact integer dot products
     (AVX-512 VNNI): several times fewer instructions per weight than dequantizing to float,
     at about float16's precision. Its parameters are not MLX's layout: only `qmm` reads them.
@@ -64,8 +64,8 @@ class CpuTiledLinear(CpuQuantizedLinear):
     @classmethod
     def from_quantized(cls, layer: nn.QuantizedLinear) -> CpuTiledLinear:
         new = rebind(cls, layer)
-        new["weight"], new["scales"], new["biases"] = ops.tile4(
-            layer["weight"], layer["scales"], layer["biases"], layer.group_size)
+        new["weight"], new["scales"], new["biases"] = ops.tile(
+            layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
         mx.eval(new["weight"], new["scales"], new["biases"])
         return new
 
@@ -76,9 +76,12 @@ class CpuTiledLinear(CpuQuantizedLinear):
 
 
 def tileable(layer: nn.Module) -> bool:
-    """A supported 4-bit linear `CpuTiledLinear` can take (rows in 16s, groups of 32s)."""
-    return (type(layer) is nn.QuantizedLinear and supported(layer) and layer.bits == 4
-            and layer["weight"].shape[0] % ops.TILE_ROWS == 0 and layer.group_size % 32 == 0)
+    """A supported linear (or 8-bit embedding) the tiled classes can take: rows in 16s,
+    groups of 32s."""
+    kind = (type(layer) is nn.QuantizedLinear
+            or (type(layer) is nn.QuantizedEmbedding and layer.bits == 8))
+    return (kind and supported(layer) and layer["weight"].shape[0] % ops.TILE_ROWS == 0
+            and layer.group_size % 32 == 0)
 
 
 def tiled_enabled() -> bool:
@@ -98,14 +101,39 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
                        group_size=self.group_size, bits=self.bits)
 
 
+class CpuTiledEmbedding(CpuQuantizedEmbedding):
+    """An 8-bit `CpuQuantizedEmbedding` in `ops.tile`'s layout: ``as_linear`` (the tied
+    output head, the largest matmul of a small model) runs the tiled `qmm`, and a lookup
+    puts its rows back in MLX's layout before the same `mx.dequantize` MLX's does."""
+
+    @classmethod
+    def from_quantized(cls, layer: nn.QuantizedEmbedding) -> CpuTiledEmbedding:
+        new = rebind(cls, layer)
+        new["weight"], new["scales"], new["biases"] = ops.tile(
+            layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+        mx.eval(new["weight"], new["scales"], new["biases"])
+        return new
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w, s, b = ops.untile8_rows(self["weight"], self["scales"], self["biases"], x,
+                                   self.group_size)
+        return mx.dequantize(w, scales=s, biases=b, group_size=self.group_size, bits=self.bits)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return ops.qmm(x, self["weight"], self["scales"], self["biases"],
+                       group_size=self.group_size, bits=self.bits, tiled=True)
+
+
 def install(model: nn.Module, *, tiled: bool = False) -> int:
     """Swap the supported quantized layers of `model` in place; returns how many.
 
-    With ``tiled``, 4-bit linears that fit the tiled layout become `CpuTiledLinear`."""
+    With ``tiled``, the layers that fit the tiled layout become `CpuTiledLinear` /
+    `CpuTiledEmbedding`."""
     swaps = []
     for name, module in model.named_modules():
         if tiled and tileable(module):
-            swaps.append((name, CpuTiledLinear.from_quantized(module)))
+            cls = CpuTiledLinear if isinstance(module, nn.QuantizedLinear) else CpuTiledEmbedding
+            swaps.append((name, cls.from_quantized(module)))
         elif type(module) is nn.QuantizedLinear and supported(module):
             swaps.append((name, CpuQuantizedLinear.from_quantized(module)))
         elif type(module) is nn.QuantizedEmbedding and supported(module):

@@ -31,7 +31,7 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_s
         scales, biases: (N, K / group_size), one float dtype.
         group_size: 32, 64 or 128.
         bits: 4 or 8.
-        tiled: w, scales and biases are 4-bit weights in the tiled layout (`tile4`), and
+        tiled: w, scales and biases are in the tiled layout (`tile`), and
             x is multiplied as int16 per group (AVX-512 VNNI; `tiled_supported`).
 
     Returns:
@@ -56,31 +56,55 @@ def tiled_supported() -> bool:
 TILE_ROWS = 16
 
 
-def tile4(w: mx.array, scales: mx.array, biases: mx.array, group_size: int,
-          ) -> tuple[mx.array, mx.array, mx.array]:
-    """MLX 4-bit affine weights (N, K / 8) rearranged into the tiled layout `qmm` reads with
-    ``tiled=True``; same shapes, dtypes and bytes, another order.
+def tile(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
+         ) -> tuple[mx.array, mx.array, mx.array]:
+    """MLX 4/8-bit affine weights (N, K * bits / 32) rearranged into the tiled layout `qmm`
+    reads with ``tiled=True``; same shapes, dtypes and bytes, another order.
 
-    Rows go in tiles of 16. For tile t, group g and pair p of the group's 4-weight quads,
-    64 bytes: byte 4i + b holds weight ``g * group + 8p + b`` of row ``16t + i`` in its low
-    nibble and that weight + 4 in its high nibble (one int32 lane per row).
-    Scales and biases go (t, g, i). Row slices at multiples of 16 stay valid tiles.
+    Rows go in tiles of 16. For tile t, group g and quad j (4 weights) of the group,
+    16 rows x 4 bytes: byte 4i + b is weight ``g * group + 4j + b`` of row ``16t + i``
+    (one int32 lane per row). 4 bits: quads 2p and 2p + 1 share 64 bytes, 2p in the low
+    nibbles. Scales and biases go (t, g, i). Row slices at multiples of 16 stay valid tiles.
     """
     N, packed = w.shape
-    K = packed * 8
+    K = packed * 32 // bits
     G = K // group_size
-    if N % TILE_ROWS or group_size % 32 or w.dtype != mx.uint32:
-        raise ValueError(f"tile4: needs rows in 16s, a group of 32s and uint32 w, not {w.shape}")
-    shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
-    q = ((w[:, :, None] >> shifts) & 0xF).astype(mx.uint8)  # (N, K / 8, 8): natural k order
-    q = q.reshape(N // TILE_ROWS, TILE_ROWS, G, group_size // 8, 2, 4)  # (t, i, g, p, half, b)
-    q = q.transpose(0, 2, 3, 4, 1, 5)  # (t, g, p, half, i, b)
-    tiled = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(N, K // 2).view(mx.uint32)
+    if (N % TILE_ROWS or group_size % 32 or w.dtype != mx.uint32 or bits not in (4, 8)
+            or scales.shape != (N, G)):
+        raise ValueError(f"tile: needs rows in 16s, groups of 32s and 4/8-bit uint32 w, "
+                         f"not {w.shape}")
+    T = N // TILE_ROWS
+    if bits == 8:
+        q = w.view(mx.uint8).reshape(T, TILE_ROWS, G, group_size // 4, 4)  # (t, i, g, j, b)
+        tiled = q.transpose(0, 2, 3, 1, 4).reshape(N, K).view(mx.uint32)
+    else:
+        shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
+        q = ((w[:, :, None] >> shifts) & 0xF).astype(mx.uint8)  # (N, K / 8, 8): natural order
+        q = q.reshape(T, TILE_ROWS, G, group_size // 8, 2, 4)  # (t, i, g, p, half, b)
+        q = q.transpose(0, 2, 3, 4, 1, 5)  # (t, g, p, half, i, b)
+        tiled = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(N, K // 2).view(mx.uint32)
 
     def params(a: mx.array) -> mx.array:
-        return a.reshape(N // TILE_ROWS, TILE_ROWS, G).transpose(0, 2, 1).reshape(N, G)
+        return a.reshape(T, TILE_ROWS, G).transpose(0, 2, 1).reshape(N, G)
 
     return tiled.reshape(N, packed), params(scales), params(biases)
+
+
+def untile8_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
+                 group_size: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Rows ``rows`` (any int shape) of `tile`d 8-bit weights back in MLX's layout: what
+    ``w[rows], scales[rows], biases[rows]`` gave before tiling (an embedding lookup)."""
+    N, packed = w.shape
+    K, G = packed * 4, scales.shape[1]
+    T = N // TILE_ROWS
+    t, i = rows // TILE_ROWS, rows % TILE_ROWS
+    q = w.view(mx.uint8).reshape(T, G, group_size // 4, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4)
+    data = q[t, i].reshape(*rows.shape, K).view(mx.uint32)
+
+    def params(a: mx.array) -> mx.array:
+        return a.reshape(T, G, TILE_ROWS).transpose(0, 2, 1)[t, i]
+
+    return data, params(scales), params(biases)
 
 
 def _side(pool: mx.array | QuantizedBlocks) -> dict:

@@ -16,7 +16,7 @@ namespace mx = mlx::core;
 
 // y = x @ dequantize(w, scales, biases).T, the semantics of
 // mx.quantized_matmul(..., transpose=True) for MLX affine quantization.
-// `tiled`: 4-bit weights in kvchat's tiled layout, multiplied with int8 x
+// `tiled`: weights in kvchat's tiled layout, multiplied with int16 x
 // (qmm_tiled.cpp).
 mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
               const mx::array& biases, int group_size, int bits, bool tiled = false,

@@ -217,8 +217,9 @@ mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
       biases.dtype() != scales.dtype())
     throw std::invalid_argument("qmm: x, scales and biases must be float32/float16/bfloat16");
   const int K = x.shape(-1), N = w.shape(0);
-  if (tiled && (bits != 4 || N % 16 != 0 || !tiled_supported()))
-    throw std::invalid_argument("qmm: tiled weights need 4 bits, rows in 16s and AVX-512 VNNI");
+  if (tiled && (N % 16 != 0 || group_size % 32 != 0 || !tiled_supported()))
+    throw std::invalid_argument("qmm: tiled weights need rows in 16s, groups of 32s and "
+                                "AVX-512 VNNI");
   if (K % group_size != 0 || int64_t(w.shape(1)) * 32 / bits != K ||
       scales.shape(0) != N || scales.shape(1) != K / group_size || biases.shape() != scales.shape())
     throw std::invalid_argument("qmm: shapes of x " + std::to_string(K) +

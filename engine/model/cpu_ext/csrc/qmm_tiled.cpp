@@ -1,4 +1,4 @@
-// The quantized matmul for 4-bit weights in kvchat's tiled layout, with x
+// The quantized matmul for 4/8-bit weights in kvchat's tiled layout, with x
 // quantized to int16 per weight group and multiplied with AVX-512 VNNI
 // (vpdpwssd: 32 exact integer multiply-adds in one instruction).
 //
@@ -9,11 +9,11 @@
 // have outliers ~100x their median, and int8 groups of 32 then cost ~2 % of
 // perplexity (measured); int16 keeps ~f16 precision.
 //
-// Layout (linear.py's `tile4`, the same bytes as MLX's): rows in tiles of 16.
-// For tile t, group g and pair p of the group's 4-weight quads, 64 bytes: byte
-// 4i + b holds weight k = g * group + 8p + b of row 16t + i in its low nibble
-// and weight k + 4 in its high nibble. Scales and biases are (t, g, i) ordered,
-// so 16 rows' parameters of a group are one vector load.
+// Layout (ops.py's `tile`, the same bytes as MLX's): rows in tiles of 16. For
+// tile t, group g and quad j (4 weights) of the group, 16 rows x 4 bytes: byte
+// 4i + b is weight k = g * group + 4j + b of row 16t + i. 8 bits: 64 bytes per
+// quad. 4 bits: quads 2p and 2p + 1 share 64 bytes, 2p in the low nibbles.
+// Scales and biases are (t, g, i) ordered: 16 rows of a group in one load.
 //
 // y[m, n] = sum over groups g, in order, of s[n,g] * dx[m,g] * isum + b[n,g] * xsum[m,g],
 // where isum is the exact int32 dot product of the group, dx x's int16 scale and
@@ -93,14 +93,13 @@ inline __m512 load_params(const void* base, Elem e, int64_t i) {
   return reinterpret_cast<__m512>(load_any(base, e, i));
 }
 
-// One quad's 16 rows x 4 weights (bytes 4i..4i+3: row i) times 4 int16 of x.
-// Zero-extending bytes to words puts row r's weights in int32 lanes 2r, 2r + 1
-// of `lo` (rows 0-7) and `hi` (rows 8-15), two weights each; the broadcast
-// qword of x lines up (x0, x1) with lane 2r and (x2, x3) with lane 2r + 1.
-inline void quad_dot(__m512i w, int64_t x4, __m512i& lo, __m512i& hi) {
-  const __m512i xv = _mm512_set1_epi64(x4);
-  lo = _mm512_dpwssd_epi32(lo, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(w)), xv);
-  hi = _mm512_dpwssd_epi32(hi, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(w, 1)), xv);
+// One quad's 16 rows x 4 weights (bytes 4i..4i+3: row i) as words. Zero-extending
+// bytes to words puts row r's weights in int32 lanes 2r, 2r + 1 of `lo` (rows 0-7)
+// and `hi` (rows 8-15), two weights each; a broadcast qword of 4 int16 of x then
+// lines up (x0, x1) with lane 2r and (x2, x3) with lane 2r + 1.
+inline void widen(__m512i w, __m512i& lo, __m512i& hi) {
+  lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(w));
+  hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(w, 1));
 }
 
 // Lanes (2r, 2r + 1) of lo (rows 0-7) and hi (rows 8-15) summed: one lane per row.
@@ -113,10 +112,11 @@ inline __m512i row_sums(__m512i lo, __m512i hi) {
 }
 
 // Rows m0..m1 (at most kRowBlock) of y for tile t.
+template <int BITS>
 void tile_rows(const QuantWeights& q, const QuantX& qx, int t, int64_t m0, int64_t m1,
                float* y) {
   const int G = q.G, K = q.K, group = q.group;
-  const int pairs = group / 8;  // 64-byte chunks per tile-group
+  const int quads = group / 4;  // per tile-group: 64 bytes each (8 bits), 2 per 64 (4 bits)
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   __m512 acc[kRowBlock];
   __m512i isum[kRowBlock];
@@ -124,24 +124,34 @@ void tile_rows(const QuantWeights& q, const QuantX& qx, int t, int64_t m0, int64
   for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
   const uint8_t* tile = q.w + int64_t(t) * kTile * q.row_bytes();
   for (int g = 0; g < G; ++g) {
-    const uint8_t* wg = tile + int64_t(g) * group * 8;
+    const uint8_t* wg = tile + int64_t(g) * group * 2 * BITS;
     for (int r = 0; r < rows; ++r) isum[r] = _mm512_setzero_si512();
-    for (int p0 = 0; p0 < pairs; p0 += kQuadsPerChunk / 2) {
-      __m512i wq[kQuadsPerChunk];
-      for (int p = 0; p < kQuadsPerChunk / 2; ++p) {
-        const __m512i v = _mm512_loadu_si512(wg + (p0 + p) * 64);
-        wq[2 * p] = _mm512_and_si512(v, low4);
-        wq[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    for (int q0 = 0; q0 < quads; q0 += kQuadsPerChunk) {
+      // widened once per chunk, used by every row of x (prefill has hundreds)
+      __m512i wlo[kQuadsPerChunk], whi[kQuadsPerChunk];
+      if constexpr (BITS == 4) {
+        for (int p = 0; p < kQuadsPerChunk / 2; ++p) {
+          const __m512i v = _mm512_loadu_si512(wg + (q0 / 2 + p) * 64);
+          widen(_mm512_and_si512(v, low4), wlo[2 * p], whi[2 * p]);
+          widen(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), wlo[2 * p + 1],
+                whi[2 * p + 1]);
+        }
+      } else {
+        for (int j = 0; j < kQuadsPerChunk; ++j)
+          widen(_mm512_loadu_si512(wg + (q0 + j) * 64), wlo[j], whi[j]);
       }
       for (int r = 0; r < rows; ++r) {
-        const int16_t* xq = qx.q.data() + (m0 + r) * K + int64_t(g) * group + p0 * 8;
+        const int16_t* xq = qx.q.data() + (m0 + r) * K + int64_t(g) * group + q0 * 4;
         int64_t quad[kQuadsPerChunk];
         std::memcpy(quad, xq, sizeof(quad));
         // four chains: vpdpwssd's latency would otherwise serialize the sixteen
         __m512i lo0 = _mm512_setzero_si512(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
         for (int j = 0; j < kQuadsPerChunk; j += 2) {
-          quad_dot(wq[j], quad[j], lo0, hi0);
-          quad_dot(wq[j + 1], quad[j + 1], lo1, hi1);
+          const __m512i x0 = _mm512_set1_epi64(quad[j]), x1 = _mm512_set1_epi64(quad[j + 1]);
+          lo0 = _mm512_dpwssd_epi32(lo0, wlo[j], x0);
+          hi0 = _mm512_dpwssd_epi32(hi0, whi[j], x0);
+          lo1 = _mm512_dpwssd_epi32(lo1, wlo[j + 1], x1);
+          hi1 = _mm512_dpwssd_epi32(hi1, whi[j + 1], x1);
         }
         isum[r] = _mm512_add_epi32(
             isum[r], row_sums(_mm512_add_epi32(lo0, lo1), _mm512_add_epi32(hi0, hi1)));
@@ -186,8 +196,9 @@ void qmm_tiled(const QuantWeights& q, const float* x, int64_t M, float* y) {
     const int t1 = std::min(tiles, (task + 1) * per_task);
     for (int t = task * per_task; t < t1; ++t)
       for (int mb = 0; mb < m_blocks; ++mb)
-        tile_rows(q, qx, t, int64_t(mb) * kRowBlock,
-                  std::min<int64_t>(M, int64_t(mb + 1) * kRowBlock), y);
+        (q.bits == 4 ? tile_rows<4> : tile_rows<8>)(
+            q, qx, t, int64_t(mb) * kRowBlock,
+            std::min<int64_t>(M, int64_t(mb + 1) * kRowBlock), y);
   });
 }
 

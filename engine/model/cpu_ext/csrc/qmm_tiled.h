@@ -1,5 +1,5 @@
-// The int16-activation (AVX-512 VNNI) quantized matmul over 4-bit weights in kvchat's
-// tiled layout (qmm_tiled.cpp; the layout is linear.py's `tile4`).
+// The int16-activation (AVX-512 VNNI) quantized matmul over 4/8-bit weights in kvchat's
+// tiled layout (qmm_tiled.cpp; the layout is ops.py's `tile`).
 #pragma once
 
 #include <cstdint>
@@ -11,7 +11,7 @@ namespace kvchat {
 // Whether this build has the tiled path (compiled with AVX-512 VNNI).
 bool tiled_supported();
 
-// y (M x N) = x (M x K) @ dequantize(w).T for tiled 4-bit weights, x quantized
+// y (M x N) = x (M x K) @ dequantize(w).T for tiled 4/8-bit weights, x quantized
 // to int16 per group. N a multiple of 16, group a multiple of 32.
 void qmm_tiled(const QuantWeights& q, const float* x, int64_t M, float* y);
 
