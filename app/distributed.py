@@ -81,8 +81,9 @@ def run_if_worker(args: argparse.Namespace) -> int | None:
     from engine import load_model
     from engine.distributed.worker import run_worker
 
-    loaded = load_model(args.model, weights=args.weights)
-    return run_worker(loaded, config_from_args(args), group, parallel_from_args(args))
+    parallel = parallel_from_args(args)
+    loaded = load_model(args.model, weights=args.weights, tiled=tiles_allowed(parallel))
+    return run_worker(loaded, config_from_args(args), group, parallel)
 
 
 def build_distributed_engine(args: argparse.Namespace, config):
@@ -91,8 +92,15 @@ def build_distributed_engine(args: argparse.Namespace, config):
     from engine.distributed.engine import DistributedEngine
 
     group = join(args)
-    return DistributedEngine(load_model(args.model, weights=args.weights), config, group,
-                             parallel_from_args(args))
+    parallel = parallel_from_args(args)
+    return DistributedEngine(load_model(args.model, weights=args.weights,
+                                        tiled=tiles_allowed(parallel)), config, group, parallel)
+
+
+def tiles_allowed(parallel) -> bool:
+    """Whether weights may be tiled: tensor parallel slices them by columns, as MLX lays
+    them out (mlx-lm's sharding), which the CPU extension's tiles do not allow."""
+    return parallel.mode != "tensor"
 
 
 def rank_lines(engine) -> list[str]:

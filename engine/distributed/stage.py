@@ -93,7 +93,12 @@ def check_tensor_shapes(args, world: int) -> None:
 def _shard_tensor(model, group: mx.distributed.Group) -> None:
     """Column-shard q/k/v and gate/up (kept as plain linears, so projections still fuse),
     row-shard o and down with an all-sum after them (mlx-lm's own `shard` scheme)."""
+    from engine.model.cpu_ext.linear import CpuTiledLinear
+
     N = group.size()
+    if any(isinstance(m, CpuTiledLinear) for _, m in model.named_modules()):
+        raise KVChatError("tensor parallel needs the weights in MLX's layout: load the model "
+                          "with tiled=False")
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):

@@ -144,13 +144,15 @@ def use_cpu_ext(model: nn.Module, weights: str) -> bool:
 
 
 def load_model(spec: str | None = None, *, weights: str = "auto",
-               float_budget_bytes: int | None = None) -> LoadedModel:
+               float_budget_bytes: int | None = None, tiled: bool = True) -> LoadedModel:
     """Load a model for the engine.
 
     Args:
         spec: "default", a model directory, a ``.gguf`` file or a hub repo id.
         weights: "auto" (per backend, see module docstring), "float32" or "shipped".
         float_budget_bytes: max bytes for float32 weights on CPU (auto mode).
+        tiled: let the CPU extension re-lay weights into its tiles (`linear.CpuTiledLinear`);
+            False where something must slice them as MLX lays them out (tensor parallel).
     """
     from mlx_lm.utils import load_model as mlx_load_model
     from mlx_lm.utils import load_tokenizer
@@ -181,7 +183,7 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     if cpu_ext:
         from engine.model.cpu_ext import linear, norm_rope
 
-        tiled = linear.tiled_enabled()
+        tiled = tiled and linear.tiled_enabled()
         linear.install(model, tiled=tiled)
         norm_rope.install(model)  # one op each instead of MLX's ~11 / ~34 on CPU
         # Same weights, other rounding than the float32 path: cached K/V must not mix.
