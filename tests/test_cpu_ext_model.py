@@ -40,6 +40,8 @@ def test_loader_records_the_extension_path(default_model_ext, default_model):
     linear = CpuTiledLinear if tiled else CpuQuantizedLinear
     embedding = CpuTiledEmbedding if tiled else CpuQuantizedEmbedding
     assert kinds.count(linear) == 7 * 30 and embedding in kinds
+    assert m.matmul == ("cpu-ext tiled int16-x" if tiled else "cpu-ext float")
+    assert default_model.matmul == "mlx"
     assert kinds.count(CpuRMSNorm) == 2 * 30 + 1 and kinds.count(CpuRoPE) == 30
     assert not any(type(x) is nn.QuantizedLinear for x in kinds)
 

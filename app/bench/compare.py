@@ -132,6 +132,7 @@ def run(args) -> int:
                           f"{[r['cached_tokens'] for r in s['runs']]}")
         kvchat_info = {
             "weight_format": loaded.weight_format,
+            "matmul": loaded.matmul,
             "device": machine["backend"],
             "blas": engine.model.blas.loaded_path,
             "gemv_shim": engine.model.blas.gemv_shim,

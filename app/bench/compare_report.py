@@ -138,7 +138,8 @@ def _header(report: dict) -> None:
           f"{m['backend']}, python {m['python']}, mlx {m['mlx']}, mlx-lm {m['mlx_lm']}, "
           f"llama-cpp-python {m.get('llama_cpp_python') or 'not installed'}")
     shim = "on" if kv["gemv_shim"] else "off"
-    print(f"kvchat: {kv['weight_format']} weights on {kv['device']}, "
+    print(f"kvchat: {kv['weight_format']} weights on {kv['device']} "
+          f"(matmuls: {kv.get('matmul', 'mlx')}), "
           f"BLAS {kv['blas'] or 'none preloaded (MLX linked BLAS)'} (GEMV shim {shim}), "
           f"in-process, paged KV (block {kv['block_size']}), prefill chunk "
           f"{kv['prefill_chunk']}, a fresh prefix-cache tenant per run")

@@ -49,6 +49,7 @@ class LoadedModel:
     tokenizer_fingerprint: str
     weight_bytes: int = 0  # bytes of the weights as loaded
     cpu_ext: bool = False  # quantized matmuls run in kvchat's CPU extension (engine.model.cpu_ext)
+    matmul: str = "mlx"  # how: "mlx", "cpu-ext float" or "cpu-ext tiled int16-x" (AVX-512 VNNI)
 
     @property
     def context_length(self) -> int:
@@ -180,6 +181,7 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     cpu_ext = use_cpu_ext(model, weights)
     auto_float = weights == "auto" and not cpu_ext and choose_float_weights(model,
                                                                              float_budget_bytes)
+    matmul = "mlx"
     if cpu_ext:
         from engine.model.cpu_ext import linear, norm_rope
 
@@ -188,6 +190,7 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
         norm_rope.install(model)  # one op each instead of MLX's ~11 / ~34 on CPU
         # Same weights, other rounding than the float32 path: cached K/V must not mix.
         compute = CPU_EXT_TILED_COMPUTE if tiled else CPU_EXT_COMPUTE
+        matmul = "cpu-ext tiled int16-x" if tiled else "cpu-ext float"
         fingerprint = combine([("weights", fingerprint), ("compute", compute)])
     elif weights == "float32" or auto_float:
         model = to_float32(model)
@@ -208,5 +211,6 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
         tokenizer_fingerprint=tokenizer_fingerprint(path),
         weight_bytes=nbytes,
         cpu_ext=cpu_ext,
+        matmul=matmul,
     )
 

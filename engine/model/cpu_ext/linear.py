@@ -41,6 +41,16 @@ def rebind(cls, layer: nn.Module) -> nn.Module:
     return new
 
 
+def rebind_tiled(cls, layer: nn.Module) -> nn.Module:
+    """`rebind` with the weight, scales and biases re-laid by `ops.tile` (new arrays: the
+    layer's own are freed with it)."""
+    new = rebind(cls, layer)
+    new["weight"], new["scales"], new["biases"] = ops.tile(
+        layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+    mx.eval(new["weight"], new["scales"], new["biases"])
+    return new
+
+
 class CpuQuantizedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose forward is the extension's `qmm`."""
 
@@ -63,11 +73,7 @@ class CpuTiledLinear(CpuQuantizedLinear):
 
     @classmethod
     def from_quantized(cls, layer: nn.QuantizedLinear) -> CpuTiledLinear:
-        new = rebind(cls, layer)
-        new["weight"], new["scales"], new["biases"] = ops.tile(
-            layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
-        mx.eval(new["weight"], new["scales"], new["biases"])
-        return new
+        return rebind_tiled(cls, layer)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = ops.qmm(x, self["weight"], self["scales"], self["biases"],
@@ -108,11 +114,7 @@ class CpuTiledEmbedding(CpuQuantizedEmbedding):
 
     @classmethod
     def from_quantized(cls, layer: nn.QuantizedEmbedding) -> CpuTiledEmbedding:
-        new = rebind(cls, layer)
-        new["weight"], new["scales"], new["biases"] = ops.tile(
-            layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
-        mx.eval(new["weight"], new["scales"], new["biases"])
-        return new
+        return rebind_tiled(cls, layer)
 
     def __call__(self, x: mx.array) -> mx.array:
         w, s, b = ops.untile8_rows(self["weight"], self["scales"], self["biases"], x,
