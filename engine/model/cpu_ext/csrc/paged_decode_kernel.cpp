@@ -29,6 +29,39 @@ struct Partial {
   float* acc;  // heads x D (in V's row order)
 };
 
+// The tokens [t0, t1) of sequence b that context partition `part` covers
+// (whole blocks, so partitions never share one).
+inline void token_range(const Problem& pb, int b, int part, int& t0, int& t1) {
+  const int len = pb.lens[b];
+  const int per_part = ((len + pb.parts - 1) / pb.parts + pb.BS - 1) / pb.BS * pb.BS;
+  t0 = std::min(len, part * per_part);
+  t1 = std::min(len, t0 + per_part);
+}
+
+// One block's online-softmax step for one head: scores pg[r0..r1) become
+// exp(score - m_new) in place, m and l move on; returns the factor (0 on the
+// first block) by which the caller rescales its output accumulator.
+inline float softmax_block(float* pg, int r0, int r1, float& m, float& l) {
+  float block_max = pg[r0];
+  for (int r = r0 + 1; r < r1; ++r) block_max = std::max(block_max, pg[r]);
+  const float m_new = std::max(m, block_max);
+  const float alpha = std::exp(m - m_new);
+  m = m_new;
+  float sum = 0.0f;
+  int r = r0;
+  for (; r + W <= r1; r += W) {
+    const vf e = exp_neg(load(pg + r) - m_new);
+    store(pg + r, e);
+    sum += hsum(e);
+  }
+  for (; r < r1; ++r) {
+    pg[r] = std::exp(pg[r] - m_new);
+    sum += pg[r];
+  }
+  l = l * alpha + sum;
+  return alpha;
+}
+
 // K row j (D / W vectors) of a plain pool, as floats.
 template <int NV>
 inline void load_row(const Side& side, int64_t row, vf* out) {
@@ -46,9 +79,8 @@ void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st)
   constexpr int D = NV * W;
   const int BS = pb.BS;
   const int q_head0 = h * (pb.Hq / pb.Hkv) + hc * pb.heads_per_task;
-  const int len = pb.lens[b];
-  const int per_part = ((len + pb.parts - 1) / pb.parts + BS - 1) / BS * BS;
-  const int t0 = std::min(len, part * per_part), t1 = std::min(len, t0 + per_part);
+  int t0, t1;
+  token_range(pb, b, part, t0, t1);
   const int padded_bs = (BS + W - 1) / W * W;
   thread_local std::vector<float> scratch;
   scratch.resize(size_t(G) * padded_bs);
@@ -82,26 +114,9 @@ void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st)
       }
     }
     for (int g = 0; g < G; ++g) {
-      float* pg = p + size_t(g) * padded_bs;
-      float block_max = pg[r0];
-      for (int r = r0 + 1; r < r1; ++r) block_max = std::max(block_max, pg[r]);
-      const float m_new = std::max(m[g], block_max);
-      const float alpha = std::exp(m[g] - m_new);
-      m[g] = m_new;
+      const float alpha = softmax_block(p + size_t(g) * padded_bs, r0, r1, m[g], l[g]);
       if (alpha != 1.0f)
         for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] * alpha;
-      float sum = 0.0f;
-      int r = r0;
-      for (; r + W <= r1; r += W) {
-        const vf e = exp_neg(load(pg + r) - m_new);
-        store(pg + r, e);
-        sum += hsum(e);
-      }
-      for (; r < r1; ++r) {
-        pg[r] = std::exp(pg[r] - m_new);
-        sum += pg[r];
-      }
-      l[g] = l[g] * alpha + sum;
     }
     for (int r = r0; r < r1; ++r) {
       vf v[NV];
@@ -150,9 +165,8 @@ void attend(const Problem& pb, int b, int h, int hc, int part, Partial st) {
   if (AttendFn fast = plain_attend(pb, G)) return fast(pb, b, h, hc, part, st);
   const int D = pb.D, BS = pb.BS;
   const int q_head0 = h * (pb.Hq / pb.Hkv) + hc * pb.heads_per_task;
-  const int len = pb.lens[b];
-  const int per_part = ((len + pb.parts - 1) / pb.parts + BS - 1) / BS * BS;
-  const int t0 = std::min(len, part * per_part), t1 = std::min(len, t0 + per_part);
+  int t0, t1;
+  token_range(pb, b, part, t0, t1);
   const int padded_bs = (BS + W - 1) / W * W;
 
   thread_local std::vector<float> scratch;
@@ -199,27 +213,10 @@ void attend(const Problem& pb, int b, int h, int hc, int part, Partial st) {
     }
     // Update the running max, rescale, and turn scores into probabilities.
     for (int g = 0; g < G; ++g) {
-      float* pg = p + size_t(g) * padded_bs;
-      float block_max = pg[r0];
-      for (int r = r0 + 1; r < r1; ++r) block_max = std::max(block_max, pg[r]);
-      const float m_new = std::max(st.m[g], block_max);
-      const float alpha = std::exp(st.m[g] - m_new);  // 0 on the first block
-      st.m[g] = m_new;
+      const float alpha = softmax_block(p + size_t(g) * padded_bs, r0, r1, st.m[g], st.l[g]);
       float* acc = st.acc + size_t(g) * D;
       if (alpha != 1.0f)
         for (int d = 0; d < D; d += W) store(acc + d, load(acc + d) * alpha);
-      float sum = 0.0f;
-      int r = r0;
-      for (; r + W <= r1; r += W) {
-        const vf e = exp_neg(load(pg + r) - m_new);
-        store(pg + r, e);
-        sum += hsum(e);
-      }
-      for (; r < r1; ++r) {
-        pg[r] = std::exp(pg[r] - m_new);
-        sum += pg[r];
-      }
-      st.l[g] = st.l[g] * alpha + sum;
     }
     // Accumulate the value rows.
     for (int r = r0; r < r1; ++r) {
