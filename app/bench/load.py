@@ -203,7 +203,8 @@ def run(args) -> int:
             "engine": asdict(base), "base_concurrency": levels[0],
             "prompts": "raw stdlib source token slices; greedy, EOS ignored"},
         "levels": results, "capacity": capacity, "plot": str(plot),
-        "check": {"top_concurrency": levels[-1], "target_ratio": 4.0,
+        # the performance issue's check: 8 streams give >= 3x one stream's generated tok/s
+        "check": {"top_concurrency": levels[-1], "target_ratio": 3.0,
                   "decode_step_tps_ratio": results[-1]["vs_base"]["decode_step_tps"],
                   "gen_tps_ratio": results[-1]["vs_base"]["gen_tps"]},
     }

@@ -49,7 +49,7 @@ bool tiled_supported() {
 
 namespace {
 
-constexpr int kTile = 16;  // weight rows per tile: one int32 lane each
+constexpr int kTile = 16;  // weight rows per tile: one int32 lane each of the output
 constexpr int kRowBlock = 32;  // x rows per pass over a tile's groups
 constexpr int kQuadsPerChunk = 8;  // unpacked weight registers live at once
 // Jobs below this many multiply-adds stay on the calling thread: waking the
