@@ -245,8 +245,9 @@ int choose_parts(int units, int max_len, int threads) {
 void run_problem(Problem pb, float* out /* (B, Hq, D) */) {
   // Waking a sleeping second thread costs 50-300 us on the 2-core build VMs,
   // but in a decode step the matmul just before has left it spinning: problems
-  // from ~1k rows (~50 us on one core) split. Measured: 1x1024 f16 ~110 -> 83 us,
-  // 1x4096 266 -> 220 us; a batch of 8 at 300 tokens had left a core idle.
+  // from 2^18 K/V elements (~700 tokens of context for the default model, 3 KV
+  // heads) split. Measured: 1x1024 f16 ~110 -> 83 us, 1x4096 266 -> 220 us; a
+  // batch of 8 at 300 tokens had left a core idle.
   int64_t rows_read = 0;  // K and V rows of every (sequence, KV head)
   int max_len = 0;
   for (int b = 0; b < pb.B; ++b) {
