@@ -54,13 +54,15 @@ def rebind_tiled(cls, layer: nn.Module) -> nn.Module:
 class CpuQuantizedLinear(nn.QuantizedLinear):
     """`nn.QuantizedLinear` whose forward is the extension's `qmm`."""
 
+    tiled = False  # parameters in `ops.tile`'s layout (`CpuTiledLinear`)
+
     @classmethod
     def from_quantized(cls, layer: nn.QuantizedLinear) -> CpuQuantizedLinear:
         return rebind(cls, layer)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = ops.qmm(x, self["weight"], self["scales"], self["biases"],
-                    group_size=self.group_size, bits=self.bits)
+                    group_size=self.group_size, bits=self.bits, tiled=self.tiled)
         return y + self["bias"] if "bias" in self else y
 
 
@@ -71,14 +73,11 @@ class CpuTiledLinear(CpuQuantizedLinear):
     at about float16's precision. Its parameters are not MLX's layout: only `qmm` reads them.
     """
 
+    tiled = True
+
     @classmethod
     def from_quantized(cls, layer: nn.QuantizedLinear) -> CpuTiledLinear:
         return rebind_tiled(cls, layer)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        y = ops.qmm(x, self["weight"], self["scales"], self["biases"],
-                    group_size=self.group_size, bits=self.bits, tiled=True)
-        return y + self["bias"] if "bias" in self else y
 
 
 def tileable(layer: nn.Module) -> bool:
@@ -102,15 +101,19 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
     def from_quantized(cls, layer: nn.QuantizedEmbedding) -> CpuQuantizedEmbedding:
         return rebind(cls, layer)
 
+    tiled = False  # parameters in `ops.tile`'s layout (`CpuTiledEmbedding`)
+
     def as_linear(self, x: mx.array) -> mx.array:
         return ops.qmm(x, self["weight"], self["scales"], self["biases"],
-                       group_size=self.group_size, bits=self.bits)
+                       group_size=self.group_size, bits=self.bits, tiled=self.tiled)
 
 
 class CpuTiledEmbedding(CpuQuantizedEmbedding):
     """An 8-bit `CpuQuantizedEmbedding` in `ops.tile`'s layout: ``as_linear`` (the tied
     output head, the largest matmul of a small model) runs the tiled `qmm`, and a lookup
     puts its rows back in MLX's layout before the same `mx.dequantize` MLX's does."""
+
+    tiled = True
 
     @classmethod
     def from_quantized(cls, layer: nn.QuantizedEmbedding) -> CpuTiledEmbedding:
@@ -120,10 +123,6 @@ class CpuTiledEmbedding(CpuQuantizedEmbedding):
         w, s, b = ops.untile8_rows(self["weight"], self["scales"], self["biases"], x,
                                    self.group_size)
         return mx.dequantize(w, scales=s, biases=b, group_size=self.group_size, bits=self.bits)
-
-    def as_linear(self, x: mx.array) -> mx.array:
-        return ops.qmm(x, self["weight"], self["scales"], self["biases"],
-                       group_size=self.group_size, bits=self.bits, tiled=True)
 
 
 def install(model: nn.Module, *, tiled: bool = False) -> int:
