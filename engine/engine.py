@@ -55,10 +55,10 @@ class Engine(EngineLoop):
         self.scheduler = Scheduler(self.blocks, self.prefix, self.swap, parts.scheduler_config)
         pacer = StepPacer(len(self.runner.layers), group_target_s=config.cancel_check_s,
                           step_target_s=config.step_target_s)
-        self.executor = StepExecutor(self.runner, self.kv, self.blocks, self.recorder, pacer)
+        pipeline = config.pipeline if config.pipeline is not None else mx.default_device() == mx.gpu
+        self.executor = StepExecutor(self.runner, self.kv, self.blocks, self.recorder, pacer,
+                                     pipeline=pipeline)
         self.executor.unwanted = self._unwanted
-        self.executor.pipeline = (config.pipeline if config.pipeline is not None
-                                  else mx.default_device() == mx.gpu)
         self.scheduler.pacer = pacer
         self._ids = itertools.count()
 

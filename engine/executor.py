@@ -87,12 +87,13 @@ class StepExecutor:
     """Executes `StepPlan`s on a model runner over a paged KV pool."""
 
     def __init__(self, runner: PagedModel, kv: PagedKVCache, blocks: BlockManager,
-                 recorder: MetricsRecorder, pacer: StepPacer | None = None):
+                 recorder: MetricsRecorder, pacer: StepPacer | None = None, *,
+                 pipeline: bool = False):
         self.runner, self.kv, self.blocks, self.recorder = runner, kv, blocks, recorder
         self.pacer = pacer or StepPacer(len(runner.layers))
         self.fault_hook: FaultHook | None = None  # tests: may raise for (request, phase)
         self.unwanted: Unwanted | None = None  # True when none of these requests is wanted
-        self.pipeline = True  # launch greedy decodes ahead (see `run`)
+        self.pipeline = pipeline  # launch greedy decodes ahead (see `run`)
         self.flight: Flight | None = None
         self._last: dict[int, int] = {}  # tokens read from a flight, not yet applied
 
