@@ -98,12 +98,11 @@ void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st)
   }
   for (int t = t0; t < t1;) {
     const int blk = t / BS, r0 = t % BS, r1 = std::min(BS, t1 - blk * BS);
-    const int32_t phys = pb.tables[int64_t(b) * pb.table_width + blk];
-    if (phys < 0 || phys >= pb.num_blocks) {
+    const int64_t row0 = block_row0(pb, b, h, blk);
+    if (row0 < 0) {
       for (int g = 0; g < G; ++g) st.l[g] = std::numeric_limits<float>::quiet_NaN();
       return;
     }
-    const int64_t row0 = (int64_t(h) * pb.num_blocks + phys) * BS;
     for (int r = r0; r < r1; ++r) {
       vf k[NV];
       load_row<NV>(pb.k, row0 + r, k);
@@ -192,14 +191,11 @@ void attend(const Problem& pb, int b, int h, int hc, int part, Partial st) {
 
   for (int t = t0; t < t1;) {
     const int blk = t / BS, r0 = t % BS, r1 = std::min(BS, t1 - blk * BS);
-    const int32_t phys = pb.tables[int64_t(b) * pb.table_width + blk];
-    if (phys < 0 || phys >= pb.num_blocks) {
-      // Never read outside the pool; a NaN row tells the caller (an exception
-      // cannot leave a dispatched task: MLX would abort the process).
+    const int64_t row0 = block_row0(pb, b, h, blk);
+    if (row0 < 0) {
       for (int g = 0; g < G; ++g) st.l[g] = std::numeric_limits<float>::quiet_NaN();
       return;
     }
-    const int64_t row0 = (int64_t(h) * pb.num_blocks + phys) * BS;
     // Scores of this block's rows for every head of the group.
     for (int r = r0; r < r1; ++r) {
       const float* kr = pb.k.row(row0 + r, kbuf);

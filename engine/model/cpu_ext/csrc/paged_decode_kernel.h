@@ -85,6 +85,15 @@ struct Problem {
   int parts;  // context partitions (split-K); set by run_problem
 };
 
+// First pool row of sequence b's logical block blk for KV head h; -1 for a block
+// id outside the pool. Never read outside it: the caller reports a NaN row (an
+// exception cannot leave a dispatched task: MLX would abort the process).
+inline int64_t block_row0(const Problem& pb, int b, int h, int blk) {
+  const int32_t phys = pb.tables[int64_t(b) * pb.table_width + blk];
+  if (phys < 0 || phys >= pb.num_blocks) return -1;
+  return (int64_t(h) * pb.num_blocks + phys) * pb.BS;
+}
+
 // Decode (L == 1): attention of every (sequence, query head) into out (B, Hq, D),
 // float32 (paged_decode_kernel.cpp).
 void run_problem(Problem pb, float* out);

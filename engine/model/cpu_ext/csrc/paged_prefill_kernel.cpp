@@ -171,12 +171,12 @@ void attend_tile(const Problem& pb, int b, int h, int p0, int p1, float* out) {
     const int nk = std::min(kKeys, end - k0);
     for (int i = 0; i < nk; ++i) {
       const int key = k0 + i;
-      const int32_t phys = pb.tables[int64_t(b) * pb.table_width + key / pb.BS];
-      if (phys < 0 || phys >= pb.num_blocks) {
+      const int64_t row0 = block_row0(pb, b, h, key / pb.BS);
+      if (row0 < 0) {
         bad = true;
         break;
       }
-      const int64_t row = (int64_t(h) * pb.num_blocks + phys) * pb.BS + key % pb.BS;
+      const int64_t row = row0 + key % pb.BS;
       std::copy_n(pb.k.row(row, t.kbuf), D, t.k + size_t(i) * D);
       std::copy_n(pb.v.row(row, t.vbuf), D, t.v + size_t(i) * D);
     }
