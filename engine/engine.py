@@ -57,7 +57,7 @@ class Engine(EngineLoop):
                           step_target_s=config.step_target_s)
         pipeline = config.pipeline if config.pipeline is not None else mx.default_device() == mx.gpu
         self.executor = StepExecutor(self.runner, self.kv, self.blocks, self.recorder, pacer,
-                                     pipeline=pipeline)
+                                     pipeline=pipeline, fast_greedy=loaded.cpu_ext)
         self.executor.unwanted = self._unwanted
         self.scheduler.pacer = pacer
         self._ids = itertools.count()

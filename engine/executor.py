@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from engine import greedy
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.metrics import MetricsRecorder
@@ -61,11 +62,6 @@ def _same(a: list[Request], b: list[Request]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
-def _greedy(logits: mx.array) -> mx.array:
-    # argmax of the log-probs, as mlx-lm's greedy sampler takes it (same ties)
-    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
-
-
 def build_batch(blocks: BlockManager, seq_ids: list[int], input_ids: mx.array,
                 slots: list[list[int]]) -> StepBatch:
     """The forward's inputs for sequences whose new tokens already have ``slots``."""
@@ -88,12 +84,13 @@ class StepExecutor:
 
     def __init__(self, runner: PagedModel, kv: PagedKVCache, blocks: BlockManager,
                  recorder: MetricsRecorder, pacer: StepPacer | None = None, *,
-                 pipeline: bool = False):
+                 pipeline: bool = False, fast_greedy: bool = False):
         self.runner, self.kv, self.blocks, self.recorder = runner, kv, blocks, recorder
         self.pacer = pacer or StepPacer(len(runner.layers))
         self.fault_hook: FaultHook | None = None  # tests: may raise for (request, phase)
         self.unwanted: Unwanted | None = None  # True when none of these requests is wanted
         self.pipeline = pipeline  # launch greedy decodes ahead (see `run`)
+        self.fast_greedy = fast_greedy  # the CPU extension's greedy pick (`engine.greedy`)
         self.flight: Flight | None = None
         self._last: dict[int, int] = {}  # tokens read from a flight, not yet applied
 
@@ -244,7 +241,7 @@ class StepExecutor:
                                 [s.slots for _, s in ok])
             logits = self.runner(batch, self.kv)
             if self.pipeline and all(r.decoder.greedy for r in reqs):
-                tokens = _greedy(logits)
+                tokens = greedy.exact(logits)
                 mx.async_eval(tokens, self.kv.keys, self.kv.values)
                 out += self.resolve()  # the previous step's tokens, while this one runs
                 self.flight = Flight(reqs, tokens, t)
@@ -258,10 +255,9 @@ class StepExecutor:
     def _pick(self, reqs: list[Request], logits: mx.array) -> list[Outcome]:
         """Each request's next token from its row of ``logits`` (the pool is evaluated)."""
         if all(r.decoder.greedy for r in reqs):
-            tokens = _greedy(logits)
-            mx.eval(tokens, self.kv.keys, self.kv.values)
-            return [Outcome(r, 1, int(tok)) for r, tok in zip(reqs, tokens.tolist(),
-                                                              strict=True)]
+            tokens = greedy.tokens(logits, fast=self.fast_greedy,
+                                   wait=(self.kv.keys, self.kv.values))
+            return [Outcome(r, 1, tok) for r, tok in zip(reqs, tokens, strict=True)]
         return [self._sample(r, logits[i:i + 1]) for i, r in enumerate(reqs)]
 
     def _sample(self, req: Request, row: mx.array) -> Outcome:

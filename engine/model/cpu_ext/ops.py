@@ -48,6 +48,12 @@ def kv_write(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
                            rows)
 
 
+def greedy_pick(logits: mx.array) -> mx.array:
+    """(rows, vocab) float logits -> (rows,) int32: each row's greedy token where it provably
+    equals mlx-lm's ``argmax(logits - logsumexp(logits))`` (see csrc/greedy.cpp), else -1."""
+    return _ext().greedy_pick(logits)
+
+
 def tiled_supported() -> bool:
     """Whether the extension has the tiled matmul (built with AVX-512 VNNI)."""
     return bool(_ext().tiled_supported())

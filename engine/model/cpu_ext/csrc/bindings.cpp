@@ -53,6 +53,9 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "stream"_a = nb::none(),
         "pool (H, S, D) with rows (H, N, D) written at slots (N,): one op, in place when\n"
         "the pool is donated.");
+  m.def("greedy_pick", &kvchat::greedy_pick, "logits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Each row's greedy token where it provably equals argmax(logits - logsumexp(logits)),\n"
+        "else -1.");
   m.def("simd", &kvchat::build_info, "The SIMD path compiled in.");
   m.def("threads", [] { return kvchat::ThreadPool::instance().size(); },
         "Threads the kernels use (KVCHAT_CPU_THREADS).");

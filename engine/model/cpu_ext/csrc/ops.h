@@ -40,6 +40,10 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
 mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& rows,
                    mx::StreamOrDevice s = {});
 
+// Each row's greedy token where it provably equals mlx-lm's
+// argmax(logits - logsumexp(logits)), else -1 (greedy.cpp): (rows, vocab) -> int32.
+mx::array greedy_pick(const mx::array& logits, mx::StreamOrDevice s = {});
+
 // A short description of the compiled SIMD path and pool size (diagnostics).
 const char* build_info();
 
@@ -67,6 +71,19 @@ class KvWrite : public mx::UnaryPrimitive {
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
     return "KvchatKvWrite";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+};
+
+class GreedyPick : public mx::UnaryPrimitive {
+ public:
+  explicit GreedyPick(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "KvchatGreedyPick";
   }
   bool is_equivalent(const mx::Primitive&) const override {
     return true;

@@ -1,0 +1,86 @@
+"""`engine.greedy`: the CPU extension's greedy pick equals mlx-lm's
+``argmax(logits - logsumexp(logits))`` on every row, including rows built so that rounding
+makes the raw argmax the wrong answer."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import greedy
+from engine.model.cpu_ext import build, ops
+
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ext():
+    if not build.available():
+        pytest.skip(f"CPU extension unavailable: {build.unavailable_reason()}")
+
+
+def check(rows: np.ndarray, dtype) -> list[int]:
+    logits = mx.array(rows.astype(np.float32)).astype(dtype)
+    want = greedy.exact(logits).tolist()
+    assert greedy.tokens(logits, fast=True) == want
+    assert greedy.tokens(logits, fast=False) == want
+    return want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rounding_tie_takes_the_exact_path(dtype):
+    # An earlier entry a hair below the max, and a small max: logits - logsumexp rounds both
+    # to one value in half precision, so mlx-lm picks the earlier one, not the raw argmax.
+    V = 49152
+    row = np.zeros((1, V), np.float32)
+    row[0, 0] = -(2.0 ** -14)
+    logits = mx.array(row).astype(dtype)
+    assert ops.greedy_pick(logits).tolist() == [-1]  # the pick declines: max below ln V + 1
+    want = greedy.exact(logits).tolist()
+    assert greedy.tokens(logits, fast=True) == want
+    if dtype != mx.float32:
+        assert want == [0] and mx.argmax(logits, axis=-1).tolist() == [1]  # raw would be wrong
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_max_is_picked_without_the_exact_path(dtype):
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(6, 49152)).astype(np.float32) * 3
+    rows[np.arange(6), rng.integers(0, 49152, 6)] = 25.0
+    rows[1, :100] = 25.0  # ties in the raw logits: the first one wins in both
+    picked = ops.greedy_pick(mx.array(rows).astype(dtype)).tolist()
+    assert all(t >= 0 for t in picked)
+    assert picked == check(rows, dtype)
+    assert picked[1] == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_rows_take_the_exact_path(dtype):
+    rows = np.random.default_rng(1).normal(size=(4, 1000)).astype(np.float32) + 20
+    rows[0, 5], rows[1, 7], rows[2, 9] = np.nan, np.inf, -np.inf
+    picked = ops.greedy_pick(mx.array(rows).astype(dtype)).tolist()
+    assert picked[:3] == [-1, -1, -1] and picked[3] >= 0
+    check(rows, dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 300), st.sampled_from(DTYPES),
+       st.floats(-40, 40), st.floats(0.01, 8), st.integers(0, 2 ** 31 - 1), st.booleans())
+def test_pick_equals_mlx_lm_on_any_rows(rows, vocab, dtype, top, spread, seed, near_ties):
+    """Random rows around maxima from -40 to 40 (both sides of ln V + 1), optionally with
+    entries one float step below the max ahead of it: the answer is always mlx-lm's."""
+    rng = np.random.default_rng(seed)
+    x = (top - spread * np.abs(rng.normal(size=(rows, vocab)))).astype(np.float32)
+    x = np.asarray(mx.array(x).astype(dtype).astype(mx.float32))  # values the dtype holds
+    if near_ties:
+        for r in range(rows):
+            at = int(rng.integers(0, vocab))
+            x[r, at] = top
+            below = np.nextafter(np.float32(top), np.float32(-math.inf))
+            x[r, : at] = np.where(rng.random(at) < 0.5, below, x[r, : at])
+    check(x, dtype)
