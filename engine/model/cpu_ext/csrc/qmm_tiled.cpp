@@ -19,11 +19,14 @@
 // where isum is the exact int32 dot product of the group, dx x's int16 scale and
 // xsum the float sum of x over the group. The order of float operations per
 // (m, n) does not depend on M or on how work is split, so a row's result is the
-// same alone or in a batch, in decode or prefill.
+// same alone or in a batch, in decode or prefill. Two kernels compute it, bit
+// for bit alike: tile_rows here (weight rows in the vector lanes, for decode's
+// few x rows) and qmm_tiled_lanes.cpp (x rows in the lanes, for prefill).
 #include "qmm_tiled.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -32,7 +35,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVCHAT_TILED 1
-#include <immintrin.h>
+#include "qmm_tiled_impl.h"
 #endif
 
 namespace kvchat {
@@ -49,19 +52,24 @@ bool tiled_supported() {
 
 namespace {
 
-constexpr int kTile = 16;  // weight rows per tile: one int32 lane each of the output
+using namespace tiled;
+
 constexpr int kRowBlock = 32;  // x rows per pass over a tile's groups
 constexpr int kQuadsPerChunk = 8;  // unpacked weight registers live at once
 // Jobs below this many multiply-adds stay on the calling thread: waking the
 // other costs more than it saves.
 constexpr int64_t kParallelMinMacs = 1 << 18;
 
-// x quantized per group: int16 values in natural k order, scale and float sum.
-struct QuantX {
-  std::vector<int16_t> q;  // M x K
-  std::vector<float> scale;  // M x G: max |x| / 32767 of the group
-  std::vector<float> sum;  // M x G
-};
+// From this many x rows on, the lanes kernel (qmm_tiled_lanes.cpp) runs: measured on the
+// default model's shapes, tile_rows is faster up to ~12 rows. KVCHAT_LANES_MIN overrides
+// it, to compare the two.
+int lanes_min_rows() {
+  static const int n = [] {
+    const char* env = std::getenv("KVCHAT_LANES_MIN");
+    return env && std::atoi(env) > 0 ? std::atoi(env) : 14;
+  }();
+  return n;
+}
 
 void quantize_rows(const float* x, int K, int group, int64_t m0, int64_t m1, QuantX& qx) {
   const int G = K / group;
@@ -87,19 +95,6 @@ void quantize_rows(const float* x, int K, int group, int64_t m0, int64_t m1, Qua
       qx.scale[m * G + g] = std::isnan(sum) ? sum : mx / 32767.0f;  // NaN in, NaN out
     }
   }
-}
-
-inline __m512 load_params(const void* base, Elem e, int64_t i) {
-  return reinterpret_cast<__m512>(load_any(base, e, i));
-}
-
-// One quad's 16 rows x 4 weights (bytes 4i..4i+3: row i) as words. Zero-extending
-// bytes to words puts row r's weights in int32 lanes 2r, 2r + 1 of `lo` (rows 0-7)
-// and `hi` (rows 8-15), two weights each; a broadcast qword of 4 int16 of x then
-// lines up (x0, x1) with lane 2r and (x2, x3) with lane 2r + 1.
-inline void widen(__m512i w, __m512i& lo, __m512i& hi) {
-  lo = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(w));
-  hi = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(w, 1));
 }
 
 // Lanes (2r, 2r + 1) of lo (rows 0-7) and hi (rows 8-15) summed: one lane per row.
@@ -188,10 +183,11 @@ void qmm_tiled(const QuantWeights& q, const float* x, int64_t M, float* y) {
     quantize_rows(x, q.K, q.group, i * x_per, std::min(M, (i + 1) * x_per), qx);
   });
   const int tiles = q.N / kTile;
-  const int m_blocks = int((M + kRowBlock - 1) / kRowBlock);
   // Tasks are runs of tiles; each walks every block of x rows over its tiles.
   const int tasks = parallel ? std::min(tiles, 4 * pool.size()) : 1;
   const int per_task = (tiles + tasks - 1) / tasks;
+  if (M >= lanes_min_rows()) return tiled::qmm_lanes(q, qx, M, y, tasks);
+  const int m_blocks = int((M + kRowBlock - 1) / kRowBlock);
   pool.run(tasks, [&](int task) {
     const int t1 = std::min(tiles, (task + 1) * per_task);
     for (int t = task * per_task; t < t1; ++t)
