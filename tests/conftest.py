@@ -43,6 +43,28 @@ def default_model_ext():
 
 
 @pytest.fixture(scope="session")
+def quick_model(request):
+    """The quickest real default model here, for tests about something other than the
+    weights' path: `default_model_ext` where the extension builds, else `default_model`."""
+    from engine.model.cpu_ext import build
+
+    return request.getfixturevalue("default_model_ext" if build.available() else "default_model")
+
+
+def home_sharing_builds(home) -> str:
+    """A fresh KVCHAT_HOME at ``home`` that links this session's CPU-extension build and
+    converted default model: a new process there neither rebuilds (~30 s) nor converts."""
+    from pathlib import Path
+
+    home, shared = Path(home), Path(os.environ["KVCHAT_HOME"])
+    home.mkdir(parents=True, exist_ok=True)
+    for name in ("cpu_ext", "models"):
+        (shared / name).mkdir(mode=0o700, parents=True, exist_ok=True)
+        (home / name).symlink_to(shared / name)
+    return str(home)
+
+
+@pytest.fixture(scope="session")
 def default_engine(default_model):
     from engine import Engine, EngineConfig
 

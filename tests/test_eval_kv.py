@@ -223,10 +223,10 @@ def test_scores_through_the_pool_match_the_runner_and_ignore_chunking(small_engi
 
 
 @pytest.mark.slow
-def test_quick_run_end_to_end(default_model, tmp_path):
+def test_quick_run_end_to_end(quick_model, tmp_path):
     # f32 twice: the second run is a fresh engine, so "ratio 1.0 and 100 % agreement"
     # is a real determinism check, not the reference compared with its own numbers
-    result = kv.evaluate(["f32", "f16", "f32"], plan=QUICK, loaded=default_model)
+    result = kv.evaluate(["f32", "f16", "f32"], plan=QUICK, loaded=quick_model)
     table = kv.write_outputs(result, tmp_path / "out", tmp_path / "kv.json")
     saved = json.loads((tmp_path / "kv.json").read_text())
     assert saved["reference"] == "f32" and saved["quick"] is True

@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import home_sharing_builds
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +65,7 @@ SCRIPT = textwrap.dedent("""
 # idle clean (the rare abort did not show in 35 runs without the fix either).
 @pytest.mark.parametrize("state", ["idle", "busy"])
 def test_quit_exits_cleanly(state, tmp_path):
-    env = {**os.environ, "KVCHAT_HOME": str(tmp_path / "home")}
+    env = {**os.environ, "KVCHAT_HOME": home_sharing_builds(tmp_path / "home")}
     for i in range(RUNS):
         proc = subprocess.run([sys.executable, "-c", SCRIPT, state], capture_output=True,
                               text=True, timeout=240, env=env,
