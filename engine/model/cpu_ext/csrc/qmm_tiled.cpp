@@ -170,7 +170,11 @@ void tile_rows(const QuantWeights& q, const QuantX& qx, int t, int64_t m0, int64
 
 void qmm_tiled(const QuantWeights& q, const float* x, int64_t M, float* y) {
   // group must be a multiple of 32 (whole chunks of 8 quads) and N of 16
-  QuantX qx;
+  // Kept per calling thread: a fresh buffer of a prefill's size is page faults and zeroing
+  // each call. A named reference, as lambdas that name a thread_local see the running
+  // thread's own (the pool's worker's would be empty).
+  thread_local QuantX kept;
+  QuantX& qx = kept;
   qx.q.resize(M * q.K);
   qx.scale.resize(M * q.G);
   qx.sum.resize(M * q.G);

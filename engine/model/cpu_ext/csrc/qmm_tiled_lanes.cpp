@@ -148,7 +148,8 @@ void qmm_lanes(const QuantWeights& q, const QuantX& qx, int64_t M, float* y, int
   const int tiles = q.N / kTile;
   const int per_task = (tiles + tasks - 1) / tasks;
   const int64_t blocks = (M + kLanes - 1) / kLanes;
-  LaneX lx;
+  thread_local LaneX kept;  // reused: see qmm_tiled
+  LaneX& lx = kept;
   lx.q.resize(blocks * (q.K / 2) * kLanes);
   lx.scale.resize(blocks * q.G * kLanes);
   lx.sum.resize(blocks * q.G * kLanes);
