@@ -41,13 +41,14 @@ def rebind(cls, layer: nn.Module) -> nn.Module:
     return new
 
 
-def rebind_tiled(cls, layer: nn.Module) -> nn.Module:
-    """`rebind` with the weight, scales and biases re-laid by `ops.tile` (new arrays: the
-    layer's own are freed with it)."""
+def rebind_layout(cls, layer: nn.Module) -> nn.Module:
+    """`rebind`; for a ``cls.tiled`` class, with the weight, scales and biases re-laid by
+    `ops.tile` (new arrays: the layer's own are freed with it)."""
     new = rebind(cls, layer)
-    new["weight"], new["scales"], new["biases"] = ops.tile(
-        layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
-    mx.eval(new["weight"], new["scales"], new["biases"])
+    if cls.tiled:
+        new["weight"], new["scales"], new["biases"] = ops.tile(
+            layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+        mx.eval(new["weight"], new["scales"], new["biases"])
     return new
 
 
@@ -58,7 +59,7 @@ class CpuQuantizedLinear(nn.QuantizedLinear):
 
     @classmethod
     def from_quantized(cls, layer: nn.QuantizedLinear) -> CpuQuantizedLinear:
-        return rebind(cls, layer)
+        return rebind_layout(cls, layer)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = ops.qmm(x, self["weight"], self["scales"], self["biases"],
@@ -74,10 +75,6 @@ class CpuTiledLinear(CpuQuantizedLinear):
     """
 
     tiled = True
-
-    @classmethod
-    def from_quantized(cls, layer: nn.QuantizedLinear) -> CpuTiledLinear:
-        return rebind_tiled(cls, layer)
 
 
 def tileable(layer: nn.Module) -> bool:
@@ -97,11 +94,11 @@ def tiled_enabled() -> bool:
 class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
     """`nn.QuantizedEmbedding` whose ``as_linear`` (tied output head) is `qmm`."""
 
+    tiled = False  # parameters in `ops.tile`'s layout (`CpuTiledEmbedding`)
+
     @classmethod
     def from_quantized(cls, layer: nn.QuantizedEmbedding) -> CpuQuantizedEmbedding:
-        return rebind(cls, layer)
-
-    tiled = False  # parameters in `ops.tile`'s layout (`CpuTiledEmbedding`)
+        return rebind_layout(cls, layer)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return ops.qmm(x, self["weight"], self["scales"], self["biases"],
@@ -114,10 +111,6 @@ class CpuTiledEmbedding(CpuQuantizedEmbedding):
     puts its rows back in MLX's layout before the same `mx.dequantize` MLX's does."""
 
     tiled = True
-
-    @classmethod
-    def from_quantized(cls, layer: nn.QuantizedEmbedding) -> CpuTiledEmbedding:
-        return rebind_tiled(cls, layer)
 
     def __call__(self, x: mx.array) -> mx.array:
         w, s, b = ops.untile8_rows(self["weight"], self["scales"], self["biases"], x,
