@@ -112,29 +112,18 @@ void tile_rows(const QuantWeights& q, const QuantX& qx, int t, int64_t m0, int64
                float* y) {
   const int G = q.G, K = q.K, group = q.group;
   const int quads = group / 4;  // per tile-group: 64 bytes each (8 bits), 2 per 64 (4 bits)
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
   __m512 acc[kRowBlock];
   __m512i isum[kRowBlock];
   const int rows = int(m1 - m0);
   for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
-  const uint8_t* tile = q.w + int64_t(t) * kTile * q.row_bytes();
   for (int g = 0; g < G; ++g) {
-    const uint8_t* wg = tile + int64_t(g) * group * 2 * BITS;
+    const uint8_t* wg = tile_group(q, t, g);
     for (int r = 0; r < rows; ++r) isum[r] = _mm512_setzero_si512();
     for (int q0 = 0; q0 < quads; q0 += kQuadsPerChunk) {
       // widened once per chunk, used by every row of x (prefill has hundreds)
       __m512i wlo[kQuadsPerChunk], whi[kQuadsPerChunk];
-      if constexpr (BITS == 4) {
-        for (int p = 0; p < kQuadsPerChunk / 2; ++p) {
-          const __m512i v = _mm512_loadu_si512(wg + (q0 / 2 + p) * 64);
-          widen(_mm512_and_si512(v, low4), wlo[2 * p], whi[2 * p]);
-          widen(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), wlo[2 * p + 1],
-                whi[2 * p + 1]);
-        }
-      } else {
-        for (int j = 0; j < kQuadsPerChunk; ++j)
-          widen(_mm512_loadu_si512(wg + (q0 + j) * 64), wlo[j], whi[j]);
-      }
+      for (int j = 0; j < kQuadsPerChunk; ++j)
+        widen(quad_bytes<BITS>(wg, q0 + j), wlo[j], whi[j]);
       for (int r = 0; r < rows; ++r) {
         const int16_t* xq = qx.q.data() + (m0 + r) * K + int64_t(g) * group + q0 * 4;
         int64_t quad[kQuadsPerChunk];

@@ -25,6 +25,23 @@ inline __m512 load_params(const void* base, Elem e, int64_t i) {
   return reinterpret_cast<__m512>(load_any(base, e, i));
 }
 
+// Tile t's group g: its 16 rows x group weights (2 * group * bits bytes).
+inline const uint8_t* tile_group(const QuantWeights& q, int t, int g) {
+  return q.w + int64_t(t) * kTile * q.row_bytes() + int64_t(g) * q.group * 2 * q.bits;
+}
+
+// Quad j of tile-group `wg` as 16 rows x 4 weight bytes (byte 4i + b: row i). 4 bits:
+// quads 2p and 2p + 1 share 64-byte block p, 2p in the low nibbles.
+template <int BITS>
+inline __m512i quad_bytes(const uint8_t* wg, int j) {
+  if constexpr (BITS == 4) {
+    const __m512i v = _mm512_loadu_si512(wg + (j / 2) * 64);
+    return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0f));
+  } else {
+    return _mm512_loadu_si512(wg + j * 64);
+  }
+}
+
 // One quad's 16 rows x 4 weights (bytes 4i..4i+3: row i) as words. Zero-extending
 // bytes to words puts row r's weights in int32 lanes 2r, 2r + 1 of `lo` (rows 0-7)
 // and `hi` (rows 8-15), two weights each; a broadcast qword of 4 int16 of x then

@@ -56,20 +56,11 @@ void lane_layout(const QuantX& qx, int64_t M, int K, int G, int64_t b0, int64_t 
 template <int BITS>
 void unpack_tile(const QuantWeights& q, int t, int32_t* wp, float* s, float* b) {
   const int quads = q.group / 4;
-  const __m512i low4 = _mm512_set1_epi8(0x0f);
-  const uint8_t* tile = q.w + int64_t(t) * kTile * q.row_bytes();
   for (int g = 0; g < q.G; ++g) {
-    const uint8_t* wg = tile + int64_t(g) * q.group * 2 * BITS;
+    const uint8_t* wg = tile_group(q, t, g);
     for (int j = 0; j < quads; ++j) {
-      __m512i v;
-      if constexpr (BITS == 4) {
-        v = _mm512_loadu_si512(wg + (j / 2) * 64);
-        v = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, low4);
-      } else {
-        v = _mm512_loadu_si512(wg + j * 64);
-      }
       __m512i lo, hi;
-      widen(v, lo, hi);
+      widen(quad_bytes<BITS>(wg, j), lo, hi);
       int32_t* dst = wp + (int64_t(g) * quads + j) * 2 * kTile;
       _mm512_storeu_si512(dst, lo);
       _mm512_storeu_si512(dst + kTile, hi);
