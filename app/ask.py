@@ -18,6 +18,7 @@ from app import arg_types
 from app.cache_cli import duration
 from app.documents.load import Document, load_document
 from app.documents.qa import DocumentQA, Prepared
+from app.echo import echo_events
 from app.engine_args import add_engine_args, add_scope_args, build_engine
 from engine.errors import KVChatError
 from engine.kvcache.sessions import DEFAULT_SESSION_TTL_S, DocSession, SessionRegistry
@@ -66,7 +67,6 @@ class AskSession:
         return notice
 
     def ask(self, question: str) -> dict:
-        from app.cli import echo_events  # loaded: app.cli registers this command
         from engine import SamplingParams
         from engine.generation import collect
 

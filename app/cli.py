@@ -18,13 +18,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import engine  # noqa: F401  (preloads OpenBLAS before anything imports mlx.core)
 from app import arg_types
 from app.distributed import add_distributed_args, print_rank_lines, run_if_worker
-from app.engine_args import (
-    add_engine_args,
-    add_scope_args,
-    build_engine,
-    check_kv_budget,
-    config_from_args,
-)
+from app.echo import echo_events
+from app.engine_args import add_engine_args, add_scope_args, build_engine, check_kv_budget
+from app.engine_config import config_from_args
 from app.engine_like import EngineLike
 from engine.errors import KVChatError
 
@@ -144,17 +140,6 @@ def _stream(eng: EngineLike, ids, params, args):
     events = eng.generate(ids, params, tenant=args.tenant,
                           permission_version=args.permission_version)
     return echo_events(events, show=not args.json)
-
-
-def echo_events(events, *, show: bool):
-    """Pass ``events`` through, writing their text to stdout as it streams when ``show``."""
-    for event in events:
-        if show:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
-        yield event
-    if show:
-        sys.stdout.write("\n")
 
 
 def cmd_chat(args) -> int:

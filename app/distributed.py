@@ -13,6 +13,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from app import arg_types
+from app.engine_config import config_from_args
 
 if TYPE_CHECKING:
     from engine.distributed import ParallelConfig
@@ -77,7 +78,6 @@ def run_if_worker(args: argparse.Namespace) -> int | None:
     group = join(args)
     if group.rank() == 0:
         return None
-    from app.engine_args import config_from_args
     from engine import load_model
     from engine.distributed.worker import run_worker
 

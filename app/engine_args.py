@@ -1,25 +1,25 @@
 """Engine flags on the command line -> one `EngineConfig` -> one `Engine`.
 
 Used by `kvchat generate`, `chat`, every `bench` mode and the TUI's default engine
-factory, so a flag means the same thing everywhere and the config is built in one place.
-The engine is imported lazily: the bench worker imports app modules and must never
-load it (its import preloads OpenBLAS process-wide).
+factory, so a flag means the same thing everywhere and the config is built in one place
+(`app.engine_config`). The engine is imported lazily: the bench worker imports app
+modules and must never load it (its import preloads OpenBLAS process-wide).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import TYPE_CHECKING
 
 from app import arg_types
 from app.arg_types import parse_size
+from app.distributed import build_distributed_engine
+from app.engine_config import config_from_args
 
 if TYPE_CHECKING:
     from engine import Engine, EngineConfig
 
-__all__ = ["add_engine_args", "add_scope_args", "build_engine", "config_from_args",
-           "load_engine", "parse_size"]
+__all__ = ["add_engine_args", "add_scope_args", "build_engine", "load_engine", "parse_size"]
 
 DEFAULT_KV_BUDGET = "1G"
 
@@ -56,22 +56,6 @@ def add_scope_args(p: argparse.ArgumentParser) -> None:
                    help="bump to make this tenant's older cached blocks unreachable (>= 0)")
 
 
-def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
-    """The `EngineConfig` the flags describe; ``overrides`` set other fields (benchmarks)."""
-    from engine import EngineConfig
-
-    config = EngineConfig(
-        block_size=args.block_size,
-        kv_budget_bytes=args.kv_budget,
-        disk_cache=not getattr(args, "no_disk_cache", True),
-        disk_cache_dir=getattr(args, "cache_dir", None),
-        kv_bits=getattr(args, "kv_bits", None),
-        k_bits=getattr(args, "k_bits", None),
-        v_bits=getattr(args, "v_bits", None),
-    )
-    return dataclasses.replace(config, **overrides)
-
-
 def check_kv_budget(budget: int) -> None:
     """Refuse a KV pool larger than the memory the engine may use, before the slow load.
 
@@ -95,8 +79,6 @@ def load_engine(spec: str | None, *, weights: str = "auto",
 def build_engine(args: argparse.Namespace, **overrides) -> Engine:
     """The engine the flags describe (see `add_engine_args`)."""
     if getattr(args, "distributed", False):  # rank 0 of a multi-rank run (app.distributed)
-        from app.distributed import build_distributed_engine
-
         config = config_from_args(args, **overrides)
         check_kv_budget(config.kv_budget_bytes)
         return build_distributed_engine(args, config)

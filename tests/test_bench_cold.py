@@ -29,7 +29,7 @@ GEN = 3
 @pytest.fixture
 def bench_on_shared_model(monkeypatch, default_model):
     """`kvchat bench` over the session's loaded model (no second load), on its own engine."""
-    from app.engine_args import config_from_args
+    from app.engine_config import config_from_args
     from engine import Engine
 
     monkeypatch.setattr(compare, "build_engine", lambda args, **kw: Engine(

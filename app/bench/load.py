@@ -21,7 +21,8 @@ from pathlib import Path
 from app import arg_types
 from app.bench.common import log, machine_info, prompt_ids
 from app.bench.load_report import print_report, write_plot
-from app.engine_args import add_engine_args, check_kv_budget, config_from_args
+from app.engine_args import add_engine_args, check_kv_budget
+from app.engine_config import config_from_args
 
 DEFAULT_PLOT = "bench-results/load.png"
 OUTCOMES = ("completed", "cancelled", "rejected", "failed")

@@ -7,6 +7,7 @@
 - `serving`: one request's life (encode, admit, submit, stream or collect)
 - `streaming`: engine events to the event loop; a disconnect cancels the request
 - `keys`: API keys -> tenants; `errors`: OpenAI's error format; `metrics_export`: Prometheus
+- `log`: the server's own stderr lines (start-up, drain, reloads, the final check)
 
 Importing this package loads neither starlette nor uvicorn (the CLI registers ``serve``
 on every start).

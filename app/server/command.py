@@ -12,11 +12,12 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import socket
-import sys
 
 from app import arg_types
 from app.distributed import add_distributed_args
-from app.engine_args import add_engine_args, build_engine, check_kv_budget, config_from_args
+from app.engine_args import add_engine_args, build_engine, check_kv_budget
+from app.engine_config import config_from_args
+from app.server.log import log
 from engine.errors import KVChatError
 
 
@@ -76,11 +77,6 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def model_id(loaded) -> str:
-    """The id /v1/models lists: the model directory's name for the embedded default."""
-    return loaded.path.name if loaded.name == "default" else loaded.name
-
-
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / Ctrl+C; 0 when every block came back."""
     from app.distributed import rank_lines, run_if_worker
@@ -116,7 +112,3 @@ def run(args: argparse.Namespace) -> int:
     for line in rank_lines(engine):
         log(line)
     return 0 if m.blocks_used == 0 and m.running == 0 else 1
-
-
-def log(message: str) -> None:
-    print(f"kvchat serve: {message}", file=sys.stderr, flush=True)

@@ -18,8 +18,8 @@ import threading
 import uvicorn
 
 from app.server.app import build_app
-from app.server.command import log
 from app.server.keys import KeyStore
+from app.server.log import log
 from app.server.state import ServerState
 from engine.errors import KVChatError
 
@@ -82,10 +82,13 @@ class KvchatServer(uvicorn.Server):
             log(f"listening on http://{host}:{port} (model {self.state.model_id}, {who})")
 
 
+def model_id(loaded) -> str:
+    """The id /v1/models lists: the model directory's name for the embedded default."""
+    return loaded.path.name if loaded.name == "default" else loaded.name
+
+
 def serve(args, engine, keys: KeyStore, sock: socket.socket) -> None:
     """Run the server on ``sock`` until SIGTERM / SIGINT has drained it."""
-    from app.server.command import model_id
-
     state = ServerState(engine, keys, model_id(engine.loaded), max_waiting=args.max_waiting,
                         default_max_tokens=args.default_max_tokens,
                         drain_timeout_s=args.drain_timeout)

@@ -61,7 +61,7 @@ def default_engine_factory(spec: str | None, *, weights: str = "auto",
                            kv_cache: str | None = None) -> EngineLike:
     """Load ``spec`` (a hub repo id in our cache resolves to its snapshot) into an Engine.
 
-    ``config`` comes from the command line (`app.engine_args.config_from_args`);
+    ``config`` comes from the command line (`app.engine_config.config_from_args`);
     ``kv_cache`` is the format chosen in the settings (see `with_kv_cache`).
     """
     config, notice = with_kv_cache(config, kv_cache)

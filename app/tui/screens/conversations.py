@@ -18,6 +18,7 @@ from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 
 from app.conversations import ConversationError, ConversationStore, fit_cells
+from app.tui.export import ask_export
 from app.tui.screens.dialogs import ConfirmScreen, TextInputScreen
 
 NEW = "new"
@@ -165,8 +166,6 @@ class ConversationsScreen(ModalScreen[str | None]):
         self.app.push_screen(TextInputScreen("Rename the chat", conversation.title), done)
 
     def action_export(self) -> None:
-        from app.tui.chats import ask_export  # the app's module imports this one
-
         cid = self._selected()
         if cid is None:
             return
