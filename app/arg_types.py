@@ -18,6 +18,8 @@ MAX_BLOCK_SIZE = 1024
 MAX_TENANT_CHARS = 128
 MAX_SIZE_BYTES = 1 << 50  # 1 PiB: anything larger is a typo, not a memory size
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_DURATION_S = 3650 * 86400  # ten years: anything longer is a typo
 
 
 def _fail(message: str, text: str) -> argparse.ArgumentTypeError:
@@ -115,6 +117,19 @@ def parse_size(text: str) -> int:
         return size(text)
     except argparse.ArgumentTypeError as e:
         raise ValueError(str(e)) from None
+
+
+def duration(text: str) -> float:
+    """'3600', '90s', '30m', '12h', '7d' -> seconds: positive, finite, at most ten years."""
+    body = text.strip().lower()
+    scale = DURATION_UNITS.get(body[-1:], 0)
+    try:
+        value = float(body[:-1] if scale else body) * (scale or 1)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_DURATION_S):  # also refuses nan, 1e400
+        raise _fail("must be a duration such as 3600, 90m, 12h or 7d (at most 3650d)", text)
+    return value
 
 
 def tenant(text: str) -> str:

@@ -15,7 +15,6 @@ import sys
 import time
 
 from app import arg_types
-from app.cache_cli import duration
 from app.documents.load import Document, load_document
 from app.documents.qa import DocumentQA, Prepared
 from app.echo import echo_events
@@ -144,7 +143,7 @@ def add_parser(sub) -> None:
     a.add_argument("--json", action="store_true", help="one JSON object per answer")
     a.add_argument("--session", type=arg_types.non_empty, default=None,
                    help="session name (default: the document's name and content hash)")
-    a.add_argument("--session-ttl", type=duration, default=DEFAULT_SESSION_TTL_S,
+    a.add_argument("--session-ttl", type=arg_types.duration, default=DEFAULT_SESSION_TTL_S,
                    metavar="TTL", help="how long the document's cached prefix is kept "
                    "(e.g. 12h, 7d; default 24h)")
     a.add_argument("--chunk-tokens", type=arg_types.int_in(32, 4096), default=256,

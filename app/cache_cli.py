@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -16,28 +13,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from app import arg_types
+from app.fresh_process import generate_in_fresh_process
 from engine.errors import KVChatError
 
 # Inspecting must not evict: the byte budget belongs to the engine that writes.
 NO_BUDGET = 1 << 62
-DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-MAX_TTL_S = 3650 * 86400  # ten years: anything longer is a typo
 MAX_VERIFY_PROMPT_BYTES = 1 << 20
-
-
-def duration(text: str) -> float:
-    """An argparse type: '3600', '90s', '30m', '12h', '7d' -> seconds (positive, finite,
-    at most ten years)."""
-    body = text.strip().lower()
-    scale = DURATION_UNITS.get(body[-1:], 0)
-    try:
-        value = float(body[:-1] if scale else body) * (scale or 1)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 < value <= MAX_TTL_S):  # also refuses nan, inf, 1e400
-        raise argparse.ArgumentTypeError(
-            f"must be a duration such as 3600, 90m, 12h or 7d (at most 3650d), got {text!r}")
-    return value
 
 
 def open_store(args, *, warn: bool = True, **kw):
@@ -201,22 +182,6 @@ def cmd_ttl(args) -> int:
     return 0
 
 
-def generate_in_fresh_process(prompt: str, model: str | None, max_tokens: int,
-                              cache_dir: str) -> dict:
-    """`kvchat generate --json` in a new interpreter: nothing in RAM, only the disk store."""
-    with tempfile.TemporaryDirectory(prefix="kvchat-prompt-") as tmp:
-        prompt_file = Path(tmp) / "prompt.txt"
-        prompt_file.write_text(prompt)
-        child = subprocess.run(
-            [sys.executable, "-m", "app.cli", "generate", "--json", "--prompt-file",
-             str(prompt_file), "--model", model or "default", "--max-tokens", str(max_tokens),
-             "--cache-dir", cache_dir],
-            capture_output=True, text=True, env=dict(os.environ), check=False)
-    if child.returncode != 0:
-        raise KVChatError(f"the fresh process failed: {child.stderr.strip()}")
-    return json.loads(child.stdout)
-
-
 def cmd_verify(args) -> int:
     """Cold, warm from RAM, warm from disk in a fresh process: identical greedy tokens."""
     if args.prompt_file:
@@ -295,7 +260,7 @@ def add_parser(sub) -> None:
                     "that lifetime, and older blocks of the tenant are deleted now."))
     p.add_argument("--tenant", type=arg_types.tenant, help="the tenant to set or clear")
     what = p.add_mutually_exclusive_group()
-    what.add_argument("ttl", nargs="?", type=duration, metavar="SECONDS",
+    what.add_argument("ttl", nargs="?", type=arg_types.duration, metavar="SECONDS",
                       help="the lifetime: seconds, or with a unit s, m, h, d")
     what.add_argument("--clear", action="store_true", help="back to the engine's default TTL")
     p.add_argument("--json", action="store_true", help="list as one JSON object")

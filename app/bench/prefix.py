@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 from app import arg_types
+from app.fresh_process import generate_in_fresh_process
 
 
 def document(tokenizer, min_tokens: int) -> str:
@@ -53,7 +54,6 @@ def run(args) -> int:
 
 def measure(args, cache_dir: str) -> int:
     """The three runs; print the summary line and write the JSON; 1 if tokens differ."""
-    from app.cache_cli import generate_in_fresh_process
     from engine import Engine, EngineConfig, SamplingParams, load_model
 
     loaded = load_model(args.model)
