@@ -17,10 +17,10 @@ import time
 from app import arg_types
 from app.documents.load import Document, load_document
 from app.documents.qa import DocumentQA, Prepared
+from app.documents.sessions import DEFAULT_SESSION_TTL_S, DocSession, SessionRegistry
 from app.echo import echo_events
 from app.engine_args import add_engine_args, add_scope_args, build_engine
 from engine.errors import KVChatError
-from engine.kvcache.sessions import DEFAULT_SESSION_TTL_S, DocSession, SessionRegistry
 
 
 def session_name(docs: list[Document]) -> str:

@@ -81,7 +81,7 @@ def cmd_stats(args) -> int:
 
 
 def _sessions(store) -> list:
-    from engine.kvcache.sessions import SessionRegistry
+    from app.documents.sessions import SessionRegistry
 
     return sorted(SessionRegistry(store.root).load().values(), key=lambda x: x.created)
 
@@ -129,7 +129,7 @@ def cmd_purge(args) -> int:
                           "--permission-below or --all")
     if args.session and (args.tenant or args.model or args.all or args.permission_below):
         raise KVChatError("--session cannot be combined with other filters")
-    from engine.kvcache.sessions import SessionRegistry
+    from app.documents.sessions import SessionRegistry
 
     store = _writable_store(args)
     registry = SessionRegistry(store.root)

@@ -13,7 +13,7 @@ from app.documents.chunks import split_document
 from app.documents.load import DocumentError, document_from_text, load_document
 from app.documents.policy import Budget, place, trim_history
 from app.documents.retrieval import rank
-from engine.kvcache.sessions import DocSession, SessionRegistry
+from app.documents.sessions import DocSession, SessionRegistry
 
 
 def words(text: str) -> int:

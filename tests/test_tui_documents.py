@@ -12,12 +12,12 @@ from test_tui_app import SIZE, ask, boxes, make_app, wait_for
 from test_tui_fakes import FakeEngine
 from textual import events
 
+from app.documents.sessions import DEFAULT_SESSION_TTL_S
 from app.tui.documents import DocCommand, parse_doc_command
 from app.tui.screens.dialogs import ConfirmScreen
 from app.tui.screens.document_picker import DocumentPicker
 from app.tui.widgets.document_bar import DocumentBar
 from app.tui.widgets.prompt_input import LARGE_PASTE_CHARS, PromptInput
-from engine.kvcache.sessions import DEFAULT_SESSION_TTL_S
 
 NOTES = "The launch code is AZURE-7.\n\nThe backup site is in Tromsø.\n"
 

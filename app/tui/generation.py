@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from textual.message import Message
 
 from app.documents.qa import Prepared
+from app.documents.sessions import DEFAULT_SESSION_TTL_S
 from app.engine_like import EngineLike, HandleLike
 from app.tui.documents import AttachedDocuments
 from engine import SamplingParams
 from engine.errors import KVChatError, RequestError, RequestTooLargeError
-from engine.kvcache.sessions import DEFAULT_SESSION_TTL_S
 from engine.request import Priority
 
 FLUSH_S = 0.05  # text deltas are batched to ~20 UI updates a second
