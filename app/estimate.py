@@ -46,7 +46,7 @@ def model_shape(spec: str | None) -> dict:
 
 def run(args) -> int:
     """Print (or emit as JSON) the estimate and whether it fits here."""
-    from engine.model import memory
+    from engine.model import backend, memory
 
     shape = model_shape(args.model)
     est = memory.estimate(shape["layers"], shape["kv_heads"], shape["head_dim"],
@@ -60,7 +60,7 @@ def run(args) -> int:
         "bytes_per_element": est.bytes_per_element,
         "bytes_per_token": est.bytes_per_token, "total_bytes": est.total_bytes,
         "block_size": est.block_size, "blocks": est.blocks, "block_bytes": est.block_bytes,
-        "backend": memory.backend(), "engine_memory_limit_bytes": limit,
+        "backend": backend.backend(), "engine_memory_limit_bytes": limit,
         "fits": est.block_bytes <= limit, "share_of_limit": est.block_bytes / limit,
         "kv_budget_bytes": args.kv_budget,
         "kv_budget_blocks": int(args.kv_budget // (est.block_size * est.bytes_per_token)),
@@ -79,7 +79,7 @@ def run(args) -> int:
           f"(last block of each sequence rounds up)")
     verdict = "fits" if out["fits"] else "does NOT fit"
     print(f"  {verdict} in the {limit / mib:,.0f} MiB the engine may use here "
-          f"({memory.backend()}; {100 * out['share_of_limit']:.1f}% of it)")
+          f"({backend.backend()}; {100 * out['share_of_limit']:.1f}% of it)")
     pool = "fits" if out["fits_kv_budget"] else "does NOT fit"
     print(f"  {pool} in a KV pool of {args.kv_budget / mib:,.0f} MiB (--kv-budget): "
           f"{out['kv_budget_blocks']} blocks of this format, {est.blocks} needed")

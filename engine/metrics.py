@@ -101,14 +101,7 @@ class EngineMetrics:
 
 
 class MetricsRecorder:
-    """Counters and latency windows the engine updates as it runs (thread-safe).
-
-    Plain counter attributes (``steps``, ``preemptions``...) have one writer, the
-    thread running the step, and a reader sees each int whole. Anything another thread
-    updates (``rejections``, counted in callers' threads by `submit`) or that is read as
-    a group (windows, forward clocks, finish reasons) changes only through a method here,
-    under the lock.
-    """
+    """Counters and latency windows the engine updates as it runs (thread-safe)."""
 
     def __init__(self, window: int = 2048):
         self._lock = threading.Lock()
@@ -139,11 +132,6 @@ class MetricsRecorder:
     def observe(self, key: str, value: float) -> None:
         with self._lock:
             self._windows[key].append(value)
-
-    def count_rejection(self) -> None:
-        """One refused request; called from any caller's thread."""
-        with self._lock:
-            self.rejections += 1
 
     def count_finish(self, reason: str) -> None:
         with self._lock:
@@ -200,9 +188,9 @@ def snapshot(blocks, recorder: MetricsRecorder, layout, scheduler, prefix,
 
 
 def _kernel_fallback() -> str | None:
-    from engine.model import kernels  # MLX-side module: imported only when asked
+    from engine.model.attention.guard import kernel_fallback  # MLX-side: only when asked
 
-    return kernels.kernel_fallback()
+    return kernel_fallback()
 
 
 def _disk_metrics(store) -> dict:

@@ -18,7 +18,6 @@ from engine.errors import RequestError, RequestTooLargeError
 from engine.kvcache.block_manager import BlockManager, SlotPlan
 from engine.kvcache.prefix_cache import PrefixCache
 from engine.kvcache.swap import HostSwap
-from engine.pacing import StepPacer
 from engine.request import Request, RequestState
 
 
@@ -70,7 +69,7 @@ class Scheduler:
     """Plans engine steps over a shared block pool and owns every request's blocks."""
 
     def __init__(self, blocks: BlockManager, prefix: PrefixCache, swap: HostSwap,
-                 config: SchedulerConfig, pacer: StepPacer | None = None):
+                 config: SchedulerConfig):
         self.blocks = blocks
         self.prefix = prefix
         self.swap = swap
@@ -78,9 +77,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
-        # sizes the prefill budget of steps with decodes from measured forwards; without
-        # one, such a step prefills up to the config's fixed cap
-        self.pacer = pacer
+        self.pacer = None  # a StepPacer sizes the prefill budget of steps with decodes
 
     # -- checks ------------------------------------------------------------------
     def check(self, prompt_len: int, max_tokens: int) -> tuple[int, str | None]:

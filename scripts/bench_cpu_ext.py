@@ -29,8 +29,9 @@ import mlx.core as mx
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.executor import build_batch
+from engine.model.attention import cpu
+from engine.model.attention.reference import paged_attention_ref
 from engine.model.cpu_ext import build, ops
-from engine.model.paged_attention import paged_attention_ref
 
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps by the fire. " * 400
 
@@ -94,7 +95,7 @@ def bench_attention(rounds: int) -> None:
             run = 0 if len(lens) == 1 else None
             ref = best_us(partial(paged_attention_ref, q, k, v, t, lens, 0.125, block_run=run),
                           20, rounds)
-            ext = best_us(partial(ops.paged_decode, q, k, v, t, lens, 0.125), 20, rounds)
+            ext = best_us(partial(cpu.paged_decode, q, k, v, t, lens, 0.125), 20, rounds)
             kind = "view of the run" if run is not None else "gather + mask"
             label = str(lens) if len(lens) < 8 else f"8 x {lens[0]}"
             print(f"{str(dtype)[9:]:8s} {label:22s}: reference ({kind}) {ref:7.0f}  "

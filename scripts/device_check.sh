@@ -98,8 +98,9 @@ import os, sys
 sys.path[:0] = ["tests", "."]
 import engine  # noqa: F401  (preloads what the engine needs before mlx.core)
 import mlx.core as mx
-from engine.model import kernels
-from engine.model import paged_attention as pa
+from engine.model import backend
+from engine.model.attention import guard, routes
+from engine.model.attention.gpu import abi, one_pass, two_pass
 
 TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
 
@@ -107,7 +108,7 @@ TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
 def backend():
     from metal_kernels import mlx_range_text, mlx_version_checked
     print("mlx", mx.__version__, "cuda available:", mx.cuda.is_available())
-    assert mx.cuda.is_available() and kernels.kernel_available() == "cuda", "no CUDA back-end"
+    assert mx.cuda.is_available() and backend.kernel_backend() == "cuda", "no CUDA back-end"
     assert mlx_version_checked(mx.__version__), f"MLX {mx.__version__} not in {mlx_range_text()}"
     # Drift of the CUDA text: MLX prints what it compiles with verbose=True; the
     # emulator's re-implementation (cuda_generated_source) must have the same parameters.
@@ -117,10 +118,10 @@ def backend():
     case = Case("float16", 64, 16, 4, 2, (20, 9))
     inputs = make_inputs(case)
     ours = paged.cuda_source(case, inputs).text
-    kernel = kernels.make_paged_decode_kernel("cuda", name="drift_probe")
-    args = kernels.kernel_inputs(**inputs)
-    grid, tg = kernels.launch_dims(args[0], num_simdgroups=case.num_simdgroups)
-    template = kernels.template_args(inputs["queries"], inputs["k_pool"], inputs["v_pool"],
+    kernel = one_pass.make_paged_decode_kernel("cuda", name="drift_probe")
+    args = abi.kernel_inputs(**inputs)
+    grid, tg = one_pass.launch_dims(args[0], num_simdgroups=case.num_simdgroups)
+    template = abi.template_args(inputs["queries"], inputs["k_pool"], inputs["v_pool"],
                                      num_simdgroups=case.num_simdgroups)
     text = _capture_stdout_fd(lambda: mx.eval(kernel(
         inputs=args, template=template, grid=grid, threadgroup=tg,
@@ -148,7 +149,7 @@ def sweep():
     from dataclasses import replace
     from kernel_harness.cases import EMULATED_CASES, QUANT_CASES, Case, make_inputs
     from kernel_harness.two_pass import TWO_PASS_CASES
-    nsg = kernels.NUM_SIMDGROUPS
+    nsg = abi.NUM_SIMDGROUPS
     one = [replace(c, num_simdgroups=nsg) for c in EMULATED_CASES + QUANT_CASES] + [
         Case("float16", 128, 16, 32, 8, (1, 700, 2049, 4096), num_simdgroups=nsg),
         Case("bfloat16", 64, 32, 24, 8, (3000, 15), num_simdgroups=nsg),
@@ -157,11 +158,11 @@ def sweep():
     bad = 0
     for c in one:
         inputs = make_inputs(c)
-        bad += not _check(c, kernels.paged_decode_attention(**inputs), inputs, bool(c.k_quant or c.v_quant))
+        bad += not _check(c, one_pass.paged_decode_attention(**inputs), inputs, bool(c.k_quant or c.v_quant))
     for c in TWO_PASS_CASES + [replace(TWO_PASS_CASES[-1], head_dim=128, num_q_heads=32,
                                        num_kv_heads=8, context_lens=(32768, 1000))]:
         inputs = make_inputs(c)
-        out = kernels.paged_decode_two_pass(**inputs, partition_tokens=c.partition_tokens)
+        out = two_pass.paged_decode_two_pass(**inputs, partition_tokens=c.partition_tokens)
         bad += not _check(c, out, inputs, bool(c.k_quant or c.v_quant))
     print(f"{bad} bad of {len(one) + len(TWO_PASS_CASES) + 1}")
     sys.exit(1 if bad else 0)
@@ -172,12 +173,13 @@ def engine_parity():
     from engine.generation import collect
     loaded = load_model()
     counts = {"kernel": 0, "two_pass": 0}
-    for path, attr in pa.KERNEL_PATHS.items():
-        real = getattr(kernels, attr)
+    for path, (module, attr) in {"kernel": (one_pass, "paged_decode_attention"),
+                                 "two_pass": (two_pass, "paged_decode_two_pass")}.items():
+        real = getattr(module, attr)
         def counted(*a, _real=real, _path=path, **k):
             counts[_path] += 1
             return _real(*a, **k)
-        setattr(kernels, attr, counted)
+        setattr(module, attr, counted)
     tok = loaded.tokenizer
     prompts = [[tok.encode("The capital of France is"), tok.encode("Write a haiku about the sea.")],
                [tok.encode("List three prime numbers."), tok.encode("Why is the sky blue?")]]
@@ -186,7 +188,7 @@ def engine_parity():
         eng = Engine(loaded, EngineConfig(kv_budget_bytes=512 << 20, kernels=kernels_on,
                                           prefix_cache=False))
         batches = list(prompts)
-        if eng.max_context >= len(long_ids) + 64 and len(long_ids) >= pa.TWO_PASS_MIN_TOKENS:
+        if eng.max_context >= len(long_ids) + 64 and len(long_ids) >= routes.TWO_PASS_MIN_TOKENS:
             batches.append([long_ids, prompts[0][0]])
         out = []
         for batch in batches:
@@ -195,8 +197,8 @@ def engine_parity():
         return out
     ref = run(False)
     got = run(True)
-    print("kernel launches:", counts, "fallback:", kernels.kernel_fallback())
-    assert kernels.kernel_fallback() is None, kernels.kernel_fallback()
+    print("kernel launches:", counts, "fallback:", guard.kernel_fallback())
+    assert guard.kernel_fallback() is None, guard.kernel_fallback()
     assert counts["kernel"] > 0, "decode never reached the one-pass kernel"
     for i, (a, b) in enumerate(zip(ref, got)):
         first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -224,8 +226,8 @@ def small():
     from kernel_harness.cases import Case, make_inputs
     c = Case("float16", 64, 16, 4, 2, (37, 5))
     inputs = make_inputs(c)
-    mx.eval(kernels.paged_decode_attention(**inputs))
-    mx.eval(kernels.paged_decode_two_pass(**inputs, partition_tokens=16))
+    mx.eval(one_pass.paged_decode_attention(**inputs))
+    mx.eval(two_pass.paged_decode_two_pass(**inputs, partition_tokens=16))
     print("small launches done")
 
 

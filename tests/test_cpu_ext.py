@@ -3,6 +3,7 @@ cache, and the clean fallback when it cannot be built."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import mlx.core as mx
@@ -124,13 +125,16 @@ def no_extension(monkeypatch, tmp_path):
     """A process state in which the extension was never tried (restored afterwards)."""
     monkeypatch.setattr(build, "_module", None)
     monkeypatch.setattr(build, "_tried", False)
-    monkeypatch.setattr(build, "_reason", None)
+    monkeypatch.setattr(build, "_off", None)
+    failed = copy.copy(build._failed)  # a switch of its own, not yet tripped
+    failed.reset()
+    monkeypatch.setattr(build, "_failed", failed)
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))  # no cached build to find
-    from engine.model.cpu_ext import attention
+    from engine.model.attention import guard
 
-    attention.reset()
+    guard.GUARD.reset()
     yield monkeypatch
-    attention.reset()
+    guard.GUARD.reset()
 
 
 @pytest.mark.parametrize("compiler,why", [("/nonexistent/c++", "no C++ compiler"),
@@ -161,7 +165,8 @@ def test_without_the_extension_everything_takes_mlx_paths(no_extension):
     import mlx.nn as nn
 
     from engine.model import loader
-    from engine.model.paged_attention import paged_attention, paged_attention_ref
+    from engine.model.attention import paged_attention
+    from engine.model.attention.reference import paged_attention_ref
 
     no_extension.setenv(toolchain.ENV_COMPILER, "/nonexistent/c++")
     model = nn.Sequential(nn.QuantizedLinear(64, 32, group_size=32, bits=4))

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from engine.kvcache.kv_cache import QuantizedBlocks, QuantSpec
-from engine.model.cpu_ext import attention, build, ops
-from engine.model.paged_attention import paged_attention, paged_attention_ref
+from engine.model.attention import cpu, guard, paged_attention
+from engine.model.attention.reference import paged_attention_ref
+from engine.model.cpu_ext import build
 
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 
@@ -21,9 +22,9 @@ TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 def ext():
     if not build.available():
         pytest.skip(f"CPU extension unavailable: {build.unavailable_reason()}")
-    attention.reset()
+    guard.GUARD.reset()
     yield
-    attention.reset()
+    guard.GUARD.reset()
 
 
 def quantize_pool(pool: mx.array, bits: int, group: int) -> QuantizedBlocks:
@@ -59,11 +60,11 @@ def make_case(lens, Hq, Hkv, D, bs, *, seed, pool_dtype=mx.float32, q_dtype=mx.f
 
 
 def check(q, k, v, tables, lens, scale=None, op=None):
-    """Kernel (``op``: `ops.paged_decode` unless given) vs reference. The reference rounds
+    """Kernel (``op``: `cpu.paged_decode` unless given) vs reference. The reference rounds
     dequantized rows to their float16 scales' dtype, the kernel keeps them in float32:
     quantized pools get float16's allowance."""
     scale = scale or q.shape[-1] ** -0.5
-    out = (op or ops.paged_decode)(q, k, v, tables, lens, scale)
+    out = (op or cpu.paged_decode)(q, k, v, tables, lens, scale)
     ref = paged_attention_ref(q, k, v, tables, lens, scale)
     assert out.shape == ref.shape and out.dtype == q.dtype
     err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
@@ -109,21 +110,21 @@ def test_quantized_pools(k_quant, v_quant):
 def test_padding_blocks_are_never_read():
     lens = [9, 2]
     q, k, v, tables = make_case(lens, 4, 2, 16, 4, seed=3)
-    out1 = ops.paged_decode(q, k, v, tables, lens, 0.3)
+    out1 = cpu.paged_decode(q, k, v, tables, lens, 0.3)
     tables2 = np.array(tables)
     tables2[1, 1:] = 0  # other (valid) padding ids
-    out2 = ops.paged_decode(q, k, v, mx.array(tables2), lens, 0.3)
+    out2 = cpu.paged_decode(q, k, v, mx.array(tables2), lens, 0.3)
     np.testing.assert_array_equal(np.array(out1), np.array(out2))
 
 
 def test_bad_inputs_raise_or_come_back_nan():
     q, k, v, tables = make_case([9], 2, 2, 16, 4, seed=4)
     with pytest.raises(ValueError, match="queries"):
-        ops.paged_decode(mx.concatenate([q, q], axis=2), k, v, tables, [9], 0.3)
+        cpu.paged_decode(mx.concatenate([q, q], axis=2), k, v, tables, [9], 0.3)
     # an id outside the pool is never read: its sequence comes back as NaN
-    out = ops.paged_decode(q, k, v, mx.array([[0, 99, 1]], dtype=mx.int32), [9], 0.3)
+    out = cpu.paged_decode(q, k, v, mx.array([[0, 99, 1]], dtype=mx.int32), [9], 0.3)
     assert mx.isnan(out).all().item()
-    out = ops.paged_decode(q, k, v, tables, [13], 0.3)  # longer than its table
+    out = cpu.paged_decode(q, k, v, tables, [13], 0.3)  # longer than its table
     assert mx.isnan(out).all().item()
 
 
@@ -134,7 +135,7 @@ def test_paged_attention_routes_cpu_decode():
     q, k, v, tables = make_case(lens, 9, 3, 64, 16, seed=5, pool_dtype=mx.float16)
     routed = paged_attention(q, k, v, tables, lens, 0.125)
     np.testing.assert_array_equal(np.array(routed),
-                                  np.array(ops.paged_decode(q, k, v, tables, lens, 0.125)))
+                                  np.array(cpu.paged_decode(q, k, v, tables, lens, 0.125)))
     q1, k1, v1, t1 = make_case([40], 9, 3, 64, 16, seed=6)
     np.testing.assert_array_equal(np.array(paged_attention(q1, k1, v1, t1, [40], 0.125)),
                                   np.array(paged_attention_ref(q1, k1, v1, t1, [40], 0.125)))
@@ -142,8 +143,8 @@ def test_paged_attention_routes_cpu_decode():
 
 
 def test_bad_first_launch_falls_back_once(monkeypatch):
-    attention.reset()
-    monkeypatch.setattr(ops, "paged_decode", lambda q, *a: mx.zeros_like(q) + 7)
+    guard.GUARD.reset()
+    monkeypatch.setattr(cpu, "paged_decode", lambda q, *a: mx.zeros_like(q) + 7)
     lens = [20, 9]
     q, k, v, tables = make_case(lens, 4, 2, 32, 8, seed=8, pool_dtype=mx.float16)
     ref = paged_attention_ref(q, k, v, tables, lens, 0.2)
@@ -152,6 +153,6 @@ def test_bad_first_launch_falls_back_once(monkeypatch):
         for _ in range(2):
             out = paged_attention(q, k, v, tables, lens, 0.2)
             np.testing.assert_array_equal(np.array(out), np.array(ref))
-    assert len([w for w in seen if "CPU paged attention off" in str(w.message)]) == 1
-    assert "first launch" in attention.fallback_reason()
-    attention.reset()
+    assert len([w for w in seen if "attention kernels off" in str(w.message)]) == 1
+    assert "first launch" in guard.kernel_fallback()
+    guard.GUARD.reset()

@@ -1,4 +1,4 @@
-"""The extension's causal prefill attention (`ops.paged_prefill`) against
+"""The extension's causal prefill attention (`cpu.paged_prefill`) against
 `paged_attention_ref`, and its routing from `paged_attention` on CPU."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from test_cpu_ext_attention import (
     make_case,
 )
 
-from engine.model.cpu_ext import ops
-from engine.model.paged_attention import paged_attention, paged_attention_ref
+from engine.model.attention import cpu, paged_attention
+from engine.model.attention.reference import paged_attention_ref
 
 
 def prefill_case(lens, L, Hq, Hkv, D, bs, *, seed, q_dtype=mx.float32, **kw):
@@ -24,7 +24,7 @@ def prefill_case(lens, L, Hq, Hkv, D, bs, *, seed, q_dtype=mx.float32, **kw):
 
 
 def check(q, k, v, tables, lens, scale=None):
-    return check_kernel(q, k, v, tables, lens, scale, op=ops.paged_prefill)
+    return check_kernel(q, k, v, tables, lens, scale, op=cpu.paged_prefill)
 
 
 CASES = [
@@ -65,10 +65,10 @@ def test_quantized_pools(k_quant, v_quant):
 
 def test_bad_inputs_come_back_nan():
     q, k, v, tables = prefill_case([9], 4, 2, 2, 16, 4, seed=4)
-    out = ops.paged_prefill(q, k, v, mx.array([[0, 99, 1]], dtype=mx.int32), [9], 0.3)
+    out = cpu.paged_prefill(q, k, v, mx.array([[0, 99, 1]], dtype=mx.int32), [9], 0.3)
     assert mx.isnan(out).all().item()  # an id outside the pool is never read
-    assert mx.isnan(ops.paged_prefill(q, k, v, tables, [13], 0.3)).all().item()  # > table
-    assert mx.isnan(ops.paged_prefill(q, k, v, tables, [3], 0.3)).all().item()  # < L
+    assert mx.isnan(cpu.paged_prefill(q, k, v, tables, [13], 0.3)).all().item()  # > table
+    assert mx.isnan(cpu.paged_prefill(q, k, v, tables, [3], 0.3)).all().item()  # < L
 
 
 def test_paged_attention_routes_cpu_prefill():
@@ -78,7 +78,7 @@ def test_paged_attention_routes_cpu_prefill():
     lens = [300]
     q, k, v, tables = prefill_case(lens, 50, 9, 3, 64, 16, seed=5, pool_dtype=mx.float16)
     np.testing.assert_array_equal(np.array(paged_attention(q, k, v, tables, lens, 0.125)),
-                                  np.array(ops.paged_prefill(q, k, v, tables, lens, 0.125)))
+                                  np.array(cpu.paged_prefill(q, k, v, tables, lens, 0.125)))
     q1, k1, v1, t1 = prefill_case(lens, 50, 9, 3, 64, 16, seed=6)
     np.testing.assert_array_equal(np.array(paged_attention(q1, k1, v1, t1, lens, 0.125)),
                                   np.array(paged_attention_ref(q1, k1, v1, t1, lens, 0.125)))

@@ -21,9 +21,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kvcache.disk import entry as disk_entry
-from engine.kvcache.disk.root import TEMP_NAME
-from engine.kvcache.disk.store import TEMP_GRACE_S, TTL_FILE, DiskPrefixStore
+from engine.kvcache import disk_entry
+from engine.kvcache.disk_root import TEMP_NAME
+from engine.kvcache.disk_store import TEMP_GRACE_S, TTL_FILE, DiskPrefixStore
 from engine.kvcache.prefix_key import CacheSalt, chain_hash
 from engine.paths import temp_path
 
@@ -599,7 +599,7 @@ import sys, types
 pkg = types.ModuleType("engine"); pkg.__path__ = [sys.argv[1]]; sys.modules["engine"] = pkg
 from pathlib import Path
 import numpy as np
-from engine.kvcache.disk.store import DiskPrefixStore
+from engine.kvcache.disk_store import DiskPrefixStore
 from engine.kvcache.prefix_key import CacheSalt, chain_hash
 from engine.paths import temp_path
 salt = CacheSalt("m", "t", "raw", "rope", "float32", 4)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.kvcache.disk.writer import WRITER_NICE, BackgroundWriter
+from engine.kvcache.disk_writer import WRITER_NICE, BackgroundWriter
 
 
 def test_runs_items_in_order_off_the_calling_thread():

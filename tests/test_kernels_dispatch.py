@@ -1,9 +1,9 @@
-"""Decode dispatch by shape (the table in engine.model.paged_attention) and the
+"""The route table (engine.model.attention.routes) and the dispatch through it, and the
 benchmark that times every path (`kvchat bench kernel`), without a GPU.
 
-`kernels.kernel_available` is made to answer "metal" and the kernel entry
-points are replaced by spies that answer like the reference, so the routing
-itself is what is checked.
+`backend.kernel_backend` is made to answer "metal" and the kernel entry points are
+replaced by spies that answer like the reference, so the routing itself is what is
+checked.
 """
 
 from __future__ import annotations
@@ -13,40 +13,66 @@ import pytest
 from kernel_harness.cases import Case, make_inputs
 
 from app.bench import kernel as bench
-from engine.model import kernels
-from engine.model import paged_attention as pa
+from engine.model import backend
+from engine.model.attention import (
+    AttentionSpec,
+    PagedCall,
+    contiguous_run,
+    dispatch,
+    guard,
+    paged_attention,
+    reference,
+    routes,
+)
+from engine.model.attention.gpu import abi, one_pass, two_pass
 
 SHORT = Case("float16", 64, 16, 4, 2, (9, 17))
 ONE = Case("float16", 64, 16, 4, 2, (40,))
-LONG = Case("float16", 32, 64, 2, 1, (pa.TWO_PASS_MIN_TOKENS + 3,))
+LONG = Case("float16", 32, 64, 2, 1, (routes.TWO_PASS_MIN_TOKENS + 3,))
+SPIED = {"one_pass": (one_pass, "paged_decode_attention"),
+         "two_pass": (two_pass, "paged_decode_two_pass")}
 
 
 @pytest.fixture(autouse=True)
 def fresh_state(monkeypatch):
-    monkeypatch.delenv(kernels.ENV_SWITCH, raising=False)
-    kernels.reset_fallback()
+    monkeypatch.delenv(backend.KERNELS_SWITCH, raising=False)
+    guard.GUARD.reset()
     yield
-    kernels.reset_fallback()
+    guard.GUARD.reset()
 
 
 @pytest.fixture
 def spies(monkeypatch):
-    """path -> launches; both kernels answer like the reference."""
-    calls = {"kernel": [], "two_pass": []}
-    monkeypatch.setattr(kernels, "kernel_available", lambda: "metal")
-    for path, attr in pa.KERNEL_PATHS.items():
+    """path -> launches; both GPU kernels answer like the reference."""
+    calls = {"one_pass": [], "two_pass": []}
+    monkeypatch.setattr(backend, "kernel_backend", lambda: "metal")
+    for path, (module, attr) in SPIED.items():
         def spy(*args, _path=path):
             calls[_path].append(args)
-            return pa.paged_attention_ref(*args)
+            return reference.paged_attention_ref(*args)
 
-        monkeypatch.setattr(kernels, attr, spy)
+        monkeypatch.setattr(module, attr, spy)
     return calls
 
 
-def test_table_rows_name_a_path_and_a_reason():
-    assert [r.path for r in pa.DECODE_ROUTES] == ["view_sdpa", "two_pass", "kernel"]
-    assert all(r.when and len(r.reason) > 40 for r in pa.DECODE_ROUTES)
-    assert set(pa.KERNEL_PATHS) == {"kernel", "two_pass"}
+def call_of(batch: int, block_run: int | None, context: int, *, L: int = 1,
+            dtype=mx.float16, pool_dtype=mx.float16, spec: AttentionSpec | None = None,
+            ) -> PagedCall:
+    q = mx.zeros((batch, 4, L, 64), dtype)
+    pool = mx.zeros((2, 1, 16, 64), pool_dtype)
+    return PagedCall(q, pool, pool, mx.zeros((batch, 1), mx.int32), (context,) * batch,
+                     spec or AttentionSpec(0.125), block_run)
+
+
+def test_every_row_names_a_known_path_and_a_reason():
+    known = set(dispatch.KERNEL_PATHS) | {"reference", "view_sdpa"}
+    assert {r.path for r in routes.ROUTES} == known
+    assert all(r.when and len(r.reason) > 40 for r in routes.ROUTES)
+    # every backend has a row for every kind of call
+    for where in ("cpu", "metal", "cuda"):
+        for kind_call in (call_of(2, None, 9), call_of(1, None, 9, L=4),
+                          call_of(2, None, 9, L=4)):
+            routes.route(kind_call, where)
 
 
 @pytest.mark.parametrize(
@@ -54,48 +80,86 @@ def test_table_rows_name_a_path_and_a_reason():
     [
         (1, 0, 100, "view_sdpa"),
         (1, 3, 40000, "view_sdpa"),  # MLX's own path, which goes two-pass itself
-        (1, None, 100, "kernel"),  # scattered blocks (prefix-cache hits)
-        (1, None, pa.TWO_PASS_MIN_TOKENS, "two_pass"),
-        (8, None, 2048, "kernel"),
+        (1, None, 100, "one_pass"),  # scattered blocks (prefix-cache hits)
+        (1, None, routes.TWO_PASS_MIN_TOKENS, "two_pass"),
+        (8, None, 2048, "one_pass"),
         (4, None, 16384, "two_pass"),
     ],
 )
-def test_decode_route(batch, block_run, context, path):
-    assert pa.decode_route(batch, block_run, context).path == path
+def test_gpu_decode_route(batch, block_run, context, path):
+    assert routes.route(call_of(batch, block_run, context), "metal").path == path
+    assert routes.route(call_of(batch, block_run, context), "cuda").path == path
+
+
+@pytest.mark.parametrize(
+    ("call", "path"),
+    [
+        (call_of(1, 0, 100, dtype=mx.float32, pool_dtype=mx.float32), "reference"),  # parity
+        (call_of(1, None, 100, L=8, dtype=mx.float32, pool_dtype=mx.float32), "reference"),
+        (call_of(1, 0, 100, dtype=mx.float32), "cpu"),  # a float16 pool: no cast
+        (call_of(4, None, 100, dtype=mx.float32, pool_dtype=mx.float32), "cpu"),
+        (call_of(1, None, 100, L=8, dtype=mx.float32), "cpu"),
+        (call_of(3, None, 100, L=4, dtype=mx.float32), "cpu"),  # a multi-token verify
+    ],
+)
+def test_cpu_route(call, path):
+    assert routes.route(call, "cpu").path == path
+
+
+@pytest.mark.parametrize("spec", [AttentionSpec(0.125, window=64),
+                                  AttentionSpec(0.125, sinks=mx.zeros((4,)))])
+@pytest.mark.parametrize("where", ["cpu", "metal"])
+def test_windows_and_sinks_take_the_reference_everywhere(spec, where):
+    for c in (call_of(4, None, 100, spec=spec), call_of(1, 0, 100, spec=spec),
+              call_of(1, None, 100, L=8, spec=spec)):
+        assert routes.route(c, where).path == "reference"
+
+
+def test_gpu_multi_query_calls_take_the_reference():
+    assert routes.route(call_of(1, None, 100, L=8), "metal").path == "reference"
+    assert routes.route(call_of(3, None, 100, L=4), "cuda").path == "reference"
 
 
 def test_one_contiguous_sequence_takes_the_view(spies):
     inputs = make_inputs(ONE)
-    out = pa.paged_attention(**inputs, block_run=0)
-    assert spies == {"kernel": [], "two_pass": []}
-    assert mx.array_equal(out, pa.paged_attention_ref(**inputs, block_run=0))
+    out = paged_attention(**inputs, block_run=0)
+    assert spies == {"one_pass": [], "two_pass": []}
+    assert mx.array_equal(out, reference.paged_attention_ref(**inputs, block_run=0))
 
 
-@pytest.mark.parametrize(("case", "path"), [(SHORT, "kernel"), (ONE, "kernel"),
+@pytest.mark.parametrize(("case", "path"), [(SHORT, "one_pass"), (ONE, "one_pass"),
                                             (LONG, "two_pass")], ids=["batch", "one", "long"])
 def test_kernel_paths(case, path, spies):
     inputs = make_inputs(case)
-    out = pa.paged_attention(**inputs)
+    out = paged_attention(**inputs)
     assert len(spies[path]) == 1 and sum(map(len, spies.values())) == 1
-    assert mx.array_equal(out, pa.paged_attention_ref(**inputs))
-    assert kernels.kernel_fallback() is None
+    assert mx.array_equal(out, reference.paged_attention_ref(**inputs))
+    assert guard.kernel_fallback() is None
+
+
+def test_a_windowed_layer_never_reaches_a_kernel(spies):
+    inputs = make_inputs(SHORT)
+    spec = AttentionSpec(inputs.pop("scale"), window=5)
+    out = paged_attention(**inputs, scale=spec)
+    assert spies == {"one_pass": [], "two_pass": []}
+    assert mx.array_equal(out, reference.paged_attention_ref(**inputs, scale=spec))
 
 
 def test_two_pass_launch_failure_falls_back(monkeypatch):
     """The real two-pass kernels: MLX raises at launch without Metal."""
     if mx.metal.is_available():
         pytest.skip("Metal present: the kernel launches for real")
-    monkeypatch.setattr(kernels, "kernel_available", lambda: "metal")
+    monkeypatch.setattr(backend, "kernel_backend", lambda: "metal")
     inputs = make_inputs(LONG)
-    with pytest.warns(RuntimeWarning, match="paged_decode_two_pass on metal failed"):
-        out = pa.paged_attention(**inputs)
-    assert mx.array_equal(out, pa.paged_attention_ref(**inputs))
+    with pytest.warns(RuntimeWarning, match="two_pass attention on metal failed"):
+        out = paged_attention(**inputs)
+    assert mx.array_equal(out, reference.paged_attention_ref(**inputs))
 
 
 def test_two_pass_variant_differs_from_one_pass():
     inputs = make_inputs(SHORT)
     args = (inputs["queries"], inputs["k_pool"], inputs["v_pool"], inputs["block_tables"])
-    assert kernels.variant_key(*args, "kernel") != kernels.variant_key(*args, "two_pass")
+    assert abi.variant_key(*args, "one_pass") != abi.variant_key(*args, "two_pass")
 
 
 def test_bench_measures_the_paths_that_run_here():
@@ -105,9 +169,9 @@ def test_bench_measures_the_paths_that_run_here():
     one, two = rows
     assert one["ms"]["view_sdpa"] > 0 and one["ms"]["gather_sdpa"] > 0
     assert two["ms"]["view_sdpa"] is None  # several sequences: no view path
-    assert one["route"] == "view_sdpa" and two["route"] == "kernel"
-    if kernels.kernel_available() is None:
-        assert one["ms"]["kernel"] is None and one["ms"]["two_pass"] is None
+    assert one["route"] == "view_sdpa" and two["route"] == "one_pass"
+    if backend.kernel_backend() is None:
+        assert one["ms"]["one_pass"] is None and one["ms"]["two_pass"] is None
         assert one["fastest"] in ("view_sdpa", "gather_sdpa") and one["gbps"] > 0
     lines = bench.format_rows(rows)
     assert len(lines) == 3 and "two_pass ms" in lines[0] and "fastest" in lines[0]
@@ -117,4 +181,4 @@ def test_bench_inputs_make_the_view_path_apply():
     inputs = bench.make_inputs(1, 70, "float16", 16, 0, num_q_heads=4, num_kv_heads=2,
                                head_dim=64)
     table = [int(b) for b in inputs["block_tables"][0].tolist()]
-    assert pa.contiguous_run(table) == 0
+    assert contiguous_run(table) == 0

@@ -1,7 +1,7 @@
 """The kernel switch and the runtime fallback, without a GPU.
 
-The test hook: `kernels.kernel_available` is made to answer "metal", so decode
-dispatches to the kernel, and `kernels._paged_decode_kernel` hands out a
+The test hook: `backend.kernel_backend` is made to answer "metal", so decode
+dispatches to the kernel, and `one_pass._paged_decode_kernel` hands out a
 kernel callable that raises (or returns garbage). On this machine the real
 Metal kernel also raises when called ("No Metal back-end"): a genuine launch
 failure. Either way generation must finish on the reference, say so once
@@ -19,8 +19,9 @@ from kernel_harness.cases import Case, make_inputs
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.generation import collect
-from engine.model import kernels
-from engine.model import paged_attention as pa
+from engine.model import backend
+from engine.model.attention import guard, paged_attention, reference
+from engine.model.attention.gpu import abi, one_pass
 
 CASE = Case("float16", 64, 16, 4, 2, (9, 17))
 QCASE = Case("float16", 64, 16, 4, 2, (9, 17), k_quant=(8, 32), v_quant=(4, 32))
@@ -29,24 +30,24 @@ QCASE = Case("float16", 64, 16, 4, 2, (9, 17), k_quant=(8, 32), v_quant=(4, 32))
 @pytest.fixture(autouse=True)
 def fresh_state(monkeypatch):
     """No fallback before or after a test (the state is process-wide), kernels switched on."""
-    monkeypatch.delenv(kernels.ENV_SWITCH, raising=False)
-    kernels.reset_fallback()
+    monkeypatch.delenv(backend.KERNELS_SWITCH, raising=False)
+    guard.GUARD.reset()
     yield
-    kernels.reset_fallback()
+    guard.GUARD.reset()
 
 
 @pytest.fixture
 def fake_metal(monkeypatch):
     """Decode dispatches to the kernel; returns the list of kernel launches it sees."""
     launches = []
-    monkeypatch.setattr(kernels, "kernel_available", lambda: "metal")
+    monkeypatch.setattr(backend, "kernel_backend", lambda: "metal")
 
     def install(behaviour):
         def kernel(**launch):
             launches.append(launch)
             return behaviour(launch)
 
-        monkeypatch.setattr(kernels, "_paged_decode_kernel", lambda backend: kernel)
+        monkeypatch.setattr(one_pass, "_paged_decode_kernel", lambda name: kernel)
 
     return launches, install
 
@@ -56,7 +57,7 @@ def _raise(launch):
 
 
 def _reference_like(inputs):
-    ref = pa.paged_attention_ref(**inputs)
+    ref = reference.paged_attention_ref(**inputs)
     return lambda launch: [ref]
 
 
@@ -72,29 +73,29 @@ def test_launch_failure_falls_back_once(fake_metal, caplog):
     launches, install = fake_metal
     install(_raise)
     inputs = make_inputs(CASE)
-    expected = pa.paged_attention_ref(**inputs)
-    with caplog.at_level(logging.WARNING, logger="kvchat.kernels"),\
-            pytest.warns(RuntimeWarning, match="decode kernels off .*forced by the test"):
-        out = pa.paged_attention(**inputs)
+    expected = reference.paged_attention_ref(**inputs)
+    with caplog.at_level(logging.INFO, logger="kvchat.attention"),\
+            pytest.warns(RuntimeWarning, match="attention kernels off .*forced by the test"):
+        out = paged_attention(**inputs)
     assert mx.array_equal(out, expected)
     assert len(launches) == 1
-    assert "forced by the test" in kernels.kernel_fallback()
+    assert "forced by the test" in guard.kernel_fallback()
     assert sum("kernels off" in r.message for r in caplog.records) == 1
     # For the rest of the process: no second launch, no second warning.
-    out = _no_warnings(lambda: pa.paged_attention(**inputs))
+    out = _no_warnings(lambda: paged_attention(**inputs))
     assert mx.array_equal(out, expected) and len(launches) == 1
-    assert kernels.active_backend() is None
+    assert guard.GUARD.switch.tripped
 
 
 def test_real_metal_kernel_without_metal_falls_back(monkeypatch):
     """No fake kernel: MLX's own metal_kernel raises at launch on this machine."""
     if mx.metal.is_available():
         pytest.skip("Metal present: the kernel launches for real")
-    monkeypatch.setattr(kernels, "kernel_available", lambda: "metal")
+    monkeypatch.setattr(backend, "kernel_backend", lambda: "metal")
     inputs = make_inputs(QCASE)
     with pytest.warns(RuntimeWarning, match="No Metal back-end"):
-        out = pa.paged_attention(**inputs)
-    assert mx.array_equal(out, pa.paged_attention_ref(**inputs))
+        out = paged_attention(**inputs)
+    assert mx.array_equal(out, reference.paged_attention_ref(**inputs))
 
 
 def test_wrong_first_launch_falls_back(fake_metal):
@@ -102,9 +103,9 @@ def test_wrong_first_launch_falls_back(fake_metal):
     install(lambda launch: [mx.full(launch["output_shapes"][0], float("nan"), mx.float16)])
     inputs = make_inputs(CASE)
     with pytest.warns(RuntimeWarning, match="differs from the reference"):
-        out = pa.paged_attention(**inputs)
-    assert mx.array_equal(out, pa.paged_attention_ref(**inputs))
-    assert "KernelMismatch" in kernels.kernel_fallback()
+        out = paged_attention(**inputs)
+    assert mx.array_equal(out, reference.paged_attention_ref(**inputs))
+    assert "KernelMismatch" in guard.kernel_fallback()
 
 
 def test_good_first_launch_is_checked_once_per_variant(fake_metal, monkeypatch):
@@ -112,53 +113,53 @@ def test_good_first_launch_is_checked_once_per_variant(fake_metal, monkeypatch):
     inputs = make_inputs(CASE)
     install(_reference_like(inputs))
     checks = []
-    real_ref = pa.paged_attention_ref
-    monkeypatch.setattr(pa, "paged_attention_ref", lambda *a, **k: checks.append(1) or
+    real_ref = reference.paged_attention_ref
+    monkeypatch.setattr(reference, "paged_attention_ref", lambda *a, **k: checks.append(1) or
                         real_ref(*a, **k))
     for _ in range(3):
-        _no_warnings(lambda: pa.paged_attention(**inputs))
+        _no_warnings(lambda: paged_attention(**inputs))
     assert len(launches) == 3 and len(checks) == 1  # one reference, for the first launch
-    assert kernels.kernel_fallback() is None
+    assert guard.kernel_fallback() is None
     # Another variant (bf16 queries: another compiled kernel) is checked again.
     other = dict(inputs, queries=inputs["queries"].astype(mx.bfloat16))
     other_ref = real_ref(**other)
     install(lambda launch: [other_ref])
-    _no_warnings(lambda: pa.paged_attention(**other))
+    _no_warnings(lambda: paged_attention(**other))
     assert len(checks) == 2
 
 
 def test_variant_key_tracks_what_changes_the_compiled_source():
     inputs = make_inputs(CASE)
     args = (inputs["queries"], inputs["k_pool"], inputs["v_pool"], inputs["block_tables"])
-    key = kernels.variant_key(*args)
-    assert key == kernels.variant_key(*args)
+    key = abi.variant_key(*args, "one_pass")
+    assert key == abi.variant_key(*args, "one_pass")
     q9 = mx.zeros((9, *inputs["queries"].shape[1:]), dtype=mx.float16)
     t9 = mx.zeros((9, inputs["block_tables"].shape[1]), dtype=mx.int32)
-    assert kernels.variant_key(q9, *args[1:3], t9) != key  # lengths move to device memory
+    assert abi.variant_key(q9, *args[1:3], t9, "one_pass") != key  # lengths move to device memory
     quant = make_inputs(QCASE)
-    assert kernels.variant_key(quant["queries"], quant["k_pool"], quant["v_pool"],
-                               quant["block_tables"]) != key
+    assert abi.variant_key(quant["queries"], quant["k_pool"], quant["v_pool"],
+                               quant["block_tables"], "one_pass") != key
 
 
 @pytest.mark.parametrize("value", ["0", "false", "OFF", "no"])
 def test_environment_switch_turns_kernels_off(value, fake_metal, monkeypatch):
     launches, install = fake_metal
     install(_raise)
-    monkeypatch.setenv(kernels.ENV_SWITCH, value)
-    assert not kernels.kernels_enabled() and kernels.active_backend() is None
+    monkeypatch.setenv(backend.KERNELS_SWITCH, value)
+    assert not backend.kernels_enabled()
     inputs = make_inputs(CASE)
-    out = _no_warnings(lambda: pa.paged_attention(**inputs))
-    assert mx.array_equal(out, pa.paged_attention_ref(**inputs))
-    assert launches == [] and kernels.kernel_fallback() is None
+    out = _no_warnings(lambda: paged_attention(**inputs))
+    assert mx.array_equal(out, reference.paged_attention_ref(**inputs))
+    assert launches == [] and guard.kernel_fallback() is None
 
 
 def test_use_kernels_false_keeps_the_reference(fake_metal):
     launches, install = fake_metal
     install(_raise)
     inputs = make_inputs(CASE)
-    _no_warnings(lambda: pa.paged_attention(**inputs, use_kernels=False))
+    _no_warnings(lambda: paged_attention(**inputs, use_kernels=False))
     assert launches == []
-    assert kernels.kernels_enabled() and kernels.active_backend() == "metal"
+    assert backend.kernels_enabled() and not guard.GUARD.switch.tripped
 
 
 def test_engine_config_field_reaches_the_runner(default_model):
@@ -182,11 +183,11 @@ def test_generation_completes_with_the_kernel_forced_to_fail(default_model, fake
     config = EngineConfig(kv_budget_bytes=16 << 20, prefix_cache=False)
     baseline = _two_requests(Engine(default_model, EngineConfig(
         kv_budget_bytes=16 << 20, prefix_cache=False, kernels=False)), prompts)
-    assert launches == [] and kernels.kernel_fallback() is None
+    assert launches == [] and guard.kernel_fallback() is None
     engine = Engine(default_model, config)
-    with pytest.warns(RuntimeWarning, match="decode kernels off"):
+    with pytest.warns(RuntimeWarning, match="attention kernels off"):
         tokens = _two_requests(engine, prompts)
     assert tokens == baseline and all(len(t) == 8 for t in tokens)
     assert len(launches) == 1  # the first decode launch failed; no kernel after it
     assert "forced by the test" in engine.metrics().kernel_fallback
-    assert engine.metrics().to_dict()["kernel_fallback"] == kernels.kernel_fallback()
+    assert engine.metrics().to_dict()["kernel_fallback"] == guard.kernel_fallback()

@@ -7,7 +7,7 @@ import pytest
 from kernel_harness import paged
 from kernel_harness.cases import EMULATED_CASES, QUANT_CASES, Case, make_inputs
 
-from engine.model import kernels
+from engine.model.attention.gpu import abi, one_pass, two_pass
 
 pytestmark = [
     pytest.mark.metal,
@@ -23,7 +23,7 @@ CASES = [
         c.num_q_heads,
         c.num_kv_heads,
         c.context_lens,
-        num_simdgroups=kernels.NUM_SIMDGROUPS,
+        num_simdgroups=abi.NUM_SIMDGROUPS,
         kv_dtype=c.kv_dtype,
     )
     for c in EMULATED_CASES
@@ -41,7 +41,7 @@ QUANT = [
         c.num_q_heads,
         c.num_kv_heads,
         c.context_lens,
-        num_simdgroups=kernels.NUM_SIMDGROUPS,
+        num_simdgroups=abi.NUM_SIMDGROUPS,
         kv_dtype=c.kv_dtype,
         k_quant=c.k_quant,
         v_quant=c.v_quant,
@@ -58,7 +58,7 @@ QUANT_TOLERANCE = dict(TOLERANCE, float32=TOLERANCE["float16"])
 @pytest.mark.parametrize("case", QUANT, ids=lambda c: c.id)
 def test_quantized_metal_kernel_matches_reference(case):
     inputs = make_inputs(case)
-    out = kernels.paged_decode_attention(**inputs)
+    out = one_pass.paged_decode_attention(**inputs)
     err = paged.max_abs_error(out, paged.reference(inputs))
     assert err <= QUANT_TOLERANCE[case.dtype], f"{case.id}: {err:.3g}"
     assert paged.ulp_excess(out, paged.reference(inputs, fp32=True)) <= 0.0
@@ -67,7 +67,7 @@ def test_quantized_metal_kernel_matches_reference(case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_metal_kernel_matches_reference(case):
     inputs = make_inputs(case)
-    out = kernels.paged_decode_attention(**inputs)
+    out = one_pass.paged_decode_attention(**inputs)
     assert out.shape == inputs["queries"].shape and out.dtype == inputs["queries"].dtype
     err = paged.max_abs_error(out, paged.reference(inputs))
     assert err <= TOLERANCE[case.dtype], f"{case.id}: {err:.3g}"
@@ -76,9 +76,9 @@ def test_metal_kernel_matches_reference(case):
 
 def test_kernel_is_built_once():
     case = Case("float16", 64, 16, 4, 2, (9, 17))
-    kernels.paged_decode_attention(**make_inputs(case))
-    kernels.paged_decode_attention(**make_inputs(case))
-    assert kernels._paged_decode_kernel.cache_info().misses == 1
+    one_pass.paged_decode_attention(**make_inputs(case))
+    one_pass.paged_decode_attention(**make_inputs(case))
+    assert one_pass._paged_decode_kernel.cache_info().misses == 1
 
 
 TWO_PASS = [
@@ -93,7 +93,7 @@ TWO_PASS = [
 @pytest.mark.parametrize(("case", "ps"), TWO_PASS, ids=lambda x: getattr(x, "id", str(x)))
 def test_two_pass_metal_kernel_matches_reference(case, ps):
     inputs = make_inputs(case)
-    out = kernels.paged_decode_two_pass(**inputs, partition_tokens=ps)
+    out = two_pass.paged_decode_two_pass(**inputs, partition_tokens=ps)
     tol = (QUANT_TOLERANCE if case.k_quant else TOLERANCE)[case.dtype]
     err = paged.max_abs_error(out, paged.reference(inputs))
     assert err <= tol, f"{case.id}: {err:.3g}"

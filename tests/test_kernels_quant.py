@@ -9,7 +9,9 @@ from kernel_harness import emulator, metal_source, paged
 from kernel_harness.cases import Case, make_inputs, quantize_pool
 
 from engine.kvcache.kv_cache import QuantizedBlocks, QuantSpec
-from engine.model import kernels
+from engine.model import backend
+from engine.model.attention import guard
+from engine.model.attention.gpu import abi
 
 
 def test_generated_signature_for_quantized_pools():
@@ -23,7 +25,7 @@ def test_generated_signature_for_quantized_pools():
         "scale": 0.125,
     }
     src = emulator.parse_metal(
-        metal_source.generated_metal_source(**inputs), kernels.INPUT_NAMES, kernels.OUTPUT_NAMES
+        metal_source.generated_metal_source(**inputs), abi.INPUT_NAMES, abi.OUTPUT_NAMES
     )
     params = {p.name: p for p in src.params}
     assert params["k_pool"].ctype == "const device uint32_t*"
@@ -67,12 +69,12 @@ def test_support_for_quantized_pools():
     q = mx.zeros((2, 8, 1, 64), dtype=mx.float16)
     plain = mx.zeros((2, 4, 16, 64), dtype=mx.float16)
     k8, v4 = _fake_quant(8, 32), _fake_quant(4, 64)
-    assert kernels.supports(q, k8) and kernels.supports(q, k8, v4)
-    assert kernels.supports(q, k8, plain) and kernels.supports(q, plain, v4)
-    assert not kernels.supports(q, _fake_quant(8, 128))  # group does not divide D
-    assert not kernels.supports(q, k8, mx.zeros((2, 5, 16, 64), dtype=mx.float16))  # blocks
-    assert kernels.template_args(q, k8, v4)[4:] == [("KB", 8), ("KG", 32), ("VB", 4), ("VG", 64)]
-    assert kernels.template_args(q, plain, plain)[4:] == [
+    assert abi.supports(q, k8) and abi.supports(q, k8, v4)
+    assert abi.supports(q, k8, plain) and abi.supports(q, plain, v4)
+    assert not abi.supports(q, _fake_quant(8, 128))  # group does not divide D
+    assert not abi.supports(q, k8, mx.zeros((2, 5, 16, 64), dtype=mx.float16))  # blocks
+    assert abi.template_args(q, k8, v4)[4:] == [("KB", 8), ("KG", 32), ("VB", 4), ("VG", 64)]
+    assert abi.template_args(q, plain, plain)[4:] == [
         ("KB", 0),
         ("KG", 0),
         ("VB", 0),
@@ -83,7 +85,7 @@ def test_support_for_quantized_pools():
 def test_quantized_kernel_inputs_unpack_each_side():
     case = Case("float16", 64, 16, 4, 2, (9, 17), k_quant=(8, 32))
     inputs = make_inputs(case)
-    args = dict(zip(kernels.INPUT_NAMES, kernels.kernel_inputs(**inputs), strict=True))
+    args = dict(zip(abi.INPUT_NAMES, abi.kernel_inputs(**inputs), strict=True))
     k = inputs["k_pool"]
     assert args["k_pool"] is k.data and args["k_scales"] is k.scales
     assert args["k_biases"] is k.biases
@@ -93,26 +95,27 @@ def test_quantized_kernel_inputs_unpack_each_side():
 
 def test_quantized_decode_dispatch(monkeypatch):
     """Quantized decode goes to the kernel where a GPU back-end exists, else the reference."""
-    from engine.model import paged_attention as pa
+    from engine.model.attention import paged_attention, reference
+    from engine.model.attention.gpu import one_pass
     from engine.model.cpu_ext import build as cpu_build
 
     case = Case("float16", 64, 16, 4, 2, (9, 17), k_quant=(8, 32), v_quant=(4, 32))
     inputs = make_inputs(case)
-    if kernels.kernel_available() is None:
-        expected = pa.paged_attention_ref(**inputs)
+    if backend.kernel_backend() is None:
+        expected = reference.paged_attention_ref(**inputs)
         if cpu_build.available():  # the CPU extension's paged decode: same sums, other order
-            assert mx.allclose(pa.paged_attention(**inputs), expected, atol=2e-3).item()
+            assert mx.allclose(paged_attention(**inputs), expected, atol=2e-3).item()
         else:
-            assert mx.array_equal(pa.paged_attention(**inputs), expected)
+            assert mx.array_equal(paged_attention(**inputs), expected)
     calls = []
-    monkeypatch.setattr(kernels, "kernel_available", lambda: "metal")
+    monkeypatch.setattr(backend, "kernel_backend", lambda: "metal")
     # A stand-in kernel that answers like the reference, so its first launch validates.
-    monkeypatch.setattr(kernels, "paged_decode_attention",
-                        lambda *a: calls.append(a) or pa.paged_attention_ref(*a))
-    kernels.reset_fallback()
+    monkeypatch.setattr(one_pass, "paged_decode_attention",
+                        lambda *a: calls.append(a) or reference.paged_attention_ref(*a))
+    guard.GUARD.reset()
     try:
-        pa.paged_attention(**inputs)
-        assert kernels.kernel_fallback() is None
+        paged_attention(**inputs)
+        assert guard.kernel_fallback() is None
     finally:
-        kernels.reset_fallback()
+        guard.GUARD.reset()
     assert len(calls) == 1 and calls[0][1] is inputs["k_pool"]

@@ -11,7 +11,8 @@ import pytest
 from kernel_harness import emulator, metal_source, msl_lint, paged
 from kernel_harness.cases import Case, make_inputs
 
-from engine.model import kernels
+from engine.model import backend
+from engine.model.attention.gpu import abi, one_pass
 from metal_kernels import (
     MLX_RANGE,
     kernel_header,
@@ -122,13 +123,13 @@ def test_generated_signature_tracks_sizes_and_dtypes():
         metal_source.generated_metal_source(
             **_golden_inputs(batch=9, dtype=mx.bfloat16, kv_dtype=mx.float32, head_dim=128)
         ),
-        kernels.INPUT_NAMES,
-        kernels.OUTPUT_NAMES,
+        abi.INPUT_NAMES,
+        abi.OUTPUT_NAMES,
     )
     params = {p.name: p for p in src.params}
     assert [p.name for p in src.params if p.kind in ("input", "output")] == [
-        *kernels.INPUT_NAMES,
-        *kernels.OUTPUT_NAMES,
+        *abi.INPUT_NAMES,
+        *abi.OUTPUT_NAMES,
     ]
     assert params["queries"].ctype == "const device bfloat16_t*"
     assert params["k_pool"].ctype == "const device float*"
@@ -241,13 +242,13 @@ def test_msl_lint_catches_what_metal_rejects():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_resources_fit_apple_limits(head_dim):
-    template = {"NSG": kernels.NUM_SIMDGROUPS, "D": head_dim}
+    template = {"NSG": abi.NUM_SIMDGROUPS, "D": head_dim}
     assert msl_lint.threadgroup_bytes(MSL_TEXT, template) <= msl_lint.MAX_THREADGROUP_BYTES
     queries = mx.zeros((3, 8, 1, head_dim))
-    grid, threadgroup = kernels.launch_dims(queries)
+    grid, threadgroup = one_pass.launch_dims(queries)
     threads = threadgroup[0] * threadgroup[1] * threadgroup[2]
     assert threads <= msl_lint.MAX_THREADS_PER_THREADGROUP
-    assert threads % kernels.SIMD_WIDTH == 0  # whole simdgroups: simd_sum sees 32 lanes
+    assert threads % abi.SIMD_WIDTH == 0  # whole simdgroups: simd_sum sees 32 lanes
     assert grid == (threads, 8, 3)
 
 
@@ -255,13 +256,13 @@ def test_body_avoids_accidental_shape_params():
     """MLX adds `<input>_strides`/`_ndim`/`_shape` params on a substring match."""
     used = {
         f"{n}_{s}"
-        for n in kernels.INPUT_NAMES
+        for n in abi.INPUT_NAMES
         for s in ("shape", "strides", "ndim")
         if f"{n}_{s}" in BODY
     }
     assert used == {"queries_shape", "k_pool_shape", "block_tables_shape"}
     # No input name ends another, so "<a>_shape" is never inside "<b>_shape".
-    names = kernels.INPUT_NAMES
+    names = abi.INPUT_NAMES
     assert not [(a, b) for a in names for b in names if a != b and b.endswith(a)]
 
 
@@ -276,24 +277,24 @@ def test_read_source_and_headers():
 
 def test_backend_detection_and_support():
     expected = "metal" if mx.metal.is_available() else "cuda" if mx.cuda.is_available() else None
-    assert kernels.kernel_available() == expected
+    assert backend.kernel_backend() == expected
     q = mx.zeros((2, 8, 1, 64), dtype=mx.float16)
     pool = mx.zeros((2, 4, 16, 64), dtype=mx.float16)
-    assert kernels.supports(q, pool)
-    assert not kernels.supports(mx.zeros((2, 8, 3, 64), dtype=mx.float16), pool)  # prefill
-    assert not kernels.supports(mx.zeros((2, 8, 1, 80), dtype=mx.float16), pool)  # D % 32
-    assert not kernels.supports(q, mx.zeros((3, 4, 16, 64), dtype=mx.float16))  # 8 % 3
+    assert abi.supports(q, pool)
+    assert not abi.supports(mx.zeros((2, 8, 3, 64), dtype=mx.float16), pool)  # prefill
+    assert not abi.supports(mx.zeros((2, 8, 1, 80), dtype=mx.float16), pool)  # D % 32
+    assert not abi.supports(q, mx.zeros((3, 4, 16, 64), dtype=mx.float16))  # 8 % 3
 
 
-@pytest.mark.skipif(kernels.kernel_available() is not None, reason="a GPU back-end exists")
+@pytest.mark.skipif(backend.kernel_backend() is not None, reason="a GPU back-end exists")
 def test_decode_without_gpu_raises():
     case = Case("float32", 64, 16, 2, 1, (5,))
     with pytest.raises(RuntimeError):
-        kernels.paged_decode_attention(**make_inputs(case))
+        one_pass.paged_decode_attention(**make_inputs(case))
 
 
 def test_cuda_kernel_is_not_constructed_without_cuda():
     if mx.cuda.is_available():
         pytest.skip("CUDA back-end present")
     with pytest.raises(RuntimeError):
-        kernels.make_paged_decode_kernel("cuda")
+        one_pass.make_paged_decode_kernel("cuda")

@@ -23,7 +23,8 @@ from kernel_harness.two_pass import (
     TwoPassCase,
 )
 
-from engine.model import kernels
+from engine.model.attention.gpu import abi
+from engine.model.attention.gpu import two_pass as gpu_two_pass
 from metal_kernels import kernel_header
 
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
@@ -129,11 +130,11 @@ def test_two_pass_cases_cover_the_matrix():
 
 
 def test_heads_per_group_and_partitions():
-    assert [kernels.heads_per_group(h, 1) for h in (1, 2, 3, 4, 5, 6, 7, 8)] == list(
+    assert [gpu_two_pass.heads_per_group(h, 1) for h in (1, 2, 3, 4, 5, 6, 7, 8)] == list(
         range(1, 9))
-    assert kernels.heads_per_group(32, 2) == 8  # ratio 16: two groups of 8
-    assert kernels.heads_per_group(12, 1) == 6 and kernels.heads_per_group(9, 1) == 3
-    assert kernels.num_partitions([1, 512, 513], 512) == 2
+    assert gpu_two_pass.heads_per_group(32, 2) == 8  # ratio 16: two groups of 8
+    assert gpu_two_pass.heads_per_group(12, 1) == 6 and gpu_two_pass.heads_per_group(9, 1) == 3
+    assert gpu_two_pass.num_partitions([1, 512, 513], 512) == 2
 
 
 def test_generated_split_and_reduce_signatures():
@@ -141,7 +142,7 @@ def test_generated_split_and_reduce_signatures():
     srcs = two_pass.sources(case, make_inputs(case))
     split = {p.name: p for p in srcs.split.params}
     assert [p.name for p in srcs.split.params if p.kind in ("input", "output")] == [
-        *kernels.INPUT_NAMES, *kernels.SPLIT_OUTPUT_NAMES]
+        *abi.INPUT_NAMES, *gpu_two_pass.SPLIT_OUTPUT_NAMES]
     assert split["part_out"].ctype == split["part_max"].ctype == "device float*"
     assert {p.name for p in srcs.split.params if p.kind == "shape"} == {
         "queries_shape", "k_pool_shape", "block_tables_shape"}
@@ -151,7 +152,7 @@ def test_generated_split_and_reduce_signatures():
     assert reduce["out"].ctype == "device float16_t*"
     assert srcs.reduce.template_call == "<float16_t, 64, 32>"
     # No input name ends another, so MLX's "<name>_shape" search cannot misfire.
-    names = kernels.REDUCE_INPUT_NAMES
+    names = gpu_two_pass.REDUCE_INPUT_NAMES
     assert not [(a, b) for a in names for b in names if a != b and b.endswith(a)]
 
 
@@ -166,12 +167,12 @@ def test_two_pass_msl_lint_is_clean(case):
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_two_pass_resources_fit_apple_limits(head_dim):
-    template = {"NSG": kernels.NUM_SIMDGROUPS, "D": head_dim}
+    template = {"NSG": abi.NUM_SIMDGROUPS, "D": head_dim}
     text = kernel_header("metal") + two_pass.SPLIT_BODY
     assert msl_lint.threadgroup_bytes(text, template) <= msl_lint.MAX_THREADGROUP_BYTES
     q = mx.zeros((2, 32, 1, head_dim), dtype=mx.float16)
-    split = kernels.split_launch(q, 64, qpg=8)
-    reduce = kernels.reduce_launch(q)
+    split = gpu_two_pass.split_launch(q, 64, qpg=8)
+    reduce = gpu_two_pass.reduce_launch(q)
     for launch in (split, reduce):
         threads = launch["threadgroup"][0]
         assert threads <= msl_lint.MAX_THREADS_PER_THREADGROUP and threads % 32 == 0

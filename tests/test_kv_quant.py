@@ -13,7 +13,7 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.kvcache.kv_cache import SCALE_DTYPE, KVLayout, PagedKVCache, QuantizedBlocks, QuantSpec
-from engine.model.paged_attention import paged_attention_ref
+from engine.model.attention.reference import paged_attention_ref
 
 Q8, Q4 = QuantSpec(8, 64), QuantSpec(4, 64)
 

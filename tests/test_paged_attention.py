@@ -8,11 +8,14 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.model.paged_attention import length_groups, paged_attention, paged_attention_ref
+from engine.model.attention import AttentionSpec, paged_attention
+from engine.model.attention.reference import causal_mask, length_groups, paged_attention_ref
 
 
-def dense_attention(q, k, v, scale):
-    """Plain softmax attention in float64 numpy: q (Hq, L, D), k/v (Hkv, T, D), causal."""
+def dense_attention(q, k, v, scale, window=None, sinks=None):
+    """Plain softmax attention in float64 numpy: q (Hq, L, D), k/v (Hkv, T, D), causal;
+    ``window``: each query sees its last ``window`` positions; ``sinks`` (Hq,): a logit
+    per head in each softmax's denominator, with no value."""
     Hq, L, D = q.shape
     Hkv, T, _ = k.shape
     g = Hq // Hkv
@@ -20,10 +23,16 @@ def dense_attention(q, k, v, scale):
     for h in range(Hq):
         s = (q[h] @ k[h // g].T) * scale  # (L, T)
         for i in range(L):
-            s[i, T - L + i + 1 :] = -np.inf
-        p = np.exp(s - s.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        out[h] = p @ v[h // g]
+            pos = T - L + i
+            s[i, pos + 1 :] = -np.inf
+            if window is not None:
+                s[i, : max(0, pos - window + 1)] = -np.inf
+        m = s.max(-1, keepdims=True)
+        if sinks is not None:
+            m = np.maximum(m, sinks[h])
+        p = np.exp(s - m)
+        denom = p.sum(-1, keepdims=True) + (np.exp(sinks[h] - m) if sinks is not None else 0)
+        out[h] = (p / denom) @ v[h // g]
     return out
 
 
@@ -111,7 +120,7 @@ def test_float16_pool_with_float32_queries():
 
 @pytest.mark.parametrize("L", [1, 5])
 def test_contiguous_run_view_equals_gather(L):
-    from engine.model.paged_attention import contiguous_run
+    from engine.model.attention import contiguous_run
 
     bs, n, run = 4, 11, 2
     nrng = np.random.default_rng(5)
@@ -133,3 +142,75 @@ def test_length_groups_bound_the_padding():
     assert sorted(i for g in groups for i in g) == list(range(len(lens)))
     assert [[lens[i] for i in g] for g in groups] == [[1, 3, 9, 20], [150, 200], [700]]
     assert length_groups([40, 44, 60], 16) == [[0, 1, 2]]  # similar lengths: one batch
+
+
+def _dense_of(q, kp, vp, tables, lens, bs, b, **kw):
+    nb = -(-lens[b] // bs)
+    k = np.concatenate([kp[:, t] for t in tables[b, :nb]], axis=1)[:, :lens[b]]
+    v = np.concatenate([vp[:, t] for t in tables[b, :nb]], axis=1)[:, :lens[b]]
+    return dense_attention(q[b].astype(np.float64), k, v, **kw)
+
+
+@pytest.mark.parametrize("window", [1, 3, 16, 1000])
+@pytest.mark.parametrize("lens,L,Hq,Hkv,D,bs", CASES)
+def test_sliding_window_matches_dense(lens, L, Hq, Hkv, D, bs, window):
+    """A layer with a window sees only its last W positions: decode, prefill chunks,
+    batched multi-token calls and ragged batches alike."""
+    num_blocks = sum(-(-n // bs) for n in lens) + 3
+    q, kp, vp, tables = make_case(lens, L, Hq, Hkv, D, bs, num_blocks, seed=window + L)
+    spec = AttentionSpec(D**-0.5, window=window)
+    out = paged_attention(mx.array(q), mx.array(kp), mx.array(vp), mx.array(tables), lens,
+                          spec)
+    for b in range(len(lens)):
+        ref = _dense_of(q, kp, vp, tables, lens, bs, b, scale=spec.scale, window=window)
+        np.testing.assert_allclose(np.array(out[b]), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("L", [1, 6])
+def test_window_over_a_contiguous_run_reads_only_the_window(L):
+    """The view path cuts the run to the window; poisoned rows before it are never read."""
+    bs, n, run, window = 4, 23, 1, 5
+    nrng = np.random.default_rng(9)
+    kp = nrng.standard_normal((2, 9, bs, 16)).astype(np.float32)
+    vp = nrng.standard_normal((2, 9, bs, 16)).astype(np.float32)
+    q = nrng.standard_normal((1, 4, L, 16)).astype(np.float32)
+    table = np.array([list(range(run, run + 6))], dtype=np.int32)
+    ref = _dense_of(q, kp, vp, table, [n], bs, 0, scale=0.25, window=window)
+    first_seen = n - L - window + 1
+    for pool in (kp, vp):  # poison the run's rows before the first one any query sees
+        rows = pool[:, run:].reshape(2, -1, 16)
+        assert np.shares_memory(rows, pool)
+        rows[:, :first_seen] = np.nan
+    spec = AttentionSpec(0.25, window=window)
+    out = paged_attention_ref(mx.array(q), mx.array(kp), mx.array(vp), mx.array(table), [n],
+                              spec, block_run=run)
+    np.testing.assert_allclose(np.array(out[0]), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("lens,L,Hq,Hkv,D,bs", CASES[:5])
+def test_attention_sinks_match_dense(lens, L, Hq, Hkv, D, bs):
+    num_blocks = sum(-(-n // bs) for n in lens) + 3
+    q, kp, vp, tables = make_case(lens, L, Hq, Hkv, D, bs, num_blocks, seed=11)
+    sinks = np.random.default_rng(4).standard_normal(Hq).astype(np.float32) * 2
+    spec = AttentionSpec(D**-0.5, window=None, sinks=mx.array(sinks))
+    out = paged_attention(mx.array(q), mx.array(kp), mx.array(vp), mx.array(tables), lens,
+                          spec)
+    for b in range(len(lens)):
+        ref = _dense_of(q, kp, vp, tables, lens, bs, b, scale=spec.scale, sinks=sinks)
+        np.testing.assert_allclose(np.array(out[b]), ref, atol=2e-5, rtol=1e-4)
+    plain = paged_attention_ref(mx.array(q), mx.array(kp), mx.array(vp), mx.array(tables),
+                                lens, spec.scale)
+    assert not np.allclose(np.array(out), np.array(plain))  # the sinks did take mass
+
+
+@pytest.mark.parametrize(("n", "L", "window"), [(10, 1, 4), (10, 10, 4), (40, 7, 16)])
+def test_window_mask_is_mlx_lms(n, L, window):
+    from mlx_lm.models.base import create_causal_mask
+
+    ours = causal_mask([n], L, n, window)[0, 0]
+    assert mx.array_equal(ours, create_causal_mask(L, n - L, window_size=window))
+
+
+def test_a_window_must_be_positive():
+    with pytest.raises(ValueError, match="window"):
+        AttentionSpec(0.1, window=0)

@@ -38,7 +38,7 @@ def machine_info() -> dict:
     """Platform, CPU, RAM, backend, BLAS and library versions, for a report's header."""
     import importlib.metadata
 
-    from engine.model import blas, memory
+    from engine.model import backend, blas
 
     cpu = platform.processor() or "?"
     try:
@@ -62,7 +62,7 @@ def machine_info() -> dict:
         "ram_bytes": _total_ram_bytes(),
         "load_avg": load_avg(),  # when the report began; the bench adds load_avg_end
         "python": platform.python_version(),
-        "backend": memory.backend(),
+        "backend": backend.backend(),
         "blas": blas.loaded_path,  # kvchat's preloaded BLAS (None: MLX's linked one)
         "mlx": version("mlx"),
         "mlx_lm": version("mlx-lm"),

@@ -4,7 +4,7 @@ Paths: the one-pass paged kernel, the two-pass (split-K, GQA-shared) kernel,
 MLX's zero-copy view + SDPA (one sequence with contiguous blocks only) and
 gather + SDPA (the reference). One row per shape: milliseconds per call of
 each path, unique K/V GB/s of the fastest, the path the engine's dispatch
-table picks (engine.model.paged_attention.DECODE_ROUTES) and the fastest.
+table picks (engine.model.attention.routes.ROUTES) and the fastest.
 These figures are what that table should be rebuilt from (``--json``).
 Runs only where MLX can run custom kernels; elsewhere it stops with one line.
 """
@@ -21,7 +21,7 @@ from engine.errors import KVChatError
 # (batch, context) pairs at Llama-3-8B-like heads: 32 q heads, 8 kv heads, D=128.
 SHAPES = [(1, 512), (1, 4096), (1, 16384), (1, 32768), (4, 1024), (8, 4096), (16, 2048)]
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
-PATHS = ("kernel", "two_pass", "view_sdpa", "gather_sdpa")
+PATHS = ("one_pass", "two_pass", "view_sdpa", "gather_sdpa")
 
 
 def add_parser(sub) -> None:
@@ -79,15 +79,15 @@ def time_call(fn, inputs: dict, iters: int) -> float:
 
 def path_functions() -> dict:
     """path name -> fn(**inputs), or None where the path does not apply to the inputs."""
-    from engine.model import kernels
-    from engine.model.paged_attention import paged_attention_ref
+    from engine.model.attention.gpu import one_pass, two_pass
+    from engine.model.attention.reference import paged_attention_ref
 
     def view(**inputs):
         return paged_attention_ref(**inputs, block_run=0)
 
     return {
-        "kernel": lambda inputs: kernels.paged_decode_attention,
-        "two_pass": lambda inputs: kernels.paged_decode_two_pass,
+        "one_pass": lambda inputs: one_pass.paged_decode_attention,
+        "two_pass": lambda inputs: two_pass.paged_decode_two_pass,
         "view_sdpa": lambda inputs: view if len(inputs["context_lens"]) == 1 else None,
         "gather_sdpa": lambda inputs: paged_attention_ref,
     }
@@ -95,7 +95,8 @@ def path_functions() -> dict:
 
 def measure(shapes, dtype: str, block_size: int, iters: int, paths=PATHS, **heads) -> list[dict]:
     """One row per (batch, context): ms per path (None: not applicable or it failed)."""
-    from engine.model.paged_attention import decode_route
+    from engine.model.attention import AttentionSpec, PagedCall
+    from engine.model.attention.routes import route
 
     functions = path_functions()
     rows = []
@@ -112,11 +113,13 @@ def measure(shapes, dtype: str, block_size: int, iters: int, paths=PATHS, **head
         fastest = min(timed, key=timed.get) if timed else None
         k = inputs["k_pool"]
         unique = sum(inputs["context_lens"]) * k.shape[0] * k.shape[3] * 2 * k.dtype.size
-        block_run = 0 if batch == 1 else None
+        call = PagedCall(inputs["queries"], k, inputs["v_pool"], inputs["block_tables"],
+                         tuple(inputs["context_lens"]), AttentionSpec(inputs["scale"]),
+                         0 if batch == 1 else None)
         rows.append({
             "batch": batch, "context": context, "ms": ms, "fastest": fastest,
             "gbps": unique / (timed[fastest] * 1e-3) / 1e9 if fastest else None,
-            "route": decode_route(batch, block_run, max(inputs["context_lens"])).path,
+            "route": route(call, "metal").path,  # the GPU rows (Metal and CUDA share them)
         })
     return rows
 
@@ -136,9 +139,9 @@ def format_rows(rows: list[dict], paths=PATHS) -> list[str]:
 
 def run(args) -> int:
     """Print the table; a clear error where no custom-kernel back-end exists."""
-    from engine.model import kernels
+    from engine.model.backend import kernel_backend
 
-    backend = kernels.kernel_available()
+    backend = kernel_backend()
     if backend is None:
         raise KVChatError("bench kernel needs Metal or CUDA: this MLX build runs custom "
                           "kernels on neither (the CPU uses the reference path only)")

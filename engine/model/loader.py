@@ -22,7 +22,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from engine.errors import ModelLoadError
-from engine.model import memory
+from engine.model import backend, memory
 from engine.model.fingerprint import combine, model_fingerprint, tokenizer_fingerprint
 from engine.model.gguf import converted_dir
 from engine.model.model_runner import SUPPORTED_MODEL_TYPES
@@ -107,7 +107,7 @@ def _quant_format(model: nn.Module) -> str:
 
 def choose_float_weights(model: nn.Module, budget_bytes: int | None) -> bool:
     """True when weights should be dequantized/upcast to float32 (CPU fast path)."""
-    if memory.backend() != "cpu":
+    if backend.backend() != "cpu":
         return False
     from mlx_lm.utils import get_total_parameters
 
@@ -134,7 +134,7 @@ def to_float32(model: nn.Module) -> nn.Module:
 def use_cpu_ext(model: nn.Module, weights: str) -> bool:
     """True when the quantized CPU path applies: CPU backend, ``weights="auto"``, quantized
     layers the extension computes, and the extension builds here (built on first use)."""
-    if weights != "auto" or memory.backend() != "cpu" or not _quant_format(model):
+    if weights != "auto" or backend.backend() != "cpu" or not _quant_format(model):
         return False
     from engine.model.cpu_ext import build, linear
 
@@ -158,12 +158,9 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     from mlx_lm.utils import load_model as mlx_load_model
     from mlx_lm.utils import load_tokenizer
 
-    from engine.model import blas
-
     if weights not in ("auto", "float32", "shipped"):
         raise ValueError(f"weights must be auto, float32 or shipped, not {weights!r}")
     path = resolve_model_path(spec)
-    blas.prepare_cache()  # the GEMV shim compiled here, for the processes after this one
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:

@@ -1,4 +1,4 @@
-"""Memory facts: which backend runs, how much memory the engine may use, KV sizing.
+"""Memory facts: how much memory the engine may use on this backend, KV sizing.
 
 The seed's KV formula: layers x 2 x kv_heads x head_dim x tokens x batch x
 bytes per element (plus scales for a quantized format).
@@ -12,18 +12,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.kvcache.kv_cache import QuantSpec
+from engine.model.backend import backend
 
 ENGINE_MEMORY_FRACTION = 0.75  # of physical RAM (CPU) or Metal's working-set limit
 FLOAT_WEIGHT_FRACTION = 0.25  # float32 weights on CPU only while they fit this share
-
-
-def backend() -> str:
-    """"metal", "cuda" or "cpu": chosen by what MLX can run, not by platform."""
-    if mx.metal.is_available():
-        return "metal"
-    if hasattr(mx, "cuda") and mx.cuda.is_available():
-        return "cuda"
-    return "cpu"
 
 
 def physical_memory() -> int:
@@ -94,16 +86,3 @@ def estimate(num_layers: int, num_kv_heads: int, head_dim: int, *, tokens: int,
         raise ValueError("kv_bits must be 4, 8, 16 or 32")
     return KVEstimate(num_layers, num_kv_heads, head_dim, tokens, batch, kv_bits,
                       kv_bytes_per_element(kv_bits), block_size)
-
-
-def cpu_compile_off() -> None:
-    """Turn `mx.compile` off on MLX's CPU backend.
-
-    A function compiled on a worker thread (the engine's; mlx-lm's `swiglu` and samplers
-    are compiled) makes the process abort at exit with "terminate called without an
-    active exception" (3 of 5 runs of a 4-line script with MLX 0.32.4). On the CPU
-    the compiled and plain functions give bit-identical results (checked for `swiglu`
-    in float32/16, bf16) and fusing saves little; Metal and CUDA keep compiling.
-    """
-    if not (mx.metal.is_available() or mx.cuda.is_available()):
-        mx.disable_compile()

@@ -19,9 +19,9 @@ import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
 from engine.kvcache.kv_cache import KVLayout, PagedKVCache, QuantSpec
+from engine.model.attention import AttentionSpec, paged_attention
 from engine.model.cpu_ext.norm_rope import swiglu as cpu_swiglu
 from engine.model.packed_batch import PackedBatch
-from engine.model.paged_attention import paged_attention
 
 Interrupt = Callable[[], bool]
 
@@ -138,6 +138,8 @@ class PagedModel:
         # A quantized embedding computes in the dtype of its scales.
         self.dtype = getattr(self.embed_tokens, "scales", self.embed_tokens.weight).dtype
         self.fused: list[FusedLayer | None] = [None] * len(self.layers)
+        # What each layer's attention computes beyond q/k/v (windows and sinks come here).
+        self.attention = [AttentionSpec(layer.self_attn.scale) for layer in self.layers]
         self.use_kernels = True  # decode kernels where they apply (EngineConfig.kernels)
 
     def fuse_projections(self) -> bool:
@@ -202,8 +204,9 @@ class PagedModel:
             v.reshape(B * L, self.num_kv_heads, -1).transpose(1, 0, 2),
         )
         k_pool, v_pool = kv.block_view(layer)
-        o = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.context_lens, attn.scale,
-                            block_run=batch.block_run, use_kernels=self.use_kernels)
+        o = paged_attention(q, k_pool, v_pool, batch.block_tables, batch.context_lens,
+                            self.attention[layer], block_run=batch.block_run,
+                            use_kernels=self.use_kernels)
         return attn.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def _layers(self, h: mx.array, attention, kv: PagedKVCache, interrupt: Interrupt | None,
@@ -261,12 +264,13 @@ class PagedModel:
         for seg in batch.prefills:
             qs = q[seg.start:seg.start + seg.length].transpose(2, 1, 0, 3)  # (1, Hq, n, D)
             o = paged_attention(qs, k_pool, v_pool, seg.block_table, [seg.context_len],
-                                attn.scale, block_run=seg.block_run,
+                                self.attention[layer], block_run=seg.block_run,
                                 use_kernels=self.use_kernels)
             outs.append(o.transpose(0, 2, 1, 3).reshape(seg.length, -1))
         if batch.decode_lens:
             o = paged_attention(q[batch.decode_start:], k_pool, v_pool, batch.decode_tables,
-                                batch.decode_lens, attn.scale, use_kernels=self.use_kernels)
+                                batch.decode_lens, self.attention[layer],
+                                use_kernels=self.use_kernels)
             outs.append(o.reshape(len(batch.decode_lens), -1))
         o = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
         return attn.o_proj(o[None])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.model.paged_attention import contiguous_run
+from engine.model.attention import contiguous_run
 
 
 @dataclass(slots=True)

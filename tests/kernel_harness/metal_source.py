@@ -1,6 +1,6 @@
 """The exact Metal source MLX would compile for the paged decode kernel, without Metal.
 
-Test tooling (moved out of engine.model.kernels): it traces the launch with
+Test tooling (not part of engine.model.attention.gpu): it traces the launch with
 `mx.export_function`, which records custom kernels on a placeholder GPU
 stream, and captures MLX's `verbose=True` print at the fd level.
 """
@@ -15,31 +15,32 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from engine.model import kernels
+from engine.model.attention import spec
+from engine.model.attention.gpu import abi, one_pass
 
 _FENCE = re.compile(r"Generated source code for `([^`]+)`:\n```\n(.*?)\n```", re.S)
 
 
 def generated_metal_source(
     queries: mx.array,
-    k_pool: kernels.Pool,
-    v_pool: kernels.Pool,
+    k_pool: spec.Pool,
+    v_pool: spec.Pool,
     block_tables: mx.array,
     context_lens: Sequence[int] | mx.array,
     scale: float,
     *,
     body: str | None = None,
     header: str | None = None,
-    name: str = kernels.KERNEL_NAME,
-    num_simdgroups: int = kernels.NUM_SIMDGROUPS,
+    name: str = one_pass.KERNEL_NAME,
+    num_simdgroups: int = abi.NUM_SIMDGROUPS,
 ) -> str:
     """The generated Metal source for these inputs, launched as the engine launches it."""
-    kernel = kernels.make_paged_decode_kernel("metal", body=body, header=header, name=name)
-    inputs = kernels.kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
+    kernel = one_pass.make_paged_decode_kernel("metal", body=body, header=header, name=name)
+    inputs = abi.kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
     # From the pools, before tracing: the traced args are the flat arrays.
-    template = kernels.template_args(queries, k_pool, v_pool, num_simdgroups=num_simdgroups)
+    template = abi.template_args(queries, k_pool, v_pool, num_simdgroups=num_simdgroups)
     q = inputs[0]
-    grid, threadgroup = kernels.launch_dims(q, num_simdgroups=num_simdgroups)
+    grid, threadgroup = one_pass.launch_dims(q, num_simdgroups=num_simdgroups)
     return traced_metal_source(
         kernel,
         inputs,

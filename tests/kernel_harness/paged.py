@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kvcache.kv_cache import QuantizedBlocks
-from engine.model import kernels
-from engine.model.paged_attention import paged_attention_ref
+from engine.model.attention.gpu import abi, one_pass
+from engine.model.attention.reference import paged_attention_ref
 from metal_kernels import kernel_header, read_source
 
 from . import emulator
@@ -36,12 +36,12 @@ def metal_source(
     *,
     body: str | None = None,
     header: str | None = None,
-    name: str = kernels.KERNEL_NAME,
+    name: str = one_pass.KERNEL_NAME,
 ) -> emulator.KernelSource:
     text = generated_metal_source(
         **inputs, body=body, header=header, name=name, num_simdgroups=case.num_simdgroups
     )
-    return emulator.parse_metal(text, kernels.INPUT_NAMES, kernels.OUTPUT_NAMES)
+    return emulator.parse_metal(text, abi.INPUT_NAMES, abi.OUTPUT_NAMES)
 
 
 def cuda_source(
@@ -50,17 +50,17 @@ def cuda_source(
     *,
     body: str | None = None,
     header: str | None = None,
-    name: str = kernels.KERNEL_NAME,
+    name: str = one_pass.KERNEL_NAME,
 ) -> emulator.KernelSource:
-    args = kernels.kernel_inputs(**inputs)
-    template = kernels.template_args(
+    args = abi.kernel_inputs(**inputs)
+    template = abi.template_args(
         inputs["queries"], inputs["k_pool"], inputs["v_pool"], num_simdgroups=case.num_simdgroups
     )
     return emulator.cuda_generated_source(
         name,
-        kernels.INPUT_NAMES,
+        abi.INPUT_NAMES,
         args,
-        kernels.OUTPUT_NAMES,
+        abi.OUTPUT_NAMES,
         [args[0].dtype],
         BODY if body is None else body,
         kernel_header("cuda") if header is None else header,
@@ -76,14 +76,14 @@ def emulate(
     work_dir: Path,
     **run_options: object,
 ) -> tuple[mx.array | None, emulator.RunResult]:
-    """Launch the kernel as engine.model.kernels would; (output or None, run result)."""
-    args = kernels.kernel_inputs(**inputs)
+    """Launch the kernel as `one_pass` would; (output or None, run result)."""
+    args = abi.kernel_inputs(**inputs)
     queries = args[0]
-    grid, threadgroup = kernels.launch_dims(queries, num_simdgroups=case.num_simdgroups)
+    grid, threadgroup = one_pass.launch_dims(queries, num_simdgroups=case.num_simdgroups)
     result = emulator.run(
         binary,
         src,
-        dict(zip(kernels.INPUT_NAMES, args, strict=True)),
+        dict(zip(abi.INPUT_NAMES, args, strict=True)),
         {"out": (queries.shape, queries.dtype)},
         grid,
         threadgroup,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.model import kernels
+from engine.model.attention.gpu import abi, two_pass
 from metal_kernels import kernel_header, read_source
 
 from . import emulator
@@ -33,7 +33,7 @@ class TwoPassCase(Case):
 
     @property
     def heads_per_group(self) -> int:
-        return self.qpg or kernels.heads_per_group(self.num_q_heads, self.num_kv_heads)
+        return self.qpg or two_pass.heads_per_group(self.num_q_heads, self.num_kv_heads)
 
     @property
     def id(self) -> str:
@@ -48,16 +48,16 @@ class TwoPassSources:
 
 def _launches(case: TwoPassCase, inputs: dict) -> tuple[list[mx.array], dict, dict, list]:
     """(pass-1 inputs, pass-1 launch, pass-2 launch, pass-2 placeholder inputs)."""
-    args = kernels.kernel_inputs(**inputs)
+    args = abi.kernel_inputs(**inputs)
     q = args[0]
-    parts = kernels.num_partitions(inputs["context_lens"], case.partition_tokens)
-    split = kernels.split_launch(q, parts, num_simdgroups=case.num_simdgroups,
+    parts = two_pass.num_partitions(inputs["context_lens"], case.partition_tokens)
+    split = two_pass.split_launch(q, parts, num_simdgroups=case.num_simdgroups,
                                  qpg=case.heads_per_group)
-    split["template"] = kernels.split_template(
+    split["template"] = two_pass.split_template(
         q, inputs["k_pool"], inputs["v_pool"], num_simdgroups=case.num_simdgroups,
         partition_tokens=case.partition_tokens, qpg=case.heads_per_group,
     )
-    reduce = kernels.reduce_launch(q, case.partition_tokens)
+    reduce = two_pass.reduce_launch(q, case.partition_tokens)
     partials = [mx.zeros(s, dtype=mx.float32) for s in split["output_shapes"]]
     return args, split, reduce, [*partials, args[4]]
 
@@ -70,29 +70,29 @@ def sources(
     split_body: str | None = None,
     reduce_body: str | None = None,
     header: str | None = None,
-    names: tuple[str, str] = (kernels.SPLIT_NAME, kernels.REDUCE_NAME),
+    names: tuple[str, str] = (two_pass.SPLIT_NAME, two_pass.REDUCE_NAME),
 ) -> TwoPassSources:
     """The generated text of both passes for this case (Metal traced, CUDA rebuilt)."""
     args, split, reduce, reduce_args = _launches(case, inputs)
     split_body = SPLIT_BODY if split_body is None else split_body
     reduce_body = REDUCE_BODY if reduce_body is None else reduce_body
     if backend == "metal":
-        k1, k2 = kernels.make_two_pass_kernels(
+        k1, k2 = two_pass.make_two_pass_kernels(
             "metal", split_body=split_body, reduce_body=reduce_body, header=header, names=names
         )
         return TwoPassSources(
-            emulator.parse_metal(traced_metal_source(k1, args, **split), kernels.INPUT_NAMES,
-                                 kernels.SPLIT_OUTPUT_NAMES),
+            emulator.parse_metal(traced_metal_source(k1, args, **split), abi.INPUT_NAMES,
+                                 two_pass.SPLIT_OUTPUT_NAMES),
             emulator.parse_metal(traced_metal_source(k2, reduce_args, **reduce),
-                                 kernels.REDUCE_INPUT_NAMES, kernels.OUTPUT_NAMES),
+                                 two_pass.REDUCE_INPUT_NAMES, abi.OUTPUT_NAMES),
         )
     head = kernel_header("cuda") if header is None else header
     return TwoPassSources(
-        emulator.cuda_generated_source(names[0], kernels.INPUT_NAMES, args,
-                                       kernels.SPLIT_OUTPUT_NAMES, split["output_dtypes"],
+        emulator.cuda_generated_source(names[0], abi.INPUT_NAMES, args,
+                                       two_pass.SPLIT_OUTPUT_NAMES, split["output_dtypes"],
                                        split_body, head, split["template"]),
-        emulator.cuda_generated_source(names[1], kernels.REDUCE_INPUT_NAMES, reduce_args,
-                                       kernels.OUTPUT_NAMES, reduce["output_dtypes"],
+        emulator.cuda_generated_source(names[1], two_pass.REDUCE_INPUT_NAMES, reduce_args,
+                                       abi.OUTPUT_NAMES, reduce["output_dtypes"],
                                        reduce_body, head, reduce["template"]),
     )
 
@@ -107,9 +107,9 @@ def emulate(
 ) -> tuple[mx.array | None, emulator.RunResult]:
     """Both passes as the engine launches them; (output or None, the failing/last result)."""
     args, split, reduce, _ = _launches(case, inputs)
-    names = kernels.SPLIT_OUTPUT_NAMES
+    names = two_pass.SPLIT_OUTPUT_NAMES
     first = emulator.run(
-        binary, srcs.split, dict(zip(kernels.INPUT_NAMES, args, strict=True)),
+        binary, srcs.split, dict(zip(abi.INPUT_NAMES, args, strict=True)),
         {n: (s, mx.float32) for n, s in zip(names, split["output_shapes"], strict=True)},
         split["grid"], split["threadgroup"], work_dir, **run_options,
     )
@@ -120,7 +120,7 @@ def emulate(
     q = args[0]
     second = emulator.run(
         binary, srcs.reduce,
-        dict(zip(kernels.REDUCE_INPUT_NAMES, [*partials, args[4]], strict=True)),
+        dict(zip(two_pass.REDUCE_INPUT_NAMES, [*partials, args[4]], strict=True)),
         {"out": (q.shape, q.dtype)}, reduce["grid"], reduce["threadgroup"], work_dir,
         **run_options,
     )

@@ -23,11 +23,11 @@ import stat
 import tempfile
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
+from engine.model import backend
 from engine.model.cpu_ext.toolchain import (
     MODULE_NAME,
     BuildError,
@@ -37,15 +37,17 @@ from engine.model.cpu_ext.toolchain import (
     run,
     toolchain,
 )
+from engine.model.fallback import FallbackSwitch
 
 ENV_SWITCH = "KVCHAT_CPU_EXT"
 LOCK_TIMEOUT_S = 900  # waiting for another process's build
-_OFF_VALUES = ("0", "false", "off", "no")
 
 _log = logging.getLogger("kvchat.cpu_ext")
 _lock = threading.Lock()
 _module: ModuleType | None = None
-_reason: str | None = None  # why the extension is unavailable; None while not tried or loaded
+_off: str | None = None  # turned off by the environment: not a failure, nothing to warn
+_failed = FallbackSwitch("kvchat.cpu_ext", "kvchat: CPU extension unavailable, using MLX's "
+                         "own ops")
 _tried = False
 build_seconds: float | None = None
 """Wall time of this process's build, when it built one (None: cached or not built)."""
@@ -53,7 +55,7 @@ build_seconds: float | None = None
 
 def enabled() -> bool:
     """False when ``KVCHAT_CPU_EXT`` turns the extension off."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in _OFF_VALUES
+    return not backend.switched_off(ENV_SWITCH)
 
 
 def _dir_is_private(path: Path) -> bool:
@@ -174,23 +176,27 @@ def _import(path: Path) -> ModuleType:
 
 def load() -> ModuleType | None:
     """The extension module (built and imported once per process), or None with a reason."""
-    global _module, _reason, _tried
+    global _module, _off, _tried
     with _lock:
         if _tried:
             return _module
         _tried = True
         if not enabled():
-            _reason = f"turned off by {ENV_SWITCH}=0"
+            _off = f"turned off by {ENV_SWITCH}=0"
             return None
         try:
             _module = _import(build())
         except Exception as e:  # noqa: BLE001 - any failure means: MLX's own path
-            _reason = str(e) if isinstance(e, BuildError) else f"{type(e).__name__}: {e}"
-            message = f"kvchat: CPU extension unavailable, using MLX's own ops: {_reason}"
-            _log.info(message)  # the warning below is the one line users see
-            # One line on stderr (no source line under it): the message says everything.
-            warnings.warn_explicit(message, RuntimeWarning, "kvchat", 0)
+            _failed.trip(str(e) if isinstance(e, BuildError) else f"{type(e).__name__}: {e}")
         return _module
+
+
+def require() -> ModuleType:
+    """The extension module; raises RuntimeError (with the reason) where it is unavailable."""
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the CPU extension is unavailable: {unavailable_reason()}")
+    return module
 
 
 def loaded() -> ModuleType | None:
@@ -206,9 +212,7 @@ def available() -> bool:
 def build_pending() -> bool:
     """Whether the next `load()` will compile the extension (its first use on this machine,
     on the CPU backend): callers say so, as it takes ~20-30 s."""
-    from engine.model.memory import backend
-
-    if _tried or not enabled() or backend() != "cpu":
+    if _tried or not enabled() or backend.backend() != "cpu":
         return False
     try:
         return not _is_trusted(library_path())
@@ -218,11 +222,12 @@ def build_pending() -> bool:
 
 def unavailable_reason() -> str | None:
     """Why `available()` is False; None when it is True or was not tried yet."""
-    return None if _module is not None else _reason
+    return None if _module is not None else (_off or _failed.reason)
 
 
 def reset() -> None:
     """Forget the outcome so the next `load()` tries again (tests)."""
-    global _module, _reason, _tried
+    global _module, _off, _tried
     with _lock:
-        _module, _reason, _tried = None, None, False
+        _module, _off, _tried = None, None, False
+    _failed.reset()

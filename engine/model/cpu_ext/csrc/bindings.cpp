@@ -41,7 +41,7 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "k_biases"_a = nb::none(), "k_bits"_a = 0, "k_group"_a = 0, "v_scales"_a = nb::none(),
         "v_biases"_a = nb::none(), "v_bits"_a = 0, "v_group"_a = 0, "stream"_a = nb::none(),
         "Causal attention of each sequence's L newest positions over a block-paged K/V pool\n"
-        "(L == 1: decode; see engine/model/paged_attention.py).");
+        "(L == 1: decode; see engine/model/attention).");
   m.def("rms_norm", &kvchat::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
         "stream"_a = nb::none(), "RMSNorm over the last axis (mx.fast.rms_norm), one op.");
   m.def("rope", &kvchat::rope, "x"_a, "offsets"_a, nb::kw_only(), "dims"_a, "traditional"_a,

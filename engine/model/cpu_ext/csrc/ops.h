@@ -22,7 +22,7 @@ mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
               const mx::array& biases, int group_size, int bits, bool tiled = false,
               mx::StreamOrDevice s = {});
 
-// Attention straight from a block-paged pool; see engine/model/paged_attention.py
+// Attention straight from a block-paged pool; see engine/model/attention
 // for the contract: queries (B, Hq, L, D) are each sequence's L newest positions,
 // causal (L == 1 is decode). k / v are float pools (Hkv, num_blocks, block_size, D)
 // or packed uint32 rows with their scales and biases (Hkv, num_blocks, block_size,

@@ -1,5 +1,5 @@
 // Decode attention straight from the block-paged KV pool (one query per
-// sequence), the contract of engine/model/paged_attention.py for L == 1.
+// sequence), the contract of engine/model/attention for L == 1.
 //
 // One task per (sequence, KV head, head chunk, context partition): each K and V
 // row is read once and used by every query head of its GQA group; an online
@@ -13,151 +13,17 @@
 #include <limits>
 #include <vector>
 
+#include "paged_decode_task.h"
 #include "pool.h"
 
 namespace kvchat {
 
 namespace {
 
+using namespace decode_task;
+
 constexpr int kMinPartitionTokens = 256;  // split-K only for contexts longer than this
 constexpr int64_t kParallelMinElements = 1 << 18;  // K/V elements read
-
-// Online-softmax state of one task: running max, sum and output per head.
-struct Partial {
-  float* m;
-  float* l;
-  float* acc;  // heads x D (in V's row order)
-};
-
-// The tokens [t0, t1) of sequence b that context partition `part` covers
-// (whole blocks, so partitions never share one).
-inline void token_range(const Problem& pb, int b, int part, int& t0, int& t1) {
-  const int len = pb.lens[b];
-  const int per_part = ((len + pb.parts - 1) / pb.parts + pb.BS - 1) / pb.BS * pb.BS;
-  t0 = std::min(len, part * per_part);
-  t1 = std::min(len, t0 + per_part);
-}
-
-// One block's online-softmax step for one head: scores pg[r0..r1) become
-// exp(score - m_new) in place, m and l move on; returns the factor (0 on the
-// first block) by which the caller rescales its output accumulator.
-inline float softmax_block(float* pg, int r0, int r1, float& m, float& l) {
-  float block_max = pg[r0];
-  for (int r = r0 + 1; r < r1; ++r) block_max = std::max(block_max, pg[r]);
-  const float m_new = std::max(m, block_max);
-  const float alpha = std::exp(m - m_new);
-  m = m_new;
-  float sum = 0.0f;
-  int r = r0;
-  for (; r + W <= r1; r += W) {
-    const vf e = exp_neg(load(pg + r) - m_new);
-    store(pg + r, e);
-    sum += hsum(e);
-  }
-  for (; r < r1; ++r) {
-    pg[r] = std::exp(pg[r] - m_new);
-    sum += pg[r];
-  }
-  l = l * alpha + sum;
-  return alpha;
-}
-
-// K row j (D / W vectors) of a plain pool, as floats.
-template <int NV>
-inline void load_row(const Side& side, int64_t row, vf* out) {
-  const int64_t base = row * NV * W;
-  for (int j = 0; j < NV; ++j) out[j] = load_any(side.data, side.elem, base + j * W);
-}
-
-// `attend` for plain (float) pools with D = NV * W and G query heads per task,
-// fixed at compile time: the scaled queries and the output accumulators live
-// in registers (the general loop keeps them in memory, and each V row then
-// costs a load and a store per accumulator), and rows are converted as loaded.
-// Same operations in the same order as `attend`, so the same results.
-template <int NV, int G>
-void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st) {
-  constexpr int D = NV * W;
-  const int BS = pb.BS;
-  const int q_head0 = h * (pb.Hq / pb.Hkv) + hc * pb.heads_per_task;
-  int t0, t1;
-  token_range(pb, b, part, t0, t1);
-  const int padded_bs = (BS + W - 1) / W * W;
-  thread_local std::vector<float> scratch;
-  scratch.resize(size_t(G) * padded_bs);
-  float* p = scratch.data();
-  vf q[G][NV], acc[G][NV];
-  float m[G], l[G];
-  for (int g = 0; g < G; ++g) {
-    const float* src = pb.q + (int64_t(b) * pb.Hq + q_head0 + g) * D;
-    for (int j = 0; j < NV; ++j) {
-      q[g][j] = load(src + j * W) * pb.scale;
-      acc[g][j] = vf{};
-    }
-    m[g] = -std::numeric_limits<float>::infinity();
-    l[g] = 0.0f;
-  }
-  for (int t = t0; t < t1;) {
-    const int blk = t / BS, r0 = t % BS, r1 = std::min(BS, t1 - blk * BS);
-    const int64_t row0 = block_row0(pb, b, h, blk);
-    if (row0 < 0) {
-      for (int g = 0; g < G; ++g) st.l[g] = std::numeric_limits<float>::quiet_NaN();
-      return;
-    }
-    for (int r = r0; r < r1; ++r) {
-      vf k[NV];
-      load_row<NV>(pb.k, row0 + r, k);
-      for (int g = 0; g < G; ++g) {
-        vf dot{};
-        for (int j = 0; j < NV; ++j) dot += q[g][j] * k[j];
-        p[size_t(g) * padded_bs + r] = hsum(dot);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      const float alpha = softmax_block(p + size_t(g) * padded_bs, r0, r1, m[g], l[g]);
-      if (alpha != 1.0f)
-        for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] * alpha;
-    }
-    for (int r = r0; r < r1; ++r) {
-      vf v[NV];
-      load_row<NV>(pb.v, row0 + r, v);
-      for (int g = 0; g < G; ++g) {
-        const vf pr = splat(p[size_t(g) * padded_bs + r]);
-        for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] + pr * v[j];
-      }
-    }
-    t = blk * BS + r1;
-  }
-  for (int g = 0; g < G; ++g) {
-    st.m[g] = m[g];
-    st.l[g] = l[g];
-    for (int j = 0; j < NV; ++j) store(st.acc + size_t(g) * D + j * W, acc[g][j]);
-  }
-}
-
-using AttendFn = void (*)(const Problem&, int, int, int, int, Partial);
-
-template <int NV>
-AttendFn plain_for_heads(int G) {
-  switch (G) {
-    case 1: return attend_plain<NV, 1>;
-    case 2: return attend_plain<NV, 2>;
-    case 3: return attend_plain<NV, 3>;
-    case 4: return attend_plain<NV, 4>;
-    case 5: return attend_plain<NV, 5>;
-    case 6: return attend_plain<NV, 6>;
-    case 7: return attend_plain<NV, 7>;
-    case 8: return attend_plain<NV, 8>;
-    default: return nullptr;
-  }
-}
-
-// The specialized `attend` for this task's shape, or nullptr for the general one.
-AttendFn plain_attend(const Problem& pb, int G) {
-  if (pb.k.bits != 0 || pb.v.bits != 0) return nullptr;
-  if (pb.D == 4 * W) return plain_for_heads<4>(G);
-  if (pb.D == 8 * W) return plain_for_heads<8>(G);
-  return nullptr;
-}
 
 void attend(const Problem& pb, int b, int h, int hc, int part, Partial st) {
   const int G = std::min(pb.heads_per_task, pb.Hq / pb.Hkv - hc * pb.heads_per_task);

@@ -1,6 +1,6 @@
 // Causal prefill attention straight from the block-paged KV pool: the L newest
 // positions of each sequence attend over its context, the contract of
-// engine/model/paged_attention.py for L > 1.
+// engine/model/attention for L > 1.
 //
 // Flash-style, never materializing the L x T scores: one task per (sequence,
 // KV head, tile of query positions). A tile's rows are every query head of the

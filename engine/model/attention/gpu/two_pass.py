@@ -3,7 +3,7 @@
 Pass 1 (paged_decode_split.metal): one threadgroup per (partition of PARTITION_TOKENS
 tokens, group of query heads sharing a KV head, sequence); pass 2
 (paged_decode_reduce.metal) merges the partitions. For long contexts: the one-pass
-kernel (`engine.model.kernels`) has only Hq x B threadgroups, each walking all tokens.
+kernel (`one_pass`) has only Hq x B threadgroups, each walking all tokens.
 """
 
 from __future__ import annotations
@@ -14,19 +14,19 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.model.kernels import (
+from engine.model.attention.gpu.abi import (
     INPUT_NAMES,
     MAX_THREADS_PER_GROUP,
     NUM_SIMDGROUPS,
     OUTPUT_NAMES,
     SIMD_WIDTH,
     KernelFn,
-    Pool,
-    kernel_available,
+    check_launchable,
+    kernel_factory,
     kernel_inputs,
-    supports,
     template_args,
 )
+from engine.model.attention.spec import Pool
 from metal_kernels import kernel_header, read_source
 
 SPLIT_NAME = "paged_decode_split"
@@ -57,11 +57,7 @@ def make_two_pass_kernels(
     names: tuple[str, str] = (SPLIT_NAME, REDUCE_NAME),
 ):
     """Construct (not compile) the (split, reduce) kernels; overrides are for test mutants."""
-    if backend not in ("metal", "cuda"):
-        raise ValueError(f"unknown kernel backend {backend!r}")
-    if backend == "cuda" and not mx.cuda.is_available():
-        raise RuntimeError("CUDA back-end not available")
-    factory = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+    factory = kernel_factory(backend)
     head = kernel_header(backend) if header is None else header
     split = factory(
         name=names[0], input_names=INPUT_NAMES, output_names=SPLIT_OUTPUT_NAMES,
@@ -129,17 +125,13 @@ def paged_decode_two_pass(
     *,
     partition_tokens: int = PARTITION_TOKENS,
 ) -> mx.array:
-    """`paged_decode_attention`'s contract, computed in two passes (split-K).
+    """`one_pass.paged_decode_attention`'s contract, computed in two passes (split-K).
 
     Pass 1 reads each K/V row once for all query heads of its KV head (up to
     MAX_HEADS_PER_GROUP) and writes fp32 partials per partition of
     `partition_tokens` tokens; pass 2 merges them and rounds once.
     """
-    backend = kernel_available()
-    if backend is None:
-        raise RuntimeError("no Metal or CUDA back-end for custom kernels")
-    if not supports(queries, k_pool, v_pool):
-        raise ValueError(f"unsupported decode shapes: queries {queries.shape} {queries.dtype}")
+    backend = check_launchable(queries, k_pool, v_pool)
     split, reduce = _two_pass_kernels(backend)
     inputs = kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
     qpg = heads_per_group(queries.shape[1], k_pool.shape[0])

@@ -1,0 +1,86 @@
+"""`paged_attention`: the route table's path, behind the guard, or the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine.model import backend
+from engine.model.attention import cpu, reference, routes
+from engine.model.attention.gpu import abi, one_pass, two_pass
+from engine.model.attention.guard import GUARD
+from engine.model.attention.spec import AttentionSpec, PagedCall, Pool
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """A kernel the route table can name: whether it takes a call, its launch, its variant."""
+
+    ready: Callable[[PagedCall], bool]
+    launch: Callable[..., mx.array]  # the kernel entry point, fed `PagedCall.args()`
+    variant: Callable[[PagedCall], tuple]  # what the first-launch check tells apart
+
+
+def _cpu_ready(call: PagedCall) -> bool:
+    return cpu.available() and cpu.supports(call.queries, call.k_pool, call.v_pool)
+
+
+def _gpu_ready(call: PagedCall) -> bool:
+    return abi.supports(call.queries, call.k_pool, call.v_pool)
+
+
+def _gpu_variant(kind: str) -> Callable[[PagedCall], tuple]:
+    def key(call: PagedCall) -> tuple:
+        name = backend.kernel_backend()
+        return (name, *abi.variant_key(call.queries, call.k_pool, call.v_pool,
+                                       call.block_tables, kind))
+    return key
+
+
+def _cpu_launch(*args) -> mx.array:
+    return (cpu.paged_decode if args[0].shape[2] == 1 else cpu.paged_prefill)(*args)
+
+
+KERNEL_PATHS: dict[str, KernelPath] = {
+    "cpu": KernelPath(_cpu_ready, _cpu_launch, cpu.variant_key),
+    "one_pass": KernelPath(_gpu_ready, lambda *a: one_pass.paged_decode_attention(*a),
+                           _gpu_variant("one_pass")),
+    "two_pass": KernelPath(_gpu_ready, lambda *a: two_pass.paged_decode_two_pass(*a),
+                           _gpu_variant("two_pass")),
+}
+"""Route path -> kernel; "reference" and "view_sdpa" are the reference itself."""
+
+
+def _reference(call: PagedCall) -> mx.array:
+    return reference.paged_attention_ref(*call.args()[:5], call.spec, block_run=call.block_run)
+
+
+def paged_attention(
+    queries: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
+    block_tables: mx.array,
+    context_lens: Sequence[int],
+    scale: float | AttentionSpec,
+    *,
+    block_run: int | None = None,
+    use_kernels: bool = True,
+) -> mx.array:
+    """Paged attention on the path `routes.ROUTES` picks for this backend (the contract is
+    `engine.model.attention`'s docstring); the reference where kernels are off
+    (``use_kernels=False``, ``KVCHAT_KERNELS=0``, an earlier failure) or decline."""
+    call = PagedCall(queries, k_pool, v_pool, block_tables,
+                     tuple(int(n) for n in context_lens), AttentionSpec.of(scale), block_run)
+    if use_kernels and backend.kernels_enabled() and not GUARD.switch.tripped:
+        where = backend.kernel_backend() or "cpu"  # MLX's CPU backend: the extension's rows
+        name = routes.route(call, where).path
+        path = KERNEL_PATHS.get(name)
+        if path is not None and path.ready(call):
+            out = GUARD.run(f"{name} attention on {where}", path.variant(call),
+                            lambda: path.launch(*call.args()), lambda: _reference(call),
+                            (k_pool, v_pool))
+            if out is not None:
+                return out
+    return _reference(call)
