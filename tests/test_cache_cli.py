@@ -104,9 +104,9 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 
 def fill(root, blocks, *, age_s: float = 0.0, ttl_s: float | None = None) -> None:
     """Write blocks as if ``age_s`` ago (so a short ``ttl_s`` has them expired now)."""
-    from test_disk_store import Clock, put
+    from disk_blocks import Clock, put
 
-    from engine.kvcache.disk_store import DiskPrefixStore
+    from engine.kvcache.disk.store import DiskPrefixStore
 
     with DiskPrefixStore(root, clock=Clock(time.time() - age_s)) as s:
         for b in blocks:
@@ -114,7 +114,7 @@ def fill(root, blocks, *, age_s: float = 0.0, ttl_s: float | None = None) -> Non
 
 
 def tenant_blocks(tenant: str, first: int, n: int = 1, **salt):
-    from test_disk_store import SALT, make_block
+    from disk_blocks import SALT, make_block
 
     return [make_block(first + i, dataclasses.replace(SALT, tenant=tenant, **salt))
             for i in range(n)]
@@ -204,7 +204,7 @@ def test_ttl_set_list_and_clear(tmp_path, capsys):
     assert code == 0 and json.loads(out) == {"alice": 3600}
     _, out, _ = run_cli(capsys, "cache", "stats", "--cache-dir", str(d))
     assert "tenant alice: TTL 1h" in out
-    from engine.kvcache.disk_store import DiskPrefixStore
+    from engine.kvcache.disk.store import DiskPrefixStore
 
     expires = {e.tenant: e.expires - e.created for e in DiskPrefixStore(d).entries()}
     assert expires == {"alice": 3600, "bob": 24 * 3600}  # the cap applies to older entries

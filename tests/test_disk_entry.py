@@ -8,14 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from disk_blocks import BS, SALT, Clock, entry_path, get, make_block, put, same
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_disk_store import BS, SALT, Clock, entry_path, get, make_block, put, same
 
-from engine.kvcache import disk_entry
-from engine.kvcache.disk_entry import DTYPES, EntryHeader, EntrySpec
-from engine.kvcache.disk_format import QuantFormat
-from engine.kvcache.disk_store import DiskPrefixStore
+from engine.kvcache.disk import entry as disk_entry
+from engine.kvcache.disk.entry import EntryHeader
+from engine.kvcache.disk.spec import DTYPES, EntrySpec
+from engine.kvcache.disk.store import DiskPrefixStore
+from engine.kvcache.quant import QuantSpec
 
 HEADS, DIM = 2, 8
 SPEC = EntrySpec(num_layers=2, num_kv_heads=HEADS, head_dim=DIM, dtype="float32")
@@ -62,7 +63,7 @@ CASES = {
     "spec claims float16": (dict(arrays=block_arrays(dtype=np.float16),
                                  spec=dataclasses.replace(SPEC, dtype="float16")), True),
     "spec claims q8": (dict(spec=dataclasses.replace(SPEC, head_dim=32,
-                                                      k_quant=QuantFormat(8, 32)),
+                                                      k_quant=QuantSpec(8, 32)),
                             arrays=[np.zeros((HEADS, BS, 8), np.uint32),
                                     *block_arrays((HEADS, BS, 1), np.float16, 2)] * 2
                             + block_arrays((HEADS, BS, 32), n=2)), True),
@@ -154,18 +155,11 @@ def test_get_never_raises(store, monkeypatch):
                                  dict(num_layers=10**9), dict(num_kv_heads=0),
                                  dict(head_dim=8.0), dict(dtype="float64"),
                                  dict(dtype="uint32"), dict(dtype="q8g64"),
-                                 dict(k_quant=QuantFormat(8, 32)),  # 32 does not divide 8
+                                 dict(k_quant=QuantSpec(8, 32)),  # 32 does not divide 8
                                  dict(v_quant=(8, 64))])
 def test_entry_spec_rejects_nonsense(bad):
     with pytest.raises(ValueError):
         EntrySpec(**{**dataclasses.asdict(SPEC), **bad})
-
-
-@pytest.mark.parametrize("bad", [dict(bits=7), dict(bits=16), dict(bits=True),
-                                 dict(group_size=16), dict(group_size=64.0)])
-def test_quant_format_rejects_nonsense(bad):
-    with pytest.raises(ValueError):
-        QuantFormat(**{"bits": 8, "group_size": 64, **bad})
 
 
 @pytest.mark.parametrize("doc", [
@@ -221,7 +215,7 @@ def test_put_writes_only_what_get_accepts(store, change):
     tokens=st.one_of(st.just(TOKENS), st.lists(st.integers(-(2**40), 2**40), max_size=6)),
     spec=st.sampled_from([SPEC, dataclasses.replace(SPEC, num_layers=1),
                           dataclasses.replace(SPEC, dtype="float16"),
-                          dataclasses.replace(SPEC, head_dim=32, v_quant=QuantFormat(4, 32))]),
+                          dataclasses.replace(SPEC, head_dim=32, v_quant=QuantSpec(4, 32))]),
 )
 def test_checksum_valid_content_is_served_only_as_expected(tmp_path_factory, n, dtype, shape,
                                                            tokens, spec):

@@ -9,9 +9,9 @@ import os
 import stat
 
 import pytest
-from test_disk_store import SALT, T0, Clock, all_files, entry_path, get, make_block, put, same
+from disk_blocks import SALT, T0, Clock, all_files, entry_path, get, make_block, put, same
 
-from engine.kvcache.disk_store import TTL_FILE, DiskPrefixStore
+from engine.kvcache.disk.store import TTL_FILE, DiskPrefixStore
 
 ALICE = dataclasses.replace(SALT, tenant="alice")
 BOB = dataclasses.replace(SALT, tenant="bob")

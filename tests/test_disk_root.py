@@ -10,11 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from test_disk_store import Clock, all_files, entry_path, get, make_block, put, same
+from disk_blocks import Clock, all_files, entry_path, get, make_block, put, same
 
 from engine.errors import KVChatError
-from engine.kvcache import disk_files, disk_root
-from engine.kvcache.disk_store import DiskPrefixStore
+from engine.kvcache.disk import files as disk_files
+from engine.kvcache.disk import root as disk_root
+from engine.kvcache.disk.store import DiskPrefixStore
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown")

@@ -1,4 +1,5 @@
-"""The disk store's background writer on its own: order, bounds, failures, close."""
+"""The disk store's background writer: on its own (order, bounds, failures, close) and behind
+the store's `put_async`."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import threading
 import time
 
 import pytest
+from disk_blocks import Clock, get, make_block, same
 
-from engine.kvcache.disk_writer import WRITER_NICE, BackgroundWriter
+from engine.kvcache.disk.store import DiskPrefixStore
+from engine.kvcache.disk.writer import WRITER_NICE, BackgroundWriter
 
 
 def test_runs_items_in_order_off_the_calling_thread():
@@ -81,3 +84,75 @@ def test_writer_thread_runs_nicer_than_its_caller():
     w.close()
     assert niceness == [min(19, mine + WRITER_NICE)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # only its own
+
+
+# ---- behind the store ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = DiskPrefixStore(tmp_path / "prefix", clock=Clock())
+    yield s
+    s.close()
+
+
+def test_put_async_and_flush(store):
+    blocks = [make_block(100 + i) for i in range(6)]
+    for b in blocks:
+        assert store.put_async(b.salt, b.hash, b.parent, b.tokens, b.arrays)
+    assert store.flush(timeout=10)
+    s = store.stats()
+    assert (s.writes, s.pending_writes, s.dropped_writes) == (6, 0, 0)
+    assert all(same(get(store, b), b.arrays) for b in blocks)
+    assert not store.put_async(blocks[0].salt, blocks[0].hash, blocks[0].parent,
+                               blocks[0].tokens, blocks[0].arrays)  # already stored
+    store.close()
+    late = make_block(120)
+    assert not store.put_async(late.salt, late.hash, late.parent, late.tokens, late.arrays)
+    assert store.stats().dropped_writes == 1
+
+
+class GatedClock(Clock):
+    """Blocks the writer thread inside put() until the gate opens."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def __call__(self) -> float:
+        if threading.current_thread() is not threading.main_thread():
+            self.entered.set()
+            self.gate.wait(10)
+        return self.t
+
+
+def test_full_queue_drops_writes_without_blocking(tmp_path):
+    clock = GatedClock()
+    store = DiskPrefixStore(tmp_path / "p", max_pending=2, clock=clock)
+    blocks = [make_block(130 + i) for i in range(4)]
+
+    def put_async(b):
+        return store.put_async(b.salt, b.hash, b.parent, b.tokens, b.arrays)
+
+    assert put_async(blocks[0])
+    assert clock.entered.wait(10)  # the writer holds block 0; the queue is empty
+    assert put_async(blocks[1]) and put_async(blocks[2])
+    t = time.perf_counter()
+    assert not put_async(blocks[3])
+    assert time.perf_counter() - t < 0.5
+    assert not store.flush(timeout=0.05)
+    s = store.stats()
+    assert (s.dropped_writes, s.pending_writes) == (1, 3)
+    clock.gate.set()
+    assert store.flush(timeout=10)
+    assert [store.contains(b.hash) for b in blocks] == [True, True, True, False]
+    store.close()
+
+
+def test_malformed_async_write_counts_an_error(store):
+    b = make_block(140)
+    assert store.put_async(b.salt, b"\x01" * 32, b.parent, b.tokens, b.arrays)
+    assert store.flush(timeout=10)
+    assert store.stats().write_errors == 1
+    assert store.put_async(b.salt, b.hash, b.parent, b.tokens, b.arrays)  # writer still alive
+    assert store.flush(timeout=10) and store.contains(b.hash)
