@@ -23,7 +23,7 @@ MAX_VERIFY_PROMPT_BYTES = 1 << 20
 
 def open_store(args, *, warn: bool = True, **kw):
     """The store at ``--cache-dir``; its ``degraded`` reason, if any, goes to stderr once."""
-    from engine.kvcache.disk_store import DiskPrefixStore
+    from engine.kvcache.disk.store import DiskPrefixStore
 
     root = Path(args.cache_dir).expanduser() if args.cache_dir else None
     store = DiskPrefixStore(root, budget_bytes=NO_BUDGET, **kw)

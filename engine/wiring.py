@@ -15,10 +15,11 @@ import mlx.core as mx
 from engine.config import EngineConfig
 from engine.errors import KVChatError
 from engine.kvcache.block_manager import BlockManager
-from engine.kvcache.disk_store import DiskPrefixStore
-from engine.kvcache.kv_cache import KVLayout, PagedKVCache, QuantSpec
+from engine.kvcache.disk.store import DiskPrefixStore
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache
 from engine.kvcache.prefix_cache import PrefixCache
 from engine.kvcache.prefix_key import salt_base
+from engine.kvcache.quant import QuantSpec
 from engine.kvcache.swap import HostSwap
 from engine.model import memory
 from engine.model.loader import LoadedModel

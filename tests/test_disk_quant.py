@@ -19,14 +19,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_disk_entry import resign
 
-from engine.kvcache import disk_entry
 from engine.kvcache.block_manager import BlockManager
-from engine.kvcache.disk_entry import EntrySpec
-from engine.kvcache.disk_format import QuantFormat
-from engine.kvcache.disk_store import DiskPrefixStore
-from engine.kvcache.kv_cache import KVLayout, PagedKVCache, QuantSpec
+from engine.kvcache.disk import entry as disk_entry
+from engine.kvcache.disk.spec import EntrySpec
+from engine.kvcache.disk.store import DiskPrefixStore
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache
 from engine.kvcache.prefix_cache import PrefixCache, block_arrays
 from engine.kvcache.prefix_key import block_hashes, salt_base
+from engine.kvcache.quant import QuantSpec
 
 BS, HEADS, DIM, LAYERS = 4, 2, 64, 2
 Q8, Q4, Q8G32 = QuantSpec(8, 64), QuantSpec(4, 64), QuantSpec(8, 32)
@@ -115,7 +115,7 @@ def test_the_entry_records_the_full_format(tmp_path):
     with open(path, "rb") as f:
         header = disk_entry.read_header(f, path.stat().st_size)
     assert header.spec == EntrySpec.of(pc.kv.layout) == EntrySpec(
-        LAYERS, HEADS, DIM, "float32", QuantFormat(8, 64), QuantFormat(4, 64))
+        LAYERS, HEADS, DIM, "float32", QuantSpec(8, 64), QuantSpec(4, 64))
     assert header.salt.kv_format == "k=q8g64,v=q4g64,dtype=float32"
     k = [("uint32", (HEADS, BS, 16)), ("float16", (HEADS, BS, 1)), ("float16", (HEADS, BS, 1))]
     v = [("uint32", (HEADS, BS, 8)), ("float16", (HEADS, BS, 1)), ("float16", (HEADS, BS, 1))]
@@ -177,11 +177,11 @@ def _tamper(path: Path, case: str) -> None:
     elif case == "scales and data swapped":
         a[0], a[1] = a[1], a[0]
     elif case == "spec claims q4":  # the payload is still q8's
-        resign(path, a, spec=dataclasses.replace(q8, k_quant=QuantFormat(4, 64),
-                                                 v_quant=QuantFormat(4, 64)))
+        resign(path, a, spec=dataclasses.replace(q8, k_quant=QuantSpec(4, 64),
+                                                 v_quant=QuantSpec(4, 64)))
         return
     elif case == "spec claims q8g32":
-        resign(path, a, spec=dataclasses.replace(q8, k_quant=QuantFormat(8, 32)))
+        resign(path, a, spec=dataclasses.replace(q8, k_quant=QuantSpec(8, 32)))
         return
     elif case == "spec claims float16":  # and the payload to match
         resign(path, [np.zeros((HEADS, BS, DIM), np.float16)] * 4,

@@ -29,7 +29,8 @@ from engine.distributed.ledger import BlockLedger, LedgerSender
 from engine.distributed.stage import check_tensor_shapes, layer_split
 from engine.errors import KVChatError
 from engine.kvcache.block_manager import BlockManager
-from engine.kvcache.kv_cache import KVLayout, QuantSpec
+from engine.kvcache.kv_cache import KVLayout
+from engine.kvcache.quant import QuantSpec
 from engine.model.model_runner import StepBatch
 from engine.model.packed_batch import pack
 

@@ -22,7 +22,7 @@ import pytest
 from openai import AsyncOpenAI
 from test_server_process import ServerProcess
 
-from engine.kvcache import disk_entry
+from engine.kvcache.disk import entry as disk_entry
 from engine.paths import TEMP_MARK
 
 CLIENTS = 64

@@ -15,7 +15,8 @@ import numpy as np
 from engine.distributed import plan_wire as wire
 from engine.distributed.config import MODES
 from engine.errors import KVChatError
-from engine.kvcache.kv_cache import KVLayout, QuantSpec
+from engine.kvcache.kv_cache import KVLayout
+from engine.kvcache.quant import QuantSpec
 
 
 @dataclass(slots=True)

@@ -26,8 +26,8 @@ import numpy as np
 
 from engine.distributed import plan_wire as wire
 from engine.distributed.plan_wire import Op
-from engine.kvcache.disk_entry import EntrySpec
-from engine.kvcache.disk_store import DiskPrefixStore
+from engine.kvcache.disk.spec import EntrySpec
+from engine.kvcache.disk.store import DiskPrefixStore
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.kvcache.prefix_cache import PrefixCache, SeqPrefix, block_stores, blocks_arrays
 from engine.kvcache.prefix_key import CacheSalt, block_hashes

@@ -26,7 +26,7 @@ from engine.distributed.link import Link
 from engine.distributed.plan_wire import Message, Op
 from engine.distributed.prefix import RankStore, fold_count, rank_store_dir
 from engine.distributed.stage import StageModel, prepare_rank
-from engine.kvcache.disk_store import DiskPrefixStore
+from engine.kvcache.disk.store import DiskPrefixStore
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.kvcache.prefix_key import salt_base
 from engine.model.loader import LoadedModel

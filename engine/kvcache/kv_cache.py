@@ -19,29 +19,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-SCALE_DTYPE = mx.float16  # per-group scale and bias, as llama.cpp's q8_0 / q4_1 keep them
+from engine.kvcache import quant as quant_format
+from engine.kvcache.quant import QuantSpec
 
-
-@dataclass(frozen=True, slots=True)
-class QuantSpec:
-    """An affine quantized format: ``bits`` per element, one scale and bias per group."""
-
-    bits: int
-    group_size: int = 64
-
-    def __post_init__(self):
-        if self.bits not in (4, 8):
-            raise ValueError(f"KV bits must be 4 or 8, got {self.bits}")
-        if self.group_size not in (32, 64, 128):
-            raise ValueError(f"KV group size must be 32, 64 or 128, got {self.group_size}")
-
-    @property
-    def name(self) -> str:
-        return f"q{self.bits}g{self.group_size}"
-
-    def bytes_per_row(self, head_dim: int) -> int:
-        """Packed elements plus the float16 scale and bias of each group."""
-        return head_dim * self.bits // 8 + head_dim // self.group_size * 2 * SCALE_DTYPE.size
+SCALE_DTYPE = getattr(mx, quant_format.SCALE_DTYPE)
+# What attention reads (the kernels); `QuantSpec` admits more, as the disk store may meet more.
+POOL_BITS = (4, 8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +42,11 @@ class KVLayout:
     dtype: mx.Dtype
     k_quant: QuantSpec | None = None
     v_quant: QuantSpec | None = None
+
+    def __post_init__(self):
+        for q in (self.k_quant, self.v_quant):
+            if q is not None and q.bits not in POOL_BITS:
+                raise ValueError(f"KV bits must be one of {POOL_BITS}, got {q.bits}")
 
     def _row_bytes(self, quant: QuantSpec | None) -> int:
         return quant.bytes_per_row(self.head_dim) if quant else self.head_dim * self.dtype.size
@@ -166,8 +154,8 @@ class PagedKVCache:
         rows = (L.num_kv_heads, self.num_blocks * L.block_size)
         if quant is None:
             return mx.zeros((*rows, L.head_dim), L.dtype)
-        groups = L.head_dim // quant.group_size
-        return (mx.zeros((*rows, L.head_dim * quant.bits // 32), mx.uint32),
+        groups = quant.num_groups(L.head_dim)
+        return (mx.zeros((*rows, quant.packed_dim(L.head_dim)), mx.uint32),
                 mx.zeros((*rows, groups), SCALE_DTYPE), mx.zeros((*rows, groups), SCALE_DTYPE))
 
     @property

@@ -22,8 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kvcache.block_manager import BlockManager
-from engine.kvcache.disk_entry import EntrySpec
-from engine.kvcache.disk_store import DiskPrefixStore
+from engine.kvcache.disk.spec import EntrySpec
+from engine.kvcache.disk.store import DiskPrefixStore
 from engine.kvcache.kv_cache import KVLayout, PagedKVCache, Store
 from engine.kvcache.prefix_key import CacheSalt, chain_hash
 

@@ -3,7 +3,7 @@
 ``h_0 = sha256(salt.digest() + tokens_0)``, ``h_i = sha256(h_{i-1} + tokens_i)``, tokens as int32
 little-endian. A block's hash therefore names its whole prefix *and* the salt: two tenants, two
 permission versions or two models never produce the same key for identical text. Hashes are only
-keys; every hit must still compare the stored token ids (see `disk_store`).
+keys; every hit must still compare the stored token ids (see `disk.store`).
 """
 
 from __future__ import annotations

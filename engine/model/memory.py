@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.kvcache.kv_cache import QuantSpec
+from engine.kvcache.quant import QuantSpec
 from engine.model.backend import backend
 
 ENGINE_MEMORY_FRACTION = 0.75  # of physical RAM (CPU) or Metal's working-set limit

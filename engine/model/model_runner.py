@@ -18,7 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from engine.kvcache.kv_cache import KVLayout, PagedKVCache, QuantSpec
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache
+from engine.kvcache.quant import QuantSpec
 from engine.model.attention import AttentionSpec, paged_attention
 from engine.model.cpu_ext.norm_rope import swiglu as cpu_swiglu
 from engine.model.packed_batch import PackedBatch

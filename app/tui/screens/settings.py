@@ -18,7 +18,7 @@ from app.settings import KV_CACHE_FORMATS, GenerationSettings
 from app.tui.widgets.cache_panel import short_format
 from app.tui.widgets.generation_form import GenerationForm
 from engine import EngineConfig
-from engine.kvcache.kv_cache import QuantSpec
+from engine.kvcache.quant import QuantSpec
 
 HELP = ("Apply reloads the model in the new format: the chat is kept, cached prompt prefixes "
         "are not. The choice is saved for later runs; --kv-bits, --k-bits and --v-bits on "

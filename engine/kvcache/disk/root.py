@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 from engine.paths import TEMP_MARK, is_private, private_dir, temp_path
 
-TTL_FILE = "tenant-ttl.json"  # per-tenant TTLs (`disk_index.TenantTTLs`), beside the entries
+TTL_FILE = "tenant-ttl.json"  # per-tenant TTLs (`index.TenantTTLs`), beside the entries
 # Temp files of entries and of the TTL file (`paths.temp_path`), and the entry temp name
 # kvchat used before: the only files besides entries that the store ever deletes.
 TEMP_NAME = re.compile(

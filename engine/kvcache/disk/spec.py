@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from engine.kvcache.quant import SCALE_DTYPE, QuantSpec
+
 # header dtype name -> how the bytes are stored; numpy has no bfloat16, so bfloat16 tensors
 # travel as their uint16 bit patterns (a uint16 array is recorded as "bfloat16")
 DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
@@ -26,7 +28,6 @@ _NAME_OF = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
             np.dtype(np.uint16): "bfloat16", np.dtype(np.uint32): "uint32"}
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # what K/V compute in, or a plain side holds
 PACKED_DTYPE = "uint32"  # `mx.quantize`'s packed data
-SCALE_DTYPE = "float16"  # `kv_cache.SCALE_DTYPE`: per-group scale and bias
 # A sanity bound, not a model limit: a forged header must not make a reader build a huge list.
 _MAX_LAYERS = 4096
 
@@ -47,30 +48,10 @@ def _positive_int(name: str, value) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class QuantFormat:
-    """One side's affine quantized format (`kv_cache.QuantSpec` without MLX)."""
-
-    bits: int
-    group_size: int
-
-    def __post_init__(self):
-        # every width `mx.quantize` packs, not only the pool's 4 and 8 today: the disk format
-        # must never be what refuses a pool format
-        if type(self.bits) is not int or self.bits not in (2, 3, 4, 5, 6, 8):
-            raise ValueError(f"bits must be one of 2, 3, 4, 5, 6, 8, got {self.bits!r}")
-        if type(self.group_size) is not int or self.group_size not in (32, 64, 128):
-            raise ValueError(f"group size must be 32, 64 or 128, got {self.group_size!r}")
-
-    @property
-    def name(self) -> str:
-        return f"q{self.bits}g{self.group_size}"
-
-
-@dataclass(frozen=True, slots=True)
 class EntrySpec:
     """A KV pool's geometry and full format: what each of its blocks is on disk.
 
-    Entry headers record it and `disk_entry.check_structure` holds the payload to it; a
+    Entry headers record it and `entry.check_structure` holds the payload to it; a
     reader passes its pool's (`EntrySpec.of(layout)`) and is served only an exact match.
 
     Attributes:
@@ -83,8 +64,8 @@ class EntrySpec:
     num_kv_heads: int
     head_dim: int
     dtype: str
-    k_quant: QuantFormat | None = None
-    v_quant: QuantFormat | None = None
+    k_quant: QuantSpec | None = None
+    v_quant: QuantSpec | None = None
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -94,19 +75,15 @@ class EntrySpec:
         if self.dtype not in FLOAT_DTYPES:
             raise ValueError(f"dtype must be one of {FLOAT_DTYPES}, got {self.dtype!r}")
         for q in (self.k_quant, self.v_quant):
-            if q is not None and (not isinstance(q, QuantFormat) or self.head_dim % q.group_size
-                                  or self.head_dim * q.bits % 32):
+            if q is not None and (not isinstance(q, QuantSpec) or not q.fits(self.head_dim)):
                 raise ValueError(f"{q!r} does not fit head_dim {self.head_dim}")
 
     @classmethod
     def of(cls, layout) -> EntrySpec:
-        """The spec of a `kv_cache.KVLayout` (duck-typed: this module does not load MLX)."""
-        def quant(q) -> QuantFormat | None:
-            return None if q is None else QuantFormat(q.bits, q.group_size)
-
+        """The spec of a `kv_cache.KVLayout` (duck-typed: this module does not load MLX;
+        the layout's formats are this one's `QuantSpec`)."""
         return cls(layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                   str(layout.dtype).removeprefix("mlx.core."),
-                   quant(layout.k_quant), quant(layout.v_quant))
+                   str(layout.dtype).removeprefix("mlx.core."), layout.k_quant, layout.v_quant)
 
     @classmethod
     def infer(cls, arrays: Sequence[np.ndarray]) -> EntrySpec:
@@ -141,12 +118,12 @@ class EntrySpec:
     def num_tensors(self) -> int:
         return self.num_layers * sum(3 if q else 1 for q in (self.k_quant, self.v_quant))
 
-    def _side(self, quant: QuantFormat | None, block_size: int) -> list[tuple[str, tuple]]:
+    def _side(self, quant: QuantSpec | None, block_size: int) -> list[tuple[str, tuple]]:
         rows = (self.num_kv_heads, block_size)
         if quant is None:
             return [(self.dtype, (*rows, self.head_dim))]
-        groups = (*rows, self.head_dim // quant.group_size)
-        return [(PACKED_DTYPE, (*rows, self.head_dim * quant.bits // 32)),
+        groups = (*rows, quant.num_groups(self.head_dim))
+        return [(PACKED_DTYPE, (*rows, quant.packed_dim(self.head_dim))),
                 (SCALE_DTYPE, groups), (SCALE_DTYPE, groups)]
 
     def tensors(self, block_size: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -174,12 +151,12 @@ class EntrySpec:
         if not isinstance(doc, dict) or sorted(doc) != sorted(names):
             raise ValueError(f"spec fields {doc!r}")
 
-        def quant(q) -> QuantFormat | None:
+        def quant(q) -> QuantSpec | None:
             if q is None:
                 return None
             if not isinstance(q, dict) or sorted(q) != ["bits", "group_size"]:
                 raise ValueError(f"quant fields {q!r}")
-            return QuantFormat(**q)
+            return QuantSpec(**q)
 
         return cls(doc["num_layers"], doc["num_kv_heads"], doc["head_dim"], doc["dtype"],
                    quant(doc["k_quant"]), quant(doc["v_quant"]))

@@ -1,5 +1,5 @@
 """The entry files of the disk prefix store: read, judged, written and deleted within what the
-store's root allows (`disk_root.open_root`); shards that are symlinks or writable by others are
+store's root allows (`root.open_root`); shards that are symlinks or writable by others are
 never used, and only files named like entries or kvchat temp files are ever deleted.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.kvcache import disk_entry
-from engine.kvcache.disk_entry import EntryError, EntryHeader, EntrySpec
-from engine.kvcache.disk_root import (
+from engine.kvcache.disk import entry
+from engine.kvcache.disk.entry import EntryError, EntryHeader
+from engine.kvcache.disk.root import (
     TEMP_NAME,
     checked_dir,
     fsync_dir,
@@ -27,6 +27,7 @@ from engine.kvcache.disk_root import (
     scandir,
     write_temp,
 )
+from engine.kvcache.disk.spec import EntrySpec
 from engine.kvcache.prefix_key import CacheSalt
 from engine.paths import is_private
 
@@ -88,8 +89,8 @@ class EntryFiles:
 
     def load(self, block_hash: bytes, max_bytes: int, salt: CacheSalt, token_ids: Sequence[int],
              expect: EntrySpec | None) -> tuple[EntryHeader, list[np.ndarray], os.stat_result]:
-        """Read and check an entry: the whole file (`disk_entry.decode_entry`), then the
-        block asked for (`disk_entry.check_entry`); all but expiry.
+        """Read and check an entry: the whole file (`entry.decode_entry`), then the
+        block asked for (`entry.check_entry`); all but expiry.
 
         Raises:
             EntryError: the miss reason. With ``inode`` None nothing was judged ("disabled",
@@ -109,8 +110,8 @@ class EntryFiles:
         try:
             if data is None:
                 raise EntryError("corrupt", "size")
-            header, arrays = disk_entry.decode_entry(data)
-            disk_entry.check_entry(header, salt, block_hash, token_ids, expect)
+            header, arrays = entry.decode_entry(data)
+            entry.check_entry(header, salt, block_hash, token_ids, expect)
         except EntryError as e:
             e.inode = st.st_ino
             raise
@@ -133,7 +134,7 @@ class EntryFiles:
             except FileExistsError:
                 if not checked_dir(path.parent):
                     raise UnsafeDirError(f"{path.parent} is not a private directory") from None
-            return write_temp(path, lambda f: disk_entry.write_entry(f, header, arrays),
+            return write_temp(path, lambda f: entry.write_entry(f, header, arrays),
                               header.created)
         except OSError as e:
             if e.errno in STOP_ERRNOS:  # read-only, full: every later write would fail too
@@ -218,10 +219,10 @@ def _scan_entry(path: Path) -> tuple[Path, EntryHeader | None, os.stat_result | 
     try:
         with open(path, "rb", opener=_nofollow_nonblock) as f:
             st = os.fstat(f.fileno())
-            header = disk_entry.read_header(f, st.st_size)
+            header = entry.read_header(f, st.st_size)
         if header.block_hash.hex() != path.stem:
             raise EntryError("corrupt", "file name")
-        disk_entry.check_structure(header)
+        entry.check_structure(header)
     except EntryError as e:
         return path, None, None, e.reason
     except Exception:  # unreadable or unforeseen: it could only ever be a miss

@@ -1,14 +1,7 @@
-"""Disk prefix store: one file per KV block, named by its chained hash, under a private directory.
+"""The disk prefix store's API: get, put (now or in the background), sweep, purge, TTLs, stats.
 
-Entries (format and checks in `disk_entry`) live at ``<root>/<hex[:2]>/<hex>.kvb``, mode 0600.
-Writes are atomic (temp file, fsync, rename, directory fsync): a crash leaves a complete entry
-or a stray temp file, never a torn entry under a real name. Reads verify everything; an entry
-that fails any check is a miss, is deleted and is counted by reason. `get` never raises.
-
-Cached K/V is user data: nothing is served past its expiry or its tenant's TTL (`disk_index`),
-and a byte budget is enforced in LRU order at start-up and after every write. "Last used" is
-the file's mtime, so LRU order survives restarts without a separate index file. Foreign
-directories are respected (`disk_root`, `disk_files`).
+What the store is and what it promises: the package docstring (`engine.kvcache.disk`). Here
+one lock guards the record of entries (`catalog.Catalog`) and the blocks being written.
 """
 
 from __future__ import annotations
@@ -17,18 +10,19 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from engine.errors import KVChatError
-from engine.kvcache import disk_entry
-from engine.kvcache.disk_entry import EntryError, EntrySpec
-from engine.kvcache.disk_files import TEMP_GRACE_S, EntryFiles
-from engine.kvcache.disk_index import EntryIndex, EntryInfo, StoreStats, TenantTTLs
-from engine.kvcache.disk_root import TTL_FILE
-from engine.kvcache.disk_writer import BackgroundWriter
+from engine.kvcache.disk import entry
+from engine.kvcache.disk.catalog import Catalog
+from engine.kvcache.disk.entry import EntryError
+from engine.kvcache.disk.files import TEMP_GRACE_S, EntryFiles
+from engine.kvcache.disk.index import EntryInfo, StoreStats, TenantTTLs
+from engine.kvcache.disk.root import TTL_FILE
+from engine.kvcache.disk.spec import EntrySpec
+from engine.kvcache.disk.writer import BackgroundWriter
 from engine.kvcache.prefix_key import CacheSalt
 from engine.paths import cache_root
 
@@ -39,7 +33,7 @@ class DiskPrefixStore:
     """A crash-safe, budgeted, expiring store of KV blocks keyed by `prefix_key.chain_hash`.
 
     Opening never fails on the directory: one that cannot be used safely leaves the store
-    read-only or off (`disk_root.open_root`), and ``degraded`` says why.
+    read-only or off (`root.open_root`), and ``degraded`` says why.
 
     Args:
         root (Path, optional): the store's directory. Default: ``cache_root() / "prefix"``.
@@ -63,21 +57,13 @@ class DiskPrefixStore:
         self.ttls = TenantTTLs(self.root / TTL_FILE if self.files.readable else None,
                                default_ttl_s, tenant_ttl_s)
         self._clock = clock
-        self._lock = threading.Lock()  # index, counters; also held for renames and deletions
-        self._index = EntryIndex()
-        self._writing: set[bytes] = set()
-        self._stats = StoreStats(budget_bytes=budget_bytes)
+        self._lock = threading.Lock()  # catalog, writing; also held for renames and deletions
+        self._catalog = Catalog(self.files, budget_bytes)
+        self._writing: set[bytes] = set()  # blocks a `put` is writing now
         self._writer = BackgroundWriter(self.put, max_pending)
         now = self._clock() if expire_at_open else -math.inf
         with self._lock:
-            for path, header, st, reason in self.files.scan():
-                if reason is None and now >= self.ttls.expiry(header):
-                    reason = "expired"
-                if reason is None:
-                    self._index.add(header.block_hash, st.st_size, st.st_mtime, header)
-                else:
-                    self._remove_file(path, reason)
-            self._enforce_budget_locked()
+            self._catalog.load(self.files.scan(), self.ttls.expiry, now)
 
     @property
     def degraded(self) -> str | None:
@@ -93,8 +79,8 @@ class DiskPrefixStore:
             expect: EntrySpec | None = None) -> list[np.ndarray] | None:
         """The block's arrays (``list[np.ndarray]`` in `EntrySpec.tensors` order), or None.
 
-        Verifies the whole file (`disk_entry.decode_entry`), then salt, block hash, token ids,
-        format and tensors (`disk_entry.check_entry`; with ``expect``, only an entry of exactly
+        Verifies the whole file (`entry.decode_entry`), then salt, block hash, token ids,
+        format and tensors (`entry.check_entry`; with ``expect``, only an entry of exactly
         that spec is served), then expiry. A failing entry is deleted and counted in
         ``stats().misses_by_reason``. Never raises: anything unforeseen is a miss ("error").
         """
@@ -102,13 +88,13 @@ class DiskPrefixStore:
             return self._read(salt, block_hash, token_ids, expect)
         except Exception:  # a surprise must cost a miss, never the request (or its neighbours)
             with self._lock:
-                self._stats.count_miss("error")
+                self._catalog.stats.count_miss("error")
             return None
 
     def contains(self, block_hash: bytes) -> bool:
         """Whether the index holds ``block_hash`` (no disk access, no verification)."""
         with self._lock:
-            return block_hash in self._index
+            return block_hash in self._catalog.index
 
     def put(self, salt: CacheSalt, block_hash: bytes, parent_hash: bytes,
             token_ids: Sequence[int], arrays: Sequence[np.ndarray],
@@ -119,30 +105,28 @@ class DiskPrefixStore:
         False when the block is stored or being written, alone exceeds the budget, has a TTL
         that is not positive, the store is not writable (``dropped_writes``), or on an I/O
         error (``write_errors``; a read-only or full directory stops writing, see ``degraded``).
-        Raises ValueError for a block `disk_entry.make_header` refuses.
+        Raises ValueError for a block `entry.make_header` refuses.
         """
         ttl = self.ttls.for_tenant(salt.tenant) if ttl_s is None else ttl_s
-        header = disk_entry.make_header(salt, block_hash, parent_hash, token_ids, arrays,
-                                        self._clock(), ttl, spec)
+        header = entry.make_header(salt, block_hash, parent_hash, token_ids, arrays,
+                                   self._clock(), ttl, spec)
         size = header.file_size()
         with self._lock:
             if not self.files.writable:
-                self._stats.dropped_writes += 1
+                self._catalog.stats.dropped_writes += 1
                 return False
             if (header.expires <= header.created or size > self.budget_bytes
-                    or block_hash in self._index or block_hash in self._writing):
+                    or block_hash in self._catalog.index or block_hash in self._writing):
                 return False
             self._writing.add(block_hash)
         try:
             tmp = self.files.write_temp(header, arrays)
             with self._lock:
                 self.files.commit(tmp, header.block_hash)
-                self._index.add(header.block_hash, size, header.created, header)
-                self._stats.writes += 1
-                self._enforce_budget_locked()
+                self._catalog.written(header, size)
         except OSError:  # a directory at the entry's path, a symlinked shard, a full disk...
             with self._lock:
-                self._stats.write_errors += 1
+                self._catalog.stats.write_errors += 1
             return False
         finally:
             with self._lock:
@@ -161,10 +145,10 @@ class DiskPrefixStore:
         if not all(isinstance(a, np.ndarray) for a in arrays):
             raise TypeError("put_async needs numpy copies, not views of the KV pool")
         with self._lock:
-            if block_hash in self._index:
+            if block_hash in self._catalog.index:
                 return False
             if not self.files.writable:
-                self._stats.dropped_writes += 1
+                self._catalog.stats.dropped_writes += 1
                 return False
         item = (salt, block_hash, parent_hash, token_ids, arrays, ttl_s, spec)
         return self._writer.submit(item)
@@ -191,9 +175,9 @@ class DiskPrefixStore:
         removed = self.purge(expired_only=True)
         stale = list(self.files.scan(entries=False))  # outside the lock: get() need not wait
         with self._lock:
-            removed += self._enforce_budget_locked()
+            removed += self._catalog.enforce_budget()
             for path, _, _, reason in stale:
-                self._remove_file(path, reason)
+                self._catalog.remove_file(path, reason)
         return removed
 
     def purge(self, tenant: str | None = None, model: str | None = None,
@@ -217,11 +201,11 @@ class DiskPrefixStore:
         if not self.files.tidy:
             return 0
         with self._lock:
-            doomed = self._index.select(
+            doomed = self._catalog.index.select(
                 self.ttls, tenant=tenant, model=model, permission_below=permission_below,
                 expired_at=self._clock() if expired_only else None)
             for h in doomed:
-                self._drop_locked(h, "expired" if expired_only else "purge")
+                self._catalog.drop(h, "expired" if expired_only else "purge")
         return len(doomed)
 
     def remove(self, block_hashes: Sequence[bytes]) -> int:
@@ -229,9 +213,9 @@ class DiskPrefixStore:
         if not self.files.tidy:
             return 0
         with self._lock:
-            doomed = [h for h in dict.fromkeys(block_hashes) if h in self._index]
+            doomed = [h for h in dict.fromkeys(block_hashes) if h in self._catalog.index]
             for h in doomed:
-                self._drop_locked(h, "purge")
+                self._catalog.drop(h, "purge")
         return len(doomed)
 
     def set_tenant_ttl(self, tenant: str, ttl_s: float | None) -> int:
@@ -251,20 +235,12 @@ class DiskPrefixStore:
     def entries(self) -> list[EntryInfo]:
         """Every indexed entry, most recently used first."""
         with self._lock:
-            return self._index.infos(self.ttls)
+            return self._catalog.index.infos(self.ttls)
 
     def stats(self) -> StoreStats:
         """A snapshot of the counters and the current size."""
-        w = self._writer
         with self._lock:
-            return replace(
-                self._stats, entries=len(self._index), bytes=self._index.bytes,
-                write_errors=self._stats.write_errors + w.failed,
-                dropped_writes=self._stats.dropped_writes + w.dropped, pending_writes=w.pending,
-                misses_by_reason=dict(self._stats.misses_by_reason),
-                removed_by_reason=dict(self._stats.removed_by_reason))
-
-    # ---- internals ----------------------------------------------------------------------------
+            return self._catalog.snapshot(self._writer)
 
     def _read(self, salt, block_hash, token_ids, expect) -> list[np.ndarray] | None:
         limit = max(self.budget_bytes, 1 << 20)
@@ -273,37 +249,10 @@ class DiskPrefixStore:
             if self._clock() >= self.ttls.expiry(header):
                 raise EntryError("expired", inode=st.st_ino)
         except EntryError as e:
-            return self._miss(block_hash, e.reason, e.inode)
-        now = self._clock()
+            with self._lock:
+                self._catalog.miss(block_hash, e.reason, e.inode)
+            return None
+        now = self._clock()  # not under the lock: a clock may be slow
         with self._lock:
-            self._stats.hits += 1
-            entry = self._index.get(block_hash)
-            if entry is None:  # another process wrote it after our scan
-                self._index.add(block_hash, st.st_size, now, header)
-            else:
-                entry.last_used = now
-            self.files.touch(block_hash, now)  # persists LRU order across restarts
+            self._catalog.hit(header, st, now)
         return arrays
-
-    def _miss(self, block_hash, reason, inode=None) -> None:
-        with self._lock:
-            self._stats.count_miss(reason)
-            if reason == "absent":
-                self._index.pop(block_hash)
-            elif inode is not None:  # only the file judged: our writer may have replaced it
-                self._drop_locked(block_hash, reason, inode)
-        return None
-
-    def _drop_locked(self, block_hash: bytes, reason: str, inode: int | None = None) -> None:
-        self._index.pop(block_hash)
-        self._remove_file(self.files.path(block_hash), reason, inode)
-
-    def _remove_file(self, path: Path, reason: str, inode: int | None = None) -> None:
-        if self.files.remove(path, inode):
-            self._stats.count_removal(reason)
-
-    def _enforce_budget_locked(self) -> int:
-        doomed = self._index.over_budget(self.budget_bytes) if self.files.tidy else []
-        for h in doomed:
-            self._drop_locked(h, "budget")
-        return len(doomed)

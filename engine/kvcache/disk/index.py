@@ -1,6 +1,6 @@
 """The disk store's bookkeeping: which entries exist, their size, last use and expiry; counters.
 
-Nothing here locks: `disk_store.DiskPrefixStore` holds its lock around every call.
+Nothing here locks: `store.DiskPrefixStore` holds its lock around every call.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.kvcache.disk_entry import EntryHeader
+from engine.kvcache.disk.entry import EntryHeader
 from engine.paths import read_private, write_private
 
 

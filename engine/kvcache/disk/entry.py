@@ -6,7 +6,7 @@ Layout, integers little-endian::
 
 The checksum covers every byte before it. The header holds the salt's parts, the block and
 parent hashes, the token ids, created / expires (unix seconds), the block's full KV format and
-geometry (`disk_format.EntrySpec`: compute dtype, K and V each plain or bits + group size) and
+geometry (`spec.EntrySpec`: compute dtype, K and V each plain or bits + group size) and
 each tensor's dtype and shape; the payload is the tensors' raw bytes back to back in header
 order (C order): the pool's stored bytes, packed data, scales and biases of a quantized side
 included, so a block comes back exactly as it was. bfloat16 travels as uint16 bit patterns.
@@ -31,7 +31,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from engine.kvcache.disk_format import DTYPES, EntrySpec, dtype_name
+from engine.kvcache.disk.spec import DTYPES, EntrySpec, dtype_name
 from engine.kvcache.prefix_key import HASH_SIZE, CacheSalt, chain_hash
 
 __all__ = ["DTYPES", "EntryError", "EntryHeader", "EntrySpec", "check_entry", "check_structure",
