@@ -28,8 +28,9 @@ def assert_one_line_error(proc, needle: str):
 
 def test_generate_json_fields():
     proc = kvchat("generate", "--prompt", "What is the capital of France?", "--json",
-                  "--max-tokens", "12")
+                  "--max-tokens", "100000")  # more than fits: granted fewer, with a note
     assert proc.returncode == 0, proc.stderr
+    assert "kvchat: note: max_tokens reduced from 100000 to " in proc.stderr
     out = json.loads(proc.stdout)
     for key in ("text", "tokens", "prompt_tokens", "generation_tokens", "finish_reason",
                 "ttft_s", "prefill_tps", "decode_tps", "kv"):
