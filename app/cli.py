@@ -73,9 +73,6 @@ def cmd_generate(args) -> int:
         if not prompt.strip():
             raise KVChatError("the prompt is empty")
         ids = eng.encode_prompt(prompt, system=args.system, raw=args.raw)
-        _, notice = eng.check_request(ids, params)
-        if notice:
-            print(f"kvchat: note: {notice}", file=sys.stderr)
         result = collect(_stream(eng, ids, params, args))
     finally:
         eng.shutdown()  # releases the pool and drains the disk writer
@@ -136,10 +133,13 @@ def print_result(eng: EngineLike, result, *, as_json: bool, metrics=None) -> Non
 
 
 def _stream(eng: EngineLike, ids, params, args):
-    """The request's events, echoing text as it streams unless --json."""
-    events = eng.generate(ids, params, tenant=args.tenant,
-                          permission_version=args.permission_version)
-    return echo_events(events, show=not args.json)
+    """The request's events, echoing text as it streams unless --json (a note first when
+    its max tokens were reduced to fit)."""
+    handle = eng.submit(ids, params, tenant=args.tenant,
+                        permission_version=args.permission_version)
+    if handle.notice:
+        print(f"kvchat: note: {handle.notice}", file=sys.stderr)
+    return echo_events(handle, show=not args.json)
 
 
 def cmd_chat(args) -> int:

@@ -21,6 +21,7 @@ class HandleLike(Protocol):
     """A submitted request: iterate it for events; the last one has a finish reason."""
 
     request_id: int
+    max_tokens: int  # new tokens granted: the params' max_tokens, or fewer to fit
     notice: str | None  # e.g. "max_tokens reduced ... to fit", set at submit
 
     def __iter__(self) -> Iterator[GenerationEvent]: ...
@@ -61,16 +62,13 @@ class EngineLike(Protocol):
         """Tokens ``text`` takes alone (no chat template, no special tokens)."""
         ...
 
-    def check_request(self, prompt_ids: list[int],
-                      params: SamplingParams) -> tuple[int, str | None]:
-        """(max new tokens, a notice if reduced); raises RequestError if it never fits."""
-        ...
-
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
                priority: Priority = ..., timeout_s: float | None = None,
                tenant: str = "local", permission_version: int = 0,
                cache_ttl_s: float | None = None) -> HandleLike:
-        """Queue a request; raises RequestError at once if it is refused.
+        """Queue a request; raises RequestError at once if it is refused (a
+        RequestTooLargeError if it can never fit; one that fits only with fewer new
+        tokens gets them, on the handle's ``max_tokens`` and ``notice``).
 
         ``cache_ttl_s``: how long the prompt's blocks stay in the disk cache (a pinned
         document's prefix); None keeps the tenant's TTL.

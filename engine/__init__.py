@@ -1,7 +1,8 @@
 """kvchat's engine: a block-paged KV cache and generation on MLX.
 
 Importing this package first preloads OpenBLAS on Linux (see `engine.model.blas`),
-which must happen before anything imports `mlx.core`.
+which must happen before anything imports `mlx.core`. The preload compiles nothing; it
+loads the GEMV shim when an earlier model load left one built in the user cache.
 """
 
 from engine.model import blas

@@ -21,30 +21,34 @@ import mlx.core as mx
 from engine import prompts
 from engine.config import EngineConfig
 from engine.decoder import Decoder
-from engine.errors import EngineStoppedError, RequestError
+from engine.errors import RequestError
 from engine.executor import Outcome, StepExecutor
 from engine.generation import GenerationEvent, GenerationResult, collect
 from engine.loop import EngineLoop
 from engine.metrics import EngineMetrics, MetricsRecorder, snapshot
-from engine.model.loader import LoadedModel
 from engine.model.backend import cpu_compile_off
+from engine.model.loader import LoadedModel
 from engine.pacing import StepPacer
 from engine.request import Priority, Request, RequestHandle, RequestState
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
 from engine.validation import check_ids, check_params, check_scope, check_ttl
-from engine.wiring import build_kv
+from engine.wiring import EngineParts, build_kv
 
 
 class Engine(EngineLoop):
     """Serves generation requests for one model over a block-paged KV pool."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *,
+                 parts: EngineParts | None = None):
+        """``parts``: the runner, pool and prefix cache to serve over, when the caller
+        built them (`engine.wiring.build_kv`) to put its own around them first (the
+        distributed leader); by default they are built here from ``config``."""
         super().__init__()
         cpu_compile_off()
         self.loaded = loaded
         self.config = config = config or EngineConfig()
-        parts = build_kv(loaded, config)
+        parts = parts or build_kv(loaded, config)
         self.runner, self.layout, self.kv, self.blocks = (parts.runner, parts.layout,
                                                           parts.kv, parts.blocks)
         self.prefix, self.swap = parts.prefix, parts.swap
@@ -52,14 +56,14 @@ class Engine(EngineLoop):
         self.max_context = parts.scheduler_config.max_context
         self.vocab_size = self.runner.embed_tokens.weight.shape[0]
         self.recorder = MetricsRecorder()
-        self.scheduler = Scheduler(self.blocks, self.prefix, self.swap, parts.scheduler_config)
         pacer = StepPacer(len(self.runner.layers), group_target_s=config.cancel_check_s,
                           step_target_s=config.step_target_s)
+        self.scheduler = Scheduler(self.blocks, self.prefix, self.swap, parts.scheduler_config,
+                                   pacer)
         pipeline = config.pipeline if config.pipeline is not None else mx.default_device() == mx.gpu
         self.executor = StepExecutor(self.runner, self.kv, self.blocks, self.recorder, pacer,
-                                     pipeline=pipeline, fast_greedy=loaded.cpu_ext)
-        self.executor.unwanted = self._unwanted
-        self.scheduler.pacer = pacer
+                                     pipeline=pipeline, fast_greedy=loaded.cpu_ext,
+                                     unwanted=self._unwanted)
         self._ids = itertools.count()
 
     @property
@@ -90,17 +94,6 @@ class Engine(EngineLoop):
         """Tokens ``text`` takes alone (no chat template, no special tokens)."""
         return len(prompts.plain_ids(self.tokenizer, text))
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams,
-                      ) -> tuple[int, str | None]:
-        """Validate a request: (max new tokens it may produce, a notice if reduced).
-
-        Raises `RequestError` for a bad field and `RequestTooLargeError` for a
-        request that can never fit.
-        """
-        check_params(params)
-        ids = check_ids(prompt_ids, self.vocab_size)
-        return self.scheduler.check(len(ids), params.max_tokens)
-
     # -- requests --------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
                priority: Priority = Priority.INTERACTIVE, timeout_s: float | None = None,
@@ -109,7 +102,9 @@ class Engine(EngineLoop):
         """Queue a request; iterate the returned handle for its events.
 
         Every field is checked here: a bad one raises `RequestError` (and counts a
-        rejection) in the caller's thread, as does a request that can never fit.
+        rejection) in the caller's thread, as does a request that can never fit (a
+        `RequestTooLargeError`). One that fits only with fewer new tokens gets them:
+        the handle's ``max_tokens`` is what was granted, its ``notice`` says why.
         ``cache_ttl_s`` sets the disk lifetime of the prompt blocks it writes (a pinned
         document session); None uses the tenant's TTL.
         """
@@ -130,10 +125,10 @@ class Engine(EngineLoop):
                               self.tokenizer.eos_token_ids, max_new)
             prefix = self.prefix.new_sequence(tenant, permission_version, ttl_s=cache_ttl_s)
         except RequestError:
-            self.recorder.rejections += 1
+            self.recorder.count_rejection()
             raise
         except (TypeError, ValueError) as e:  # anything else about the values: the caller's
-            self.recorder.rejections += 1
+            self.recorder.count_rejection()
             raise RequestError(f"bad request: {e}") from e
         now = time.perf_counter()
         req = Request(next(self._ids), ids, decoder, prefix, priority=priority, arrival=now,
@@ -142,14 +137,9 @@ class Engine(EngineLoop):
         s = req.stats
         s.prompt_tokens, s.block_size = len(ids), self.layout.block_size
         s.bytes_per_token, s.kv_format = self.layout.bytes_per_token, self.layout.kv_format
-        with self._wake:  # ordered with shutdown: nothing is queued after it
-            if self._stopped:
-                raise EngineStoppedError("the engine has shut down")
-            self._requests[req.request_id] = req
-            self._inbox.append(req)
-            self._wake.notify()
+        self._enqueue(req)
         return RequestHandle(req.request_id, partial(self._next_event, req),
-                             lambda: not req.events.empty(), self.cancel, notice)
+                             lambda: not req.events.empty(), self.cancel, max_new, notice)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None,
                  **kwargs) -> Iterator[GenerationEvent]:
@@ -295,15 +285,4 @@ class Engine(EngineLoop):
         cached = set(self.blocks.evictable)
         return "".join("c" if b in cached else "." if r == 0 else "#" if r == 1 else "S"
                        for b, r in enumerate(list(self.blocks.ref_counts)))
-
-    def request_state(self, request_id: int) -> RequestState:
-        """WAITING, RUNNING, SWAPPED, or FINISHED (also for unknown ids)."""
-        with self._lock:
-            req = self._requests.get(request_id)
-        return req.state if req is not None else RequestState.FINISHED
-
-    def live_requests(self) -> int:
-        """Requests submitted and not yet finished."""
-        with self._lock:
-            return len(self._requests)
 

@@ -24,9 +24,9 @@ from engine import greedy
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.metrics import MetricsRecorder
+from engine.model.attention import contiguous_run
 from engine.model.model_runner import PagedModel, StepBatch, StepInterrupted
 from engine.model.packed_batch import pack
-from engine.model.attention import contiguous_run
 from engine.pacing import StepPacer
 from engine.request import Request
 from engine.scheduler import StepPlan
@@ -84,11 +84,14 @@ class StepExecutor:
 
     def __init__(self, runner: PagedModel, kv: PagedKVCache, blocks: BlockManager,
                  recorder: MetricsRecorder, pacer: StepPacer | None = None, *,
-                 pipeline: bool = False, fast_greedy: bool = False):
+                 pipeline: bool = False, fast_greedy: bool = False,
+                 unwanted: Unwanted | None = None):
         self.runner, self.kv, self.blocks, self.recorder = runner, kv, blocks, recorder
         self.pacer = pacer or StepPacer(len(runner.layers))
         self.fault_hook: FaultHook | None = None  # tests: may raise for (request, phase)
-        self.unwanted: Unwanted | None = None  # True when none of these requests is wanted
+        # True when none of these requests is wanted any more: their forward may stop
+        # between layer groups (None: forwards always run to the end)
+        self.unwanted = unwanted
         self.pipeline = pipeline  # launch greedy decodes ahead (see `run`)
         self.fast_greedy = fast_greedy  # the CPU extension's greedy pick (`engine.greedy`)
         self.flight: Flight | None = None

@@ -1,10 +1,10 @@
-"""The engine's step loop and its thread: inbox, cancels, waiting for events, shutdown.
+"""The engine's step loop and its thread: inbox, request table, cancels, events, shutdown.
 
 `EngineLoop` is the threading half of `Engine`: it runs `_step` on a background
 thread (`start`) or in the consumer that waits for an event, applies cancels
-within one step, and orders `submit` and `shutdown` under one lock so nothing
-is served after `shutdown` returns. Subclasses provide `_step`, `_finish`,
-`_close` and a `scheduler` with `has_work`.
+within one step, and orders queueing (`_enqueue`, behind `submit`) and `shutdown`
+under one lock so nothing is served after `shutdown` returns. Subclasses provide
+`_step`, `_finish`, `_close` and a `scheduler` with `has_work`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import queue
 import threading
 import time
 
+from engine.errors import EngineStoppedError
 from engine.generation import GenerationEvent
-from engine.request import Request
+from engine.request import Request, RequestState
 
 
 class EngineLoop:
@@ -45,6 +46,28 @@ class EngineLoop:
 
     def _settle(self) -> None:
         """Finish the calling thread's queued MLX work (the engine thread, as it ends)."""
+
+    # -- the request table -------------------------------------------------------------
+    def _enqueue(self, req: Request) -> None:
+        """Queue a checked request for the next step; raises `EngineStoppedError` once
+        `shutdown` has begun (under the lock it takes, so nothing is queued after it)."""
+        with self._wake:
+            if self._stopped:
+                raise EngineStoppedError("the engine has shut down")
+            self._requests[req.request_id] = req
+            self._inbox.append(req)
+            self._wake.notify()
+
+    def request_state(self, request_id: int) -> RequestState:
+        """WAITING, RUNNING, SWAPPED, or FINISHED (also for unknown ids)."""
+        with self._lock:
+            req = self._requests.get(request_id)
+        return req.state if req is not None else RequestState.FINISHED
+
+    def live_requests(self) -> int:
+        """Requests submitted and not yet finished."""
+        with self._lock:
+            return len(self._requests)
 
     # -- cancels ---------------------------------------------------------------------
     def _unwanted(self, reqs: list[Request]) -> bool:

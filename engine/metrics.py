@@ -101,7 +101,14 @@ class EngineMetrics:
 
 
 class MetricsRecorder:
-    """Counters and latency windows the engine updates as it runs (thread-safe)."""
+    """Counters and latency windows the engine updates as it runs (thread-safe).
+
+    Plain counter attributes (``steps``, ``preemptions``...) have one writer, the
+    thread running the step, and a reader sees each int whole. Anything another thread
+    updates (``rejections``, counted in callers' threads by `submit`) or that is read as
+    a group (windows, forward clocks, finish reasons) changes only through a method here,
+    under the lock.
+    """
 
     def __init__(self, window: int = 2048):
         self._lock = threading.Lock()
@@ -132,6 +139,11 @@ class MetricsRecorder:
     def observe(self, key: str, value: float) -> None:
         with self._lock:
             self._windows[key].append(value)
+
+    def count_rejection(self) -> None:
+        """One refused request; called from any caller's thread."""
+        with self._lock:
+            self.rejections += 1
 
     def count_finish(self, reason: str) -> None:
         with self._lock:

@@ -68,6 +68,14 @@ def is_private(st: os.stat_result, *, kind: int = stat.S_IFREG) -> bool:
     )
 
 
+def is_private_dir(path: Path) -> bool:
+    """True when ``path`` is a directory (not a symlink to one) that `is_private` accepts."""
+    try:
+        return is_private(os.lstat(path), kind=stat.S_IFDIR)
+    except OSError:
+        return False
+
+
 def is_private_tree(path: Path, *, required: str | None = None) -> bool:
     """True when ``path`` is a private directory of ours holding only private regular
     files (no subdirectories, no symlinks), ``required`` among them when given."""

@@ -85,12 +85,15 @@ class RequestHandle:
     exception, the generator being closed or collected) or dropping the handle
     cancels the request, so a consumer that goes away never leaks blocks.
     Iterating a handle whose final event was already read ends at once.
+    ``max_tokens`` is what the request was granted: its own, or fewer to fit the
+    context or the pool (then ``notice`` says so).
     """
 
     def __init__(self, request_id: int, next_event: Callable[[], GenerationEvent],
                  ready: Callable[[], bool], cancel: Callable[[int], bool],
-                 notice: str | None = None):
+                 max_tokens: int, notice: str | None = None):
         self.request_id = request_id
+        self.max_tokens = max_tokens
         self.notice = notice
         self._next_event = next_event
         self._ready = ready

@@ -18,6 +18,7 @@ from engine.errors import RequestError, RequestTooLargeError
 from engine.kvcache.block_manager import BlockManager, SlotPlan
 from engine.kvcache.prefix_cache import PrefixCache
 from engine.kvcache.swap import HostSwap
+from engine.pacing import StepPacer
 from engine.request import Request, RequestState
 
 
@@ -69,7 +70,7 @@ class Scheduler:
     """Plans engine steps over a shared block pool and owns every request's blocks."""
 
     def __init__(self, blocks: BlockManager, prefix: PrefixCache, swap: HostSwap,
-                 config: SchedulerConfig):
+                 config: SchedulerConfig, pacer: StepPacer | None = None):
         self.blocks = blocks
         self.prefix = prefix
         self.swap = swap
@@ -77,7 +78,9 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.swapped: list[Request] = []
-        self.pacer = None  # a StepPacer sizes the prefill budget of steps with decodes
+        # sizes the prefill budget of steps with decodes from measured forwards; without
+        # one, such a step prefills up to the config's fixed cap
+        self.pacer = pacer
 
     # -- checks ------------------------------------------------------------------
     def check(self, prompt_len: int, max_tokens: int) -> tuple[int, str | None]:

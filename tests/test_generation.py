@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from engine import SamplingParams
 from engine.decoder import StopMatcher
-from engine.errors import RequestError
+from engine.errors import RequestError, RequestTooLargeError
 
 
 @given(text=st.text(max_size=60), stop=st.text(min_size=1, max_size=5),
@@ -70,8 +70,13 @@ def test_sampling_with_seed_is_reproducible(default_engine):
 def test_bad_requests(default_engine):
     with pytest.raises(RequestError):
         default_engine.encode_prompt("  ")
-    with pytest.raises(RequestError, match="context"):
-        default_engine.check_request([1] * 9000, SamplingParams())
+    rejected = default_engine.metrics().rejections
+    with pytest.raises(RequestTooLargeError, match="context"):
+        default_engine.submit([1] * 9000, SamplingParams())
+    assert default_engine.metrics().rejections == rejected + 1
+    fits = default_engine.submit([1] * 8, SamplingParams(max_tokens=3))
+    assert (fits.max_tokens, fits.notice) == (3, None)  # granted as asked
+    fits.cancel()
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=0)
     assert default_engine.blocks.num_free_blocks == default_engine.blocks.num_blocks

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.model import blas
+from engine.model import blas, gemv_shim
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_cc = pytest.mark.skipif(
@@ -42,7 +42,7 @@ def is_elf(path: Path) -> bool:
 
 def plant_shim(data: bytes = b"not a library", *, file_mode=0o700, dir_mode=0o700) -> Path:
     """Put a file where the compiled shim is cached, as an attacker or an old kvchat would."""
-    path = blas.shim_path()
+    path = gemv_shim.shim_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     os.chmod(path.parent, dir_mode)
@@ -55,43 +55,43 @@ def plant_shim(data: bytes = b"not a library", *, file_mode=0o700, dir_mode=0o70
 
 @needs_cc
 def test_a_fresh_build_is_private_and_reused(home):
-    built = blas.build_shim()
-    assert built == blas.shim_path() and is_elf(built)
-    assert blas.shim_is_trusted(built)
+    built = gemv_shim.build()
+    assert built == gemv_shim.shim_path() and is_elf(built)
+    assert gemv_shim.shim_is_trusted(built)
     assert (mode(built), mode(built.parent), mode(home)) == (0o700, 0o700, 0o700)
     inode = built.stat().st_ino
-    assert blas.build_shim() == built and built.stat().st_ino == inode  # not rebuilt
+    assert gemv_shim.build() == built and built.stat().st_ino == inode  # not rebuilt
     assert [p.name for p in built.parent.iterdir()] == [built.name]  # no temp file left
 
 
 def test_the_check_refuses_loose_foreign_or_linked_shims(home, tmp_path, monkeypatch):
     path = plant_shim()
-    assert blas.shim_is_trusted(path)
+    assert gemv_shim.shim_is_trusted(path)
     for loose in (0o720, 0o702, 0o777):
         os.chmod(path, loose)
-        assert not blas.shim_is_trusted(path)
+        assert not gemv_shim.shim_is_trusted(path)
     os.chmod(path, 0o700)
     os.chmod(path.parent, 0o770)  # a writable directory lets others swap the file
-    assert not blas.shim_is_trusted(path)
+    assert not gemv_shim.shim_is_trusted(path)
     os.chmod(path.parent, 0o700)
     real = tmp_path / "elsewhere.so"
     path.rename(real)
     path.symlink_to(real)
-    assert not blas.shim_is_trusted(path)
+    assert not gemv_shim.shim_is_trusted(path)
     path.unlink()
     real.rename(path)
     uid = os.geteuid()
     monkeypatch.setattr(os, "geteuid", lambda: uid + 1)  # as if another user owned it all
-    assert not blas.shim_is_trusted(path)
+    assert not gemv_shim.shim_is_trusted(path)
 
 
 @needs_cc
 @pytest.mark.parametrize("file_mode", [0o770, 0o777, 0o702])
 def test_a_writable_shim_is_rebuilt_not_loaded(home, file_mode):
     path = plant_shim(file_mode=file_mode)
-    built = blas.build_shim()
+    built = gemv_shim.build()
     assert built == path and is_elf(built)  # replaced by a fresh compile
-    assert mode(built) == 0o700 and blas.shim_is_trusted(built)
+    assert mode(built) == 0o700 and gemv_shim.shim_is_trusted(built)
 
 
 @needs_cc
@@ -99,7 +99,7 @@ def test_a_writable_shim_is_rebuilt_not_loaded(home, file_mode):
 def test_a_foreign_shim_is_rebuilt(home):
     path = plant_shim()
     os.chown(path, NOBODY, NOBODY)
-    built = blas.build_shim()
+    built = gemv_shim.build()
     assert built == path and is_elf(built) and os.stat(built).st_uid == 0
 
 
@@ -108,19 +108,19 @@ def test_a_foreign_shim_is_rebuilt(home):
 def test_a_foreign_shim_directory_is_left_alone(home):
     path = plant_shim(dir_mode=0o777)
     os.chown(path.parent, NOBODY, NOBODY)
-    built = blas.build_shim()
-    try:
-        assert built is not None and built.parent != path.parent  # a one-off private build
-        assert blas.shim_is_trusted(built) and is_elf(built)
-        assert mode(path.parent) == 0o777 and path.read_bytes() == b"not a library"
-    finally:
-        shutil.rmtree(built.parent)
+    assert gemv_shim.build() is None  # only the cached shim is loaded: nowhere else to build
+    assert not gemv_shim.load("/nonexistent/libopenblas.so")
+    assert mode(path.parent) == 0o777 and path.read_bytes() == b"not a library"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
 def test_gemv_shim_off_builds_nothing(home, monkeypatch):
     monkeypatch.setenv("KVCHAT_GEMV_SHIM", "0")
-    monkeypatch.setattr(blas, "build_shim", lambda: pytest.fail("built the shim"))
-    assert blas._load_with_shim("/nonexistent/libopenblas.so") is False
+    monkeypatch.setattr(blas, "loaded_path", "/nonexistent/libopenblas.so")  # as if preloaded
+    monkeypatch.setattr(blas, "_probed", None)
+    monkeypatch.setattr(gemv_shim, "build", lambda: pytest.fail("built the shim"))
+    blas.prepare_cache()
+    assert gemv_shim.load("/nonexistent/libopenblas.so") is False
     assert not home.exists()
 
 

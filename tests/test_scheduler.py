@@ -102,7 +102,7 @@ def test_never_fits_is_rejected_at_once(default_model):
         strict.submit(list(range(100, 140)), params(40))
     # the default policy admits it with a smaller output, and says so
     h = engine.submit(list(range(100, 140)), params(40))
-    assert h.notice == "max_tokens reduced from 40 to 24 to fit"
+    assert h.notice == "max_tokens reduced from 40 to 24 to fit" and h.max_tokens == 24
     tokens, final = collect(h)
     assert len(tokens) == 24 and final.finish_reason == "length"
     assert engine.metrics().rejections == 1 and strict.metrics().rejections == 1

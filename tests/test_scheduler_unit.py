@@ -117,8 +117,11 @@ def test_preempts_the_lowest_priority_most_recent_sequence():
     assert plan.preempted[0] is b and b.state is RequestState.WAITING
     assert a.state is c.state is RequestState.RUNNING
     assert b.num_computed == 0 and b.stats.preemptions == 1
-    assert sched.blocks.num_free_blocks >= 0
     assert b.request_id not in sched.blocks.block_tables
+    # b's two blocks are the ones a and c grow into: none is lost, none left over
+    assert [r for r, _ in plan.decodes] == [a, c]
+    assert [len(sched.blocks.block_tables[r.request_id]) for r in (a, c)] == [3, 3]
+    assert sched.blocks.num_free_blocks == 0
 
 
 def test_swapped_sequences_resume_in_priority_order_before_new_ones():

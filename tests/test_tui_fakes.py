@@ -80,8 +80,9 @@ def fixed_stats(prompt_tokens: int, generated: int, released: int = 4):
 class FakeHandle:
     """What `FakeEngine.submit` returns: an iterable of events with a request id."""
 
-    def __init__(self, request_id, events, engine):
+    def __init__(self, request_id, events, engine, max_tokens):
         self.request_id, self.notice, self._events = request_id, None, events
+        self.max_tokens = max_tokens
         self._engine = engine
 
     def __iter__(self):
@@ -141,20 +142,17 @@ class FakeEngine:
     def shutdown(self):
         self.stopped = True
 
-    def check_request(self, prompt_ids, params):
+    def submit(self, prompt_ids, params=None, *, priority=Priority.INTERACTIVE, timeout_s=None,
+               tenant="local", permission_version=0, cache_ttl_s=None):
         if len(prompt_ids) > self.max_prompt_tokens:
             raise RequestTooLargeError(f"the prompt has {len(prompt_ids)} tokens; "
                                        f"the context holds {self.max_prompt_tokens}")
-        return params.max_tokens, None
-
-    def submit(self, prompt_ids, params=None, *, priority=Priority.INTERACTIVE, timeout_s=None,
-               tenant="local", permission_version=0, cache_ttl_s=None):
-        self.check_request(prompt_ids, params or SamplingParams())
         with self._lock:
             rid, self._next_id = self._next_id, self._next_id + 1
         self.submitted.append(prompt_ids)
         self.submit_kwargs.append({"priority": priority, "cache_ttl_s": cache_ttl_s})
-        return FakeHandle(rid, self._events(rid, len(prompt_ids), params), self)
+        return FakeHandle(rid, self._events(rid, len(prompt_ids), params), self,
+                          (params or SamplingParams()).max_tokens)
 
     def generate(self, prompt_ids, params=None, **kwargs):
         yield from self.submit(prompt_ids, params, **kwargs)

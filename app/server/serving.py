@@ -82,7 +82,6 @@ def submit(state: ServerState, ids: list[int], params: SamplingParams, parsed: P
     try:
         handle = engine.submit(ids, params, tenant=principal.tenant,
                                permission_version=principal.permission_version)
-        granted = engine.check_request(ids, params)[0] if handle.notice else params.max_tokens
     except RequestTooLargeError as e:
         raise errors.context_length(str(e), parsed.prompt_param) from None
     except RequestError as e:
@@ -90,7 +89,7 @@ def submit(state: ServerState, ids: list[int], params: SamplingParams, parsed: P
     except EngineStoppedError:
         raise errors.shutting_down() from None
     reply = Reply(parsed.kind, model=state.model_id, fingerprint=state.fingerprint,
-                  max_tokens=granted, notice=handle.notice)
+                  max_tokens=handle.max_tokens, notice=handle.notice)
     return handle, reply
 
 

@@ -1,8 +1,9 @@
 """Rank 0's engine: the whole scheduler, block tables and prefix index, and a part of the model.
 
 `DistributedEngine` is an `Engine` built over rank 0's part of the model (its layer slice,
-or its share of heads), so its pool holds only that part's K/V; its runner and pool are then
-wrapped (`engine.distributed.leader`) to drive the other ranks each step. Requests, cancels,
+or its share of heads), so its pool holds only that part's K/V; its runner and pool are built
+first and wrapped (`engine.distributed.leader`) to drive the other ranks each step, and the
+engine is constructed over the wrapped parts. Requests, cancels,
 timeouts and shutdown go through the unchanged engine: every release is bookkeeping on rank
 0 that the next message carries to every rank (`engine.distributed.ledger`).
 
@@ -28,6 +29,7 @@ from engine.distributed.prefix import LeaderPrefixCache
 from engine.distributed.stage import layer_split, prepare_rank
 from engine.engine import Engine
 from engine.model.loader import LoadedModel
+from engine.wiring import build_kv
 
 
 def rank_config(config: EngineConfig, *, part_layers: int, max_layers: int,
@@ -65,16 +67,19 @@ class DistributedEngine(Engine):
         config, notices = rank_config(config, part_layers=part_layers,
                                       max_layers=part_layers if part.mode == "tensor"
                                       else max(sizes))
-        super().__init__(stage, config)
-        self.notices += notices
-        self.parallel, self.part = parallel, part
+        # rank 0's own parts, wrapped before the scheduler and executor take them
+        parts = build_kv(stage, config)
         link = Link(group, Watchdog(parallel.timeout_s, rank=0))
-        self.leader = Leader(link, self.blocks, part, self.kv)
+        self.leader = leader = Leader(link, parts.blocks, part, parts.kv)
         runner_cls = TensorRunner if part.mode == "tensor" else PipelineRunner
-        self.runner = self.executor.runner = runner_cls(self.runner, part, self.leader)
-        if self.prefix.store is not None:  # every rank keeps its part of each disk block
-            self.prefix = self.scheduler.prefix = LeaderPrefixCache(self.prefix, self.leader)
-        self.kv = self.executor.kv = MirroredKV(self.kv, self.leader)
+        prefix = parts.prefix
+        if prefix.store is not None:  # every rank keeps its part of each disk block
+            prefix = LeaderPrefixCache(prefix, leader)
+        parts = dataclasses.replace(parts, runner=runner_cls(parts.runner, part, leader),
+                                    kv=MirroredKV(parts.kv, leader), prefix=prefix,
+                                    notices=parts.notices + notices)
+        super().__init__(stage, config, parts=parts)
+        self.parallel, self.part = parallel, part
         self.final_reports: list[RankReport] | None = None
         hello = handshake.Hello(part.mode, group.size(), self.kv.num_blocks, self.layout,
                                 self.runner.use_kernels, full_fingerprint,

@@ -158,9 +158,12 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     from mlx_lm.utils import load_model as mlx_load_model
     from mlx_lm.utils import load_tokenizer
 
+    from engine.model import blas
+
     if weights not in ("auto", "float32", "shipped"):
         raise ValueError(f"weights must be auto, float32 or shipped, not {weights!r}")
     path = resolve_model_path(spec)
+    blas.prepare_cache()  # the GEMV shim compiled here, for the processes after this one
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
