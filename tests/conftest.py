@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # Keep tests off the user's cache; set before engine computes any path.
 os.environ.setdefault("KVCHAT_HOME", tempfile.mkdtemp(prefix="kvchat-test-home-"))
+# A model's first load builds the GEMV shim for the processes after it (`import engine`
+# compiles nothing): build it in a child first, so this session runs as a second run does.
+subprocess.run([sys.executable, "-c", "from engine.model import blas; blas.prepare_cache()"],
+               check=False, timeout=300)
 
 import engine  # noqa: E402,F401  (preloads OpenBLAS before mlx.core)
 
