@@ -71,16 +71,15 @@ def paged_attention(
     """Paged attention on the path `routes.ROUTES` picks for this backend (the contract is
     `engine.model.attention`'s docstring); the reference where kernels are off
     (``use_kernels=False``, ``KVCHAT_KERNELS=0``, an earlier failure) or decline."""
-    call = PagedCall(queries, k_pool, v_pool, block_tables,
-                     tuple(int(n) for n in context_lens), AttentionSpec.of(scale), block_run)
-    if use_kernels and backend.kernels_enabled() and not GUARD.switch.tripped:
+    call = PagedCall(queries, k_pool, v_pool, block_tables, tuple(map(int, context_lens)),
+                     AttentionSpec.of(scale), block_run)
+    if use_kernels and not GUARD.switch.tripped and backend.kernels_enabled():
         where = backend.kernel_backend() or "cpu"  # MLX's CPU backend: the extension's rows
         name = routes.route(call, where).path
         path = KERNEL_PATHS.get(name)
         if path is not None and path.ready(call):
-            out = GUARD.run(f"{name} attention on {where}", path.variant(call),
-                            lambda: path.launch(*call.args()), lambda: _reference(call),
-                            (k_pool, v_pool))
+            out = GUARD.run(f"{name} attention on {where}", path.variant(call), path.launch,
+                            call.args(), lambda: _reference(call), (k_pool, v_pool))
             if out is not None:
                 return out
     return _reference(call)

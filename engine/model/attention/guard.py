@@ -53,13 +53,14 @@ class LaunchGuard:
     def is_validated(self, key: tuple) -> bool:
         return key in self._validated
 
-    def run(self, name: str, key: tuple, launch: Callable[[], mx.array],
+    def run(self, name: str, key: tuple, launch: Callable[..., mx.array], args: tuple,
             reference: Callable[[], mx.array], pools=()) -> mx.array | None:
-        """``launch()``'s output, or None ("use the reference") once anything failed."""
+        """``launch(*args)``, or None ("use the reference") once anything failed; ``name``
+        says which kernel in the message."""
         if self.switch.tripped:
             return None
         try:
-            out = launch()
+            out = launch(*args)
             if key not in self._validated:
                 check_first_launch(out, reference(), pools)
                 with self._lock:

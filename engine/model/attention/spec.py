@@ -43,7 +43,7 @@ class AttentionSpec:
         return scale if isinstance(scale, AttentionSpec) else cls(float(scale))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per layer per step, and frozen init costs more
 class PagedCall:
     """One attention call: B sequences with L new queries each, over their blocks.
 
@@ -92,8 +92,8 @@ class PagedCall:
 
     def args(self) -> tuple:
         """The positional arguments every kernel entry point takes."""
-        return (self.queries, self.k_pool, self.v_pool, self.block_tables,
-                list(self.context_lens), self.spec.scale)
+        return (self.queries, self.k_pool, self.v_pool, self.block_tables, self.context_lens,
+                self.spec.scale)
 
 
 def contiguous_run(block_table: Sequence[int]) -> int | None:
