@@ -214,3 +214,39 @@ def test_window_mask_is_mlx_lms(n, L, window):
 def test_a_window_must_be_positive():
     with pytest.raises(ValueError, match="window"):
         AttentionSpec(0.1, window=0)
+
+
+class HalfRows:
+    """A stand-in for a new stored KV format: float16 rows behind `PoolFormat`'s gather/run."""
+
+    def __init__(self, pool: mx.array):
+        self.rows = pool.astype(mx.float16)
+
+    @property
+    def shape(self):
+        return self.rows.shape
+
+    def gather(self, table):
+        return self.rows[:, table]
+
+    def run(self, start, stop):
+        H, _, _, D = self.rows.shape
+        return self.rows.reshape(H, -1, D)[:, start:stop]
+
+
+@pytest.mark.parametrize(("lens", "L", "block_run"), [([17, 3, 33], 1, None), ([40], 7, None),
+                                                      ([11], 1, 0), ([11], 5, 0)])
+def test_a_new_pool_format_needs_no_change_to_the_dispatcher(lens, L, block_run):
+    """Kernels decline a format they do not know; the reference reads it through
+    gather/run, so decode, prefill and the view path all work on it at once."""
+    bs = 4
+    num_blocks = sum(-(-n // bs) for n in lens) + 3
+    q, kp, vp, tables = make_case(lens, L, 4, 2, 16, bs, num_blocks, seed=L)
+    if block_run is not None:
+        tables = np.arange(block_run, block_run + tables.shape[1], dtype=np.int32)[None]
+    k, v = mx.array(kp), mx.array(vp)
+    args = (mx.array(tables), lens, 0.25)
+    out = paged_attention(mx.array(q), HalfRows(k), HalfRows(v), *args, block_run=block_run)
+    expected = paged_attention_ref(mx.array(q), k.astype(mx.float16), v.astype(mx.float16),
+                                   *args, block_run=block_run)
+    np.testing.assert_array_equal(np.array(out), np.array(expected))

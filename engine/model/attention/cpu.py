@@ -86,7 +86,8 @@ def supports(queries: mx.array, k_pool: Pool, v_pool: Pool) -> bool:
             q = pool.quant
             return (q.bits in QUANT_BITS and q.group_size % 32 == 0 and D % q.group_size == 0
                     and pool.scales.dtype in FLOAT_DTYPES and pool.head_dim == D)
-        return pool.dtype in FLOAT_DTYPES and pool.shape[3] == D
+        # float rows; any other stored format is not the extension's
+        return isinstance(pool, mx.array) and pool.dtype in FLOAT_DTYPES and pool.shape[3] == D
 
     return (D % 16 == 0 and Hq % Hkv == 0 and queries.dtype in FLOAT_DTYPES
             and side_ok(k_pool) and side_ok(v_pool) and k_pool.shape[:3] == v_pool.shape[:3])

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.model.attention.spec import AttentionSpec, Pool
 
 
@@ -23,7 +22,7 @@ def gather_blocks(pool: Pool, block_tables: mx.array) -> mx.array:
     """
     B, nb = block_tables.shape
     H, _, bs, D = pool.shape
-    take = pool.gather if isinstance(pool, QuantizedBlocks) else (lambda t: pool[:, t])
+    take = (lambda t: pool[:, t]) if isinstance(pool, mx.array) else pool.gather
     if B == 1:
         return take(block_tables[0]).reshape(1, H, nb * bs, D)
     return take(block_tables).reshape(H, B, nb * bs, D).transpose(1, 0, 2, 3)
@@ -31,7 +30,7 @@ def gather_blocks(pool: Pool, block_tables: mx.array) -> mx.array:
 
 def _run_rows(pool: Pool, start: int, stop: int) -> mx.array:
     """(1, H, stop - start, D): a contiguous run of token rows, a view when not quantized."""
-    if isinstance(pool, QuantizedBlocks):
+    if not isinstance(pool, mx.array):  # a stored format (`spec.PoolFormat`)
         return pool.run(start, stop)[None]
     H, _, _, D = pool.shape
     return pool.reshape(H, -1, D)[None, :, start:stop]

@@ -4,13 +4,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 
 from engine.kvcache.kv_cache import QuantizedBlocks
 
-Pool = mx.array | QuantizedBlocks
-"""One side (K or V) of a layer's pool viewed (kv_heads, num_blocks, block_size, head_dim)."""
+
+class PoolFormat(Protocol):
+    """A stored KV format (`QuantizedBlocks` is one): what the reference needs to read it.
+    A new format implements this and works at once on the reference; each kernel's
+    `supports` declines it until that kernel learns the format."""
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]: ...  # (kv_heads, blocks, block_size, D)
+
+    def gather(self, block_table: mx.array) -> mx.array:
+        """The rows of blocks ``block_table`` (any index shape), as floats."""
+
+    def run(self, start: int, stop: int) -> mx.array:
+        """Token rows ``start:stop`` of a contiguous run, (kv_heads, n, head_dim)."""
+
+
+Pool = mx.array | QuantizedBlocks | PoolFormat
+"""One side (K or V) of a layer's pool viewed (kv_heads, num_blocks, block_size, head_dim):
+float rows, or a stored format."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +97,7 @@ class PagedCall:
 
     @property
     def plain_pools(self) -> bool:
-        return not any(isinstance(p, QuantizedBlocks) for p in (self.k_pool, self.v_pool))
+        return isinstance(self.k_pool, mx.array) and isinstance(self.v_pool, mx.array)
 
     @property
     def pools_in_query_dtype(self) -> bool:

@@ -61,7 +61,7 @@ def _side_supported(pool: Pool, head_dim: int) -> bool:
             and pool.scales.dtype in SUPPORTED_DTYPES
             and pool.biases.dtype == pool.scales.dtype
         )
-    return pool.dtype in SUPPORTED_DTYPES
+    return isinstance(pool, mx.array) and pool.dtype in SUPPORTED_DTYPES
 
 
 def supports(queries: mx.array, k_pool: Pool, v_pool: Pool | None = None) -> bool:
