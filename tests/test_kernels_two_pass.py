@@ -25,10 +25,11 @@ from kernel_harness.two_pass import (
 
 from engine.model.attention.gpu import abi
 from engine.model.attention.gpu import two_pass as gpu_two_pass
+from engine.model.attention.routes import TWO_PASS_MIN_TOKENS
 from metal_kernels import kernel_header
 
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
-LONG = 4096  # cases past this many tokens run behind the `slow` marker (~12 s at 32k)
+LONG = 4096  # cases past this many tokens run behind the `slow` marker (none now)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +120,10 @@ def test_two_pass_cases_cover_the_matrix():
     assert {c.dtype for c in cases} == {"float16", "bfloat16", "float32"}
     assert {c.num_q_heads // c.num_kv_heads for c in cases} >= set(range(1, 9))
     assert any(c.heads_per_group < c.num_q_heads // c.num_kv_heads for c in cases)
-    assert any(max(c.context_lens) >= 32768 for c in cases)
+    # A context the engine routes to two-pass, with its partition size and simdgroups.
+    assert any(max(c.context_lens) >= TWO_PASS_MIN_TOKENS
+               and c.partition_tokens == gpu_two_pass.PARTITION_TOKENS
+               and c.num_simdgroups == abi.NUM_SIMDGROUPS for c in cases)
     lens = [(n, c) for c in cases for n in c.context_lens]
     assert any(n % c.block_size for n, c in lens)  # partial last block
     assert any(n % c.partition_tokens for n, c in lens)  # partial last partition

@@ -14,6 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.model.attention.gpu import abi, two_pass
+from engine.model.attention.routes import TWO_PASS_MIN_TOKENS
 from metal_kernels import kernel_header, read_source
 
 from . import emulator
@@ -133,7 +134,8 @@ def emulate(
 # >= 20 configurations: GQA 1:1 to 8:1 (and 16:2 split into two head groups
 # of 4), partial last blocks and partitions, partitions not a multiple of the
 # block size, ragged batches whose short sequences end before the last
-# partition, a single token, all dtypes, quantized sides, and 32k tokens.
+# partition, a single token, all dtypes, quantized sides, and a long context
+# launched as the engine launches it.
 TWO_PASS_CASES = [
     TwoPassCase("float16", 64, 16, 4, 4, (37, 5, 16), partition_tokens=16),
     TwoPassCase("float16", 64, 8, 6, 3, (1, 23), partition_tokens=8),
@@ -159,8 +161,13 @@ TWO_PASS_CASES = [
                 partition_tokens=16),
     TwoPassCase("float32", 128, 16, 8, 1, (50,), kv_dtype="float16", k_quant=(8, 64),
                 partition_tokens=32),
-    # 32k tokens: 64 partitions of 512, as the engine launches long contexts.
-    TwoPassCase("float16", 32, 16, 2, 1, (32768,), partition_tokens=512, num_simdgroups=8),
+    # As the engine launches long contexts: its partition size (512) and simdgroup
+    # count (8), at the shortest context it routes to the two-pass kernels (4096
+    # tokens: 8 partitions). Pass 1 runs the same threadgroup per partition and
+    # pass 2 loops over ceil(len / PS) partitions with no tiling, so 32k tokens
+    # (64 partitions; on a real GPU in test_kernels_metal.py) take no other path.
+    TwoPassCase("float16", 32, 16, 2, 1, (TWO_PASS_MIN_TOKENS,),
+                partition_tokens=two_pass.PARTITION_TOKENS, num_simdgroups=abi.NUM_SIMDGROUPS),
 ]
 
 TWO_PASS_SANITIZER_CASES = [
