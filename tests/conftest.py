@@ -135,3 +135,61 @@ def tiny_model(tmp_path_factory, default_model):
 
     return load_model(str(build_tiny_model(tmp_path_factory.mktemp("tiny"), default_model,
                                            "qwen3")))
+
+
+@pytest.fixture
+def session_models(request, monkeypatch):
+    """`engine.load_model` of the default model gives this session's loaded one (float32:
+    `default_model`; auto: `default_model_ext` where the extension builds), so an in-process
+    CLI run (`app.cli.main([...])`) skips the load; any other model loads as usual."""
+    from engine.model.cpu_ext import build
+
+    real, loading = engine.load_model, []
+
+    def load(spec=None, *, weights="auto", **kwargs):
+        name = {"float32": "default_model",
+                "auto": "default_model_ext" if build.available() else None}.get(weights)
+        if spec in (None, "default") and not kwargs and name and not loading:
+            loading.append(name)  # the fixture's own load_model() is the real one
+            try:
+                return request.getfixturevalue(name)
+            finally:
+                loading.pop()
+        return real(spec, weights=weights, **kwargs)
+
+    monkeypatch.setattr(engine, "load_model", load)
+
+
+@pytest.fixture
+def kvchat_cli(session_models, capfd, monkeypatch):
+    """`kvchat ARGS` in this process (`app.cli.main`, models from `session_models`):
+    ``run(*args, stdin="")`` returns (exit status, stdout, stderr). stderr holds the file
+    descriptor's output and, as a real process would print them there, the warnings shown
+    under Python's default filters and log records of WARNING and above."""
+    import io
+    import logging
+    import warnings
+
+    from app.cli import main
+
+    def run(*args: str, stdin: str = "") -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        capfd.readouterr()
+        logs = io.StringIO()
+        handler = logging.StreamHandler(logs)
+        handler.setLevel(logging.WARNING)
+        logging.getLogger().addHandler(handler)
+        try:
+            with warnings.catch_warnings(record=True) as shown:
+                warnings.simplefilter("default")
+                for quiet in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                              ResourceWarning):
+                    warnings.simplefilter("ignore", quiet)
+                code = main(list(args))
+        finally:
+            logging.getLogger().removeHandler(handler)
+        out, err = capfd.readouterr()
+        err += "".join(f"{w.category.__name__}: {w.message}\n" for w in shown) + logs.getvalue()
+        return code, out, err
+
+    return run
