@@ -5,7 +5,8 @@ tracing), is compiled with `msl_shim.h`, and runs one OS thread per lane.
 CUDA: `cuda_generated_source` rebuilds the text `mx.fast.cuda_kernel` would
 compile (mlx/backend/cuda/custom_kernel.cpp, build_kernel) and compiles it
 against `cuda_include/` stand-ins. Several kernels share one binary; the
-driver (shim_runtime.h) picks one by name from the input file.
+driver (shim_driver.cpp, compiled once per sanitizer and linked into each
+binary) picks one by name from the input file.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import numpy as np
 
 HARNESS_DIR = Path(__file__).resolve().parent
 CXX = os.environ.get("CXX", "g++")
-CXXFLAGS = ["-std=c++20", "-O1", "-g", "-Wno-attributes", "-pthread"]
+# -g1: line tables (sanitizer reports and backtraces keep file:line and function
+# names) without full type debug info, which cost ~25% of every kernel build.
+CXXFLAGS = ["-std=c++20", "-O1", "-g1", "-Wno-attributes", "-pthread"]
 SANITIZER_FLAGS = {
     None: [],
     "address": ["-fsanitize=address", "-fno-omit-frame-pointer"],
@@ -218,6 +221,9 @@ def _cuda_glue(src: KernelSource, index: int) -> str:
 
 _build_lock = threading.Lock()
 _builds: dict[str, Path] = {}
+_drivers: dict[str, Path] = {}
+_driver_locks: dict[str, threading.Lock] = {}
+DRIVER_SOURCE = HARNESS_DIR / "shim_driver.cpp"
 
 
 def translation_unit(sources: list[KernelSource]) -> str:
@@ -245,7 +251,11 @@ def build(
     sanitizer: str | None = None,
     tg_mode: str = "checked",
 ) -> Path:
-    """Compile (cached by content) a driver binary containing `sources`."""
+    """Compile (cached by content) a driver binary containing `sources`.
+
+    The kernels' translation unit is linked with the shim's driver object
+    (`shim_driver.cpp`), which is compiled once per sanitizer and reused.
+    """
     text = translation_unit(sources)
     flags = CXXFLAGS + SANITIZER_FLAGS[sanitizer] + TG_MODES[tg_mode]
     key = hashlib.sha1((text + " ".join(flags) + _shim_digest()).encode()).hexdigest()[:16]
@@ -254,23 +264,48 @@ def build(
         if cached is not None and cached.exists():
             return cached
     out_dir.mkdir(parents=True, exist_ok=True)
+    driver = _driver_object(sanitizer, out_dir)
     cpp = out_dir / f"kernels_{key}.cpp"
     binary = out_dir / f"kernels_{key}_{sanitizer or 'plain'}_{tg_mode}"
     cpp.write_text(text)
-    cmd = [CXX, *flags, "-I", str(HARNESS_DIR), "-I", str(HARNESS_DIR / "cuda_include")]
-    proc = subprocess.run(
-        [*cmd, str(cpp), "-o", str(binary)], capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"C++ build failed ({cpp}):\n{proc.stderr[-6000:]}")
+    _compile([*flags, *_includes(), str(cpp), str(driver), "-o", str(binary)], cpp)
     with _build_lock:
         _builds[key] = binary
     return binary
 
 
+def _driver_object(sanitizer: str | None, out_dir: Path) -> Path:
+    """shim_driver.cpp compiled with this sanitizer's flags (once per session and flags)."""
+    flags = CXXFLAGS + SANITIZER_FLAGS[sanitizer]
+    key = hashlib.sha1((" ".join(flags) + _shim_digest()).encode()).hexdigest()[:16]
+    with _build_lock:
+        lock = _driver_locks.setdefault(key, threading.Lock())
+    with lock:  # concurrent builds with the same flags wait for one compile
+        cached = _drivers.get(key)
+        if cached is not None and cached.exists():
+            return cached
+        out_dir.mkdir(parents=True, exist_ok=True)
+        obj = out_dir / f"shim_driver_{key}_{sanitizer or 'plain'}.o"
+        _compile([*flags, *_includes(), "-c", str(DRIVER_SOURCE), "-o", str(obj)], DRIVER_SOURCE)
+        _drivers[key] = obj
+        return obj
+
+
+def _includes() -> list[str]:
+    return ["-I", str(HARNESS_DIR), "-I", str(HARNESS_DIR / "cuda_include")]
+
+
+def _compile(args: list[str], source: Path) -> None:
+    proc = subprocess.run([CXX, *args], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"C++ build failed ({source}):\n{proc.stderr[-6000:]}")
+
+
 def _shim_digest() -> str:
     files = sorted(HARNESS_DIR.rglob("*.h")) + sorted(HARNESS_DIR.rglob("*.cuh"))
-    return hashlib.sha1(b"".join(f.read_bytes() for f in files)).hexdigest()
+    return hashlib.sha1(
+        b"".join(f.read_bytes() for f in [*files, DRIVER_SOURCE])
+    ).hexdigest()
 
 
 def _bytes(arr: mx.array) -> bytes:
