@@ -33,6 +33,7 @@ def test_coretype_only_replaces_a_generic_core(corename, flags, expected):
     assert blas.coretype_for(corename, flags) == expected
 
 
+@pytest.mark.subprocess
 def test_preloaded_openblas_runs_a_core_that_matches_the_cpu():
     # a fresh interpreter: the choice is made once, before the library loads
     code = ("import ctypes; from engine.model import blas; blas.preload(); "
@@ -71,6 +72,7 @@ def _python(code: str, home: Path, bindir: Path | None = None) -> str:
                           text=True, timeout=120, check=True).stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.subprocess
 def test_import_engine_compiles_nothing(tmp_path):
     home, marker = tmp_path / "home", tmp_path / "compiled"
     _fake_compilers(tmp_path / "bin", marker)
@@ -82,6 +84,7 @@ def test_import_engine_compiles_nothing(tmp_path):
 
 
 @needs_cc
+@pytest.mark.subprocess
 def test_a_model_load_leaves_the_shim_for_the_next_process(tmp_path):
     home, marker = tmp_path / "home", tmp_path / "compiled"
     first = _python("import engine; from engine.model import blas; blas.prepare_cache(); "

@@ -142,6 +142,7 @@ for i in range(1000):
 CHILD_SALT = CacheSalt("m", "t", "raw", "rope", "float32", 4)
 
 
+@pytest.mark.subprocess
 def test_sigkill_mid_write_never_serves_a_torn_entry(tmp_path):
     root = tmp_path / "crash"
     rng = random.Random(0)

@@ -19,6 +19,8 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 from test_server_process import ServerProcess, write_keys
 
+pytestmark = pytest.mark.subprocess  # the server is a real `kvchat serve` process
+
 ALICE, BOB, CAROL = "alice-key-0001", "bob-key-000002", "carol-key-0003"
 KEYS = {ALICE: {"tenant": "alice"}, BOB: {"tenant": "bob"},
         CAROL: {"tenant": "carol", "permission_version": 0}}

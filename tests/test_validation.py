@@ -82,6 +82,7 @@ def test_bad_scope(tenant, pv, timeout, field):
         check_scope(tenant, pv, timeout)
 
 
+@pytest.mark.subprocess
 def test_out_of_vocabulary_ids_do_not_crash_the_process(tiny_model):
     # the reproduction segfaulted (exit 139): run it where a crash cannot take pytest down
     code = (
