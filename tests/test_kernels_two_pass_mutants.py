@@ -75,7 +75,12 @@ def work_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mutants(work_dir):
-    """name -> (binary, sources, case); each mutant in a binary of its own."""
+    """name -> (binary, sources, case).
+
+    The plain checked-mode mutants edit only the bodies and have distinct kernel
+    names, so they share one binary (the driver runs one kernel by name); each
+    sanitizer, TG mode or backend gets a binary of its own.
+    """
     jobs = {}
     for i, (name, (split, reduce, san, mode)) in enumerate(MUTANTS.items()):
         case = TSAN_CASE if name == "no_next_head_barrier" else CASE
@@ -85,14 +90,18 @@ def mutants(work_dir):
     cuda = sources(CASE, make_inputs(CASE), "cuda", reduce_body=MUTANTS["merge_unscaled"][1],
                    names=("mut_split_cu", "mut_reduce_cu"))
     jobs["cuda_merge_unscaled"] = (cuda, CASE, None, "checked")
+    groups: dict[tuple, list[str]] = {}
+    for name, (srcs, _, san, mode) in jobs.items():
+        groups.setdefault((srcs.split.backend, san, mode), []).append(name)
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {
-            name: pool.submit(emulator.build, [srcs.split, srcs.reduce], work_dir,
-                              sanitizer=san, tg_mode=mode)
-            for name, (srcs, _, san, mode) in jobs.items()
+            key: pool.submit(emulator.build,
+                             [s for n in names for s in (jobs[n][0].split, jobs[n][0].reduce)],
+                             work_dir, sanitizer=key[1], tg_mode=key[2])
+            for key, names in groups.items()
         }
-        return {name: (futures[name].result(), srcs, case)
-                for name, (srcs, case, _, _) in jobs.items()}
+        binaries = {n: futures[key].result() for key, names in groups.items() for n in names}
+    return {name: (binaries[name], srcs, case) for name, (srcs, case, _, _) in jobs.items()}
 
 
 def _run(mutants, work_dir, name, **options):
