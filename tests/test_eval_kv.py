@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from app.eval import docs, kv, probes
-from app.eval.measure import QUICK
+from app.eval import docs, kv, measure, probes
+from app.eval.measure import QUICK, Plan
 
 
 def words(text: str) -> int:
@@ -222,12 +222,31 @@ def test_scores_through_the_pool_match_the_runner_and_ignore_chunking(small_engi
     assert mx.allclose(rows[0], rows[1], atol=1e-4).item()
 
 
+# `--quick` on a plan smaller still: the pipeline end to end (CLI, engines per phase,
+# summary, table, plot, JSON), not figures worth reading. QUICK itself is checked above.
+TINY = Plan(ppl_docs=1, ppl_tokens=192, agreement_prompts=2, agreement_tokens=8,
+            needle=((256, 1, 2),), json_prompts=2, json_tokens=16, speed_contexts=(64,),
+            speed_tokens=4)
+
+
+def test_quick_plan_is_small_and_fits_the_default_context():
+    assert QUICK.fit(8192) == QUICK and QUICK.num_needle_probes == 4
+    assert (QUICK.ppl_docs, QUICK.ppl_tokens, QUICK.agreement_prompts, QUICK.json_prompts) == (
+        1, 1024, 4, 3)
+    assert TINY.fit(8192) == TINY
+
+
 @pytest.mark.slow
-def test_quick_run_end_to_end(quick_model, tmp_path):
+def test_quick_run_end_to_end(session_models, monkeypatch, tmp_path, capsys):
+    from app.cli import main
+
+    monkeypatch.setattr(kv, "QUICK", TINY)
+    monkeypatch.setattr(measure, "NEEDLE_MAX_TOKENS", 8)  # answers compared, recall not read
     # f32 twice: the second run is a fresh engine, so "ratio 1.0 and 100 % agreement"
     # is a real determinism check, not the reference compared with its own numbers
-    result = kv.evaluate(["f32", "f16", "f32"], plan=QUICK, loaded=quick_model)
-    table = kv.write_outputs(result, tmp_path / "out", tmp_path / "kv.json")
+    assert main(["eval", "kv", "--quick", "--formats", "f32,f16,f32", "--out",
+                 str(tmp_path / "out"), "--json", str(tmp_path / "kv.json")]) == 0
+    table = capsys.readouterr().out
     saved = json.loads((tmp_path / "kv.json").read_text())
     assert saved["reference"] == "f32" and saved["quick"] is True
     assert [f["label"] for f in saved["formats"]] == ["f32", "f16", "f32#2"]
@@ -249,18 +268,18 @@ def test_quick_run_end_to_end(quick_model, tmp_path):
     assert abs(f16["perplexity"]["ratio"] - 1) < 0.01  # f16 K/V barely moves perplexity
     assert 0 <= f16["agreement"]["mean"] <= 1
     plan = saved["plan"]
-    assert plan["ppl_tokens"] == 1024 and plan["needle_probes"] == 4
-    assert plan["agreement_prompts"] == 4 and plan["json_prompts"] == 3
+    assert plan["ppl_tokens"] == 192 and plan["needle_probes"] == 2
+    assert plan["agreement_prompts"] == 2 and plan["json_prompts"] == 2
     for f in saved["formats"]:
-        assert f["perplexity"]["tokens"] == 1023 and 1 < f["perplexity"]["value"] < 100
-        assert f["needle"]["by_context"]["1024"]["probes"] == 4
-        assert len(f["needle"]["rows"]) == 4 and len(f["json"]["answers"]) == 3
+        assert f["perplexity"]["tokens"] == 191 and 1 < f["perplexity"]["value"] < 100
+        assert f["needle"]["by_context"]["256"]["probes"] == 2
+        assert len(f["needle"]["rows"]) == 2 and len(f["json"]["answers"]) == 2
         assert 0 <= f["json"]["valid"] <= 1
-        speed = f["speed"]["512"]
+        speed = f["speed"]["64"]
         assert speed["decode_tps"] > 0 and speed["prefill_tps"] > 0
-        assert speed["decoded_tokens"] == QUICK.speed_tokens
+        assert speed["decoded_tokens"] == TINY.speed_tokens
     assert table.count("\n|") >= 14
     for needle in ("| KV bytes / token | 46,080 | 23,040 (0.50x) | 46,080 (1.00x) |",
                    "| max 4k-token sequences in 1 GiB | 5 | 11 | 5 |",
-                   "needle recall @1k (4 probes)", "decode tok/s @512", "valid JSON (3 prompts)"):
+                   "needle recall @256 (2 probes)", "decode tok/s @64", "valid JSON (2 prompts)"):
         assert needle in table
