@@ -1,4 +1,9 @@
-"""`kvchat cache ...` and the cache flags of `kvchat generate`, as real processes on real files."""
+"""`kvchat cache ...` and the cache flags of `kvchat generate` on real files.
+
+The commands run in this process (`app.cli.main`, the session's model, a fresh engine per
+command); the restore in a new process is `kvchat cache verify`'s own child process here,
+and `kvchat ask`'s restart in test_ask.py.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,6 @@ import dataclasses
 import json
 import os
 import stat
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,30 +20,42 @@ import pytest
 DOC = ("The block-paged KV cache keeps keys and values in fixed-size blocks. " * 30)
 
 
-def kvchat(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ))
+@pytest.fixture
+def kvchat(kvchat_cli):
+    """`kvchat ARGS` in this process, on the session's model: (exit status, stdout, stderr).
+    Each command builds its own engine, so RAM holds nothing of an earlier command: what a
+    warm command is served from beyond its own prompt is the disk store."""
+    return kvchat_cli
 
 
-def generate(cache_dir, *extra) -> dict:
-    proc = kvchat("generate", "--prompt", DOC + "\nSummarize.", "--json", "--max-tokens", "8",
-                  "--cache-dir", str(cache_dir), *extra)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+@pytest.fixture
+def generate(kvchat):
+    def run(cache_dir, *extra) -> dict:
+        code, out, err = kvchat("generate", "--prompt", DOC + "\nSummarize.", "--json",
+                                "--max-tokens", "8", "--cache-dir", str(cache_dir), *extra)
+        assert code == 0, err
+        return json.loads(out)
+
+    return run
 
 
-def stats(cache_dir) -> dict:
-    proc = kvchat("cache", "stats", "--json", "--cache-dir", str(cache_dir))
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+@pytest.fixture
+def stats(kvchat):
+    def run(cache_dir) -> dict:
+        code, out, err = kvchat("cache", "stats", "--json", "--cache-dir", str(cache_dir))
+        assert code == 0, err
+        return json.loads(out)
+
+    return run
 
 
 @pytest.mark.slow
-def test_generate_restores_from_disk_in_a_new_process_and_purge_by_tenant(tmp_path):
+def test_generate_restores_from_disk_in_a_new_engine_and_purge_by_tenant(tmp_path, kvchat,
+                                                                         generate, stats):
     d = tmp_path / "prefix"
     cold = generate(d, "--tenant", "alice")
     assert cold["cache_source"] == "none" and cold["cached_tokens"] == 0
-    warm = generate(d, "--tenant", "alice")  # a new process: only the disk can serve it
+    warm = generate(d, "--tenant", "alice")  # a new engine: only the disk can serve it
     assert warm["cache_source"] == "disk" and warm["cached_tokens"] > 300
     assert warm["tokens"] == cold["tokens"]
     other = generate(d, "--tenant", "bob")  # same text, another tenant: nothing shared
@@ -55,40 +70,43 @@ def test_generate_restores_from_disk_in_a_new_process_and_purge_by_tenant(tmp_pa
             assert stat.S_IMODE(os.stat(os.path.join(root, name)).st_mode) == 0o700
         for name in files:
             assert stat.S_IMODE(os.stat(os.path.join(root, name)).st_mode) == 0o600
-    ls = kvchat("cache", "ls", "--json", "--cache-dir", str(d))
-    rows = json.loads(ls.stdout)["entries"]
+    _, out, _ = kvchat("cache", "ls", "--json", "--cache-dir", str(d))
+    rows = json.loads(out)["entries"]
     assert len(rows) == st["entries"] and {r["tenant"] for r in rows} == {"alice", "bob"}
-    purge = kvchat("cache", "purge", "--tenant", "alice", "--cache-dir", str(d))
-    assert purge.returncode == 0 and f"removed {st['tenants']['alice']} entries" in purge.stdout
+    code, out, _ = kvchat("cache", "purge", "--tenant", "alice", "--cache-dir", str(d))
+    assert code == 0 and f"removed {st['tenants']['alice']} entries" in out
     assert stats(d)["tenants"] == {"bob": st["tenants"]["bob"]}
     again = generate(d, "--tenant", "alice")
     assert again["cache_source"] == "none"
     # a permission bump: the old scope is unreachable
     bumped = generate(d, "--tenant", "bob", "--permission-version", "1")
     assert bumped["cache_source"] == "none"
-    assert kvchat("cache", "purge", "--all", "--cache-dir", str(d)).returncode == 0
+    assert kvchat("cache", "purge", "--all", "--cache-dir", str(d))[0] == 0
     assert stats(d)["entries"] == 0
 
 
-def test_no_disk_cache_writes_nothing(tmp_path):
+def test_no_disk_cache_writes_nothing(tmp_path, generate):
     d = tmp_path / "prefix"
     out = generate(d, "--no-disk-cache")
     assert out["cache_source"] == "none"
     assert not d.exists() or not any(f for _, _, f in os.walk(d) if f)
 
 
-def test_purge_without_a_filter_is_a_clear_error(tmp_path):
-    proc = kvchat("cache", "purge", "--cache-dir", str(tmp_path))
-    assert proc.returncode == 2 and "purge needs" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_purge_without_a_filter_is_a_clear_error(tmp_path, kvchat):
+    code, _, err = kvchat("cache", "purge", "--cache-dir", str(tmp_path))
+    assert code == 2 and "purge needs" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow
-def test_cache_verify_cold_warm_ram_warm_disk(tmp_path):
-    proc = kvchat("cache", "verify", "--cache-dir", str(tmp_path / "v"), "--max-tokens", "12")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "OK: identical greedy tokens" in proc.stdout
-    assert "warm (disk, new process)" in proc.stdout
+@pytest.mark.subprocess
+def test_cache_verify_cold_warm_ram_warm_disk(tmp_path, kvchat):
+    # cold and warm (RAM) here, then kvchat's own fresh process restores from disk
+    code, out, err = kvchat("cache", "verify", "--cache-dir", str(tmp_path / "v"),
+                            "--max-tokens", "12")
+    assert code == 0, out + err
+    assert "OK: identical greedy tokens" in out
+    assert "warm (disk, new process)" in out
 
 
 # ---- the store's commands, in-process on stores filled by the test (no model) ---------------
