@@ -1,4 +1,9 @@
-"""`kvchat generate` / `estimate` as a user runs them: real process, real model."""
+"""`kvchat generate` / `estimate` as a user runs them, on the real model.
+
+The commands run in this process (`app.cli.main`, the session's model, stderr as a real
+process would show it: see conftest's `kvchat_cli`); one error runs in a real process, to
+prove the contract (exit status 2, one line, no traceback) holds from a cold interpreter.
+"""
 
 from __future__ import annotations
 
@@ -13,25 +18,31 @@ import pytest
 ENV = dict(os.environ)
 
 
-def kvchat(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def kvchat_process(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True,
                           timeout=timeout, env=ENV)
 
 
-def assert_one_line_error(proc, needle: str):
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvchat: error:"), proc.stderr
+@pytest.fixture
+def kvchat(kvchat_cli):
+    """`kvchat ARGS` in this process: (exit status, stdout, stderr)."""
+    return kvchat_cli
+
+
+def assert_one_line_error(code: int, err: str, needle: str):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvchat: error:"), err
     assert needle in lines[0]
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in err
 
 
-def test_generate_json_fields():
-    proc = kvchat("generate", "--prompt", "What is the capital of France?", "--json",
-                  "--max-tokens", "100000")  # more than fits: granted fewer, with a note
-    assert proc.returncode == 0, proc.stderr
-    assert "kvchat: note: max_tokens reduced from 100000 to " in proc.stderr
-    out = json.loads(proc.stdout)
+def test_generate_json_fields(kvchat):
+    code, out, err = kvchat("generate", "--prompt", "What is the capital of France?", "--json",
+                            "--max-tokens", "100000")  # more than fits: granted fewer, a note
+    assert code == 0, err
+    assert "kvchat: note: max_tokens reduced from 100000 to " in err
+    out = json.loads(out)
     for key in ("text", "tokens", "prompt_tokens", "generation_tokens", "finish_reason",
                 "ttft_s", "prefill_tps", "decode_tps", "kv"):
         assert key in out
@@ -44,26 +55,14 @@ def test_generate_json_fields():
     assert kv["bytes_used"] == kv["blocks_used"] * 16 * kv["bytes_per_token"]
 
 
-def test_generate_streams_text_and_stats(tmp_path):
+def test_generate_streams_text_and_stats(tmp_path, kvchat):
     prompt = tmp_path / "p.txt"
     prompt.write_text("Count from one to five.")
-    proc = kvchat("generate", "--prompt-file", str(prompt), "--max-tokens", "8", "--raw")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip()
-    assert "tok/s decode" in proc.stderr
-
-
-@pytest.mark.parametrize("args,needle", [
-    (["generate", "--prompt", "   "], "prompt is empty"),
-    (["generate", "--prompt", "hi", "--model", "/no/such/model"], "model not found"),
-    (["generate", "--prompt", "hi", "--model", "nobody/not-a-cached-repo"], "local Hugging Face"),
-    (["generate", "--prompt-file", "/no/such/file.txt"], "--prompt-file: cannot read"),
-    (["generate", "--seed", "-1"], "--seed"),
-    (["generate", "--prompt-file", "/dev/zero"], "not a regular file"),
-    (["estimate", "--tokens", "8", "--block-size", "0"], "--block-size"),
-])
-def test_bad_input_is_one_clear_line(args, needle):
-    assert_one_line_error(kvchat(*args), needle)
+    code, out, err = kvchat("generate", "--prompt-file", str(prompt), "--max-tokens", "8",
+                            "--raw")
+    assert code == 0, err
+    assert out.strip()
+    assert "tok/s decode" in err
 
 
 TOO_LONG_TENANT = "t" * 129
@@ -109,10 +108,11 @@ BAD_INPUTS = [
     (["generate", "--prompt-file", "/dev/null"], "not a regular file"),
     (["generate", "--prompt-file", "{dir}"], "not a regular file"),
     (["generate", "--prompt-file", "{fifo}"], "not a regular file"),
-    (["generate", "--prompt-file", "{missing}"], "cannot read"),
+    (["generate", "--prompt-file", "{missing}"], "--prompt-file: cannot read"),
     (["generate", "--prompt", "a", "--prompt-file", "{file}"], "not allowed with"),
     (["generate", "--prompt", "   "], "the prompt is empty"),
     (["generate", "--prompt", "hi", "--model", "/no/such/model"], "model not found"),
+    (["generate", "--prompt", "hi", "--model", "nobody/not-a-cached-repo"], "local Hugging Face"),
     (["generate", "--no-such-flag"], "unrecognized arguments"),
     (["estimate", "--tokens", "0"], "--tokens"),
     (["estimate", "--tokens", "-1"], "--tokens"),
@@ -206,44 +206,51 @@ def test_prompt_file_is_bounded_by_the_context(tmp_path):
         read_text_file(str(bad), 1000)
 
 
+@pytest.mark.subprocess
 def test_corrupt_model_directory(tmp_path):
+    # the one real process: its whole stderr (imports, the failed load) is the one line
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "model.safetensors").write_bytes(b"\x00garbage" * 100)
-    assert_one_line_error(kvchat("generate", "--prompt", "hi", "--model", str(tmp_path)),
-                          "cannot load model")
+    proc = kvchat_process("generate", "--prompt", "hi", "--model", str(tmp_path))
+    assert_one_line_error(proc.returncode, proc.stderr, "cannot load model")
 
 
-@pytest.mark.parametrize("header", [b"GGUF" + os.urandom(20),  # caught by the header check
-                                    b"GGUF" + (3).to_bytes(4, "little") + bytes(16)])  # reader
-def test_corrupt_gguf(tmp_path, header):
+@pytest.mark.parametrize("header", [
+    b"GGUF" + os.urandom(20),  # caught by the header check
+    pytest.param(b"GGUF" + (3).to_bytes(4, "little") + bytes(16),  # the reader, in kvchat's
+                 marks=pytest.mark.subprocess),  # own child process
+], ids=["header", "reader"])
+def test_corrupt_gguf(tmp_path, header, kvchat):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(header + os.urandom(200))
-    assert_one_line_error(kvchat("generate", "--prompt", "hi", "--model", str(bad)), "GGUF")
+    assert_one_line_error(*kvchat("generate", "--prompt", "hi", "--model", str(bad))[::2],
+                          "GGUF")
     models = Path(ENV["KVCHAT_HOME"]) / "models"
     assert not any("broken" in p.name for p in models.glob("*"))  # nothing half-written
 
 
-def test_prompt_longer_than_context(tmp_path):
+def test_prompt_longer_than_context(tmp_path, kvchat):
     prompt = tmp_path / "long.txt"
     prompt.write_text("lorem ipsum dolor sit amet " * 2000)  # > 8192 tokens
-    assert_one_line_error(kvchat("generate", "--prompt-file", str(prompt)), "context holds 8192")
+    assert_one_line_error(*kvchat("generate", "--prompt-file", str(prompt))[::2],
+                          "context holds 8192")
 
 
-def test_estimate_matches_formula():
-    proc = kvchat("estimate", "--tokens", "8192", "--batch", "2", "--json")
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+def test_estimate_matches_formula(kvchat):
+    code, out, err = kvchat("estimate", "--tokens", "8192", "--batch", "2", "--json")
+    assert code == 0, err
+    out = json.loads(out)
     assert out["bytes_per_token"] == 30 * 2 * 3 * 64 * 2 == 23_040
     assert out["total_bytes"] == 23_040 * 8192 * 2
     assert out["blocks"] == 2 * 8192 // 16
     assert out["engine_memory_limit_bytes"] > 0
     assert out["kv_budget_blocks"] == (1 << 30) // (16 * 23_040)
     assert out["fits_kv_budget"] is True  # 360 MiB of blocks in a 1 GiB pool
-    q8 = json.loads(kvchat("estimate", "--tokens", "100", "--kv-bits", "8", "--json").stdout)
+    q8 = json.loads(kvchat("estimate", "--tokens", "100", "--kv-bits", "8", "--json")[1])
     assert q8["bytes_per_token"] == pytest.approx(30 * 2 * 3 * 64 * (1 + 4 / 64))
 
 
-def test_hub_repo_id_from_local_cache(tmp_path, default_model):
+def test_hub_repo_id_from_local_cache(tmp_path, default_model, kvchat, monkeypatch):
     """A repo id resolves through the Hugging Face cache layout, offline."""
     import shutil
 
@@ -267,30 +274,33 @@ def test_hub_repo_id_from_local_cache(tmp_path, default_model):
     (snap / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(default_model.path / name, snap / name)
-    env = dict(ENV, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "app", "generate", "--model",
-                           "kvchat-test/tiny-qwen3", "--prompt", "hello", "--raw", "--json",
-                           "--max-tokens", "3"], capture_output=True, text=True, env=env,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    # as a process started with HF_HUB_CACHE and HF_HUB_OFFLINE=1 sees them (huggingface_hub
+    # reads both at import)
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    code, out, err = kvchat("generate", "--model", "kvchat-test/tiny-qwen3", "--prompt", "hello",
+                            "--raw", "--json", "--max-tokens", "3")
+    assert code == 0, err
+    out = json.loads(out)
     assert out["model"]["path"] == str(snap)
     assert out["kv"]["bytes_per_token"] == 1 * 2 * 1 * 16 * 4
 
 
-def test_unusable_cache_dir_still_answers_with_one_warning(tmp_path):
+def test_unusable_cache_dir_still_answers_with_one_warning(tmp_path, kvchat):
     # a world-writable cache dir could hold planted entries: the store is off, the answer comes
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    out = subprocess.run(
-        [sys.executable, "-m", "app", "generate", "--prompt", "Hi", "--max-tokens", "2",
-         "--cache-dir", str(shared), "--kv-budget", "64M", "--json"],
-        capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    warnings = [line for line in out.stderr.splitlines() if "warning" in line]
-    assert len(warnings) == 1 and "disk prefix cache" in warnings[0], out.stderr
-    data = json.loads(out.stdout)
+    code, out, err = kvchat("generate", "--prompt", "Hi", "--max-tokens", "2",
+                            "--cache-dir", str(shared), "--kv-budget", "64M", "--json")
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "disk prefix cache" in warnings[0], err
+    data = json.loads(out)
     assert data["generation_tokens"] == 2 and data["disk_cache"]["warning"]
     assert (shared.stat().st_mode & 0o777) == 0o777  # a foreign dir keeps its mode
     assert not any(shared.iterdir())  # and nothing was written into it
