@@ -144,6 +144,7 @@ def test_bench_runs_are_cold(tmp_path, bench_on_shared_model, capsys):
     assert "prefill (cold)" in table and "NOT COLD" not in table
 
 
+@pytest.mark.subprocess  # llama.cpp runs in its worker process
 @pytest.mark.skipif(os.environ.get("KVCHAT_TEST_PEERS") != "1",
                     reason="opt-in (KVCHAT_TEST_PEERS=1): llama.cpp is an optional extra")
 @needs_model
