@@ -39,6 +39,7 @@ def test_summary_pools_the_texts_and_takes_the_delta_from_the_perplexities():
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess  # mlx-lm runs in its worker process
 def test_quick_run_on_the_default_model(default_model_ext, default_model, monkeypatch, tmp_path):
     import engine
     from app.cli import main
