@@ -63,12 +63,17 @@ def _gguf_header(num_tensors: int, num_kv: int) -> bytes:
     return b"GGUF" + struct.pack("<IQQ", 3, num_tensors, num_kv)
 
 
+CHILD = pytest.mark.subprocess  # past the header check, the reader runs in a child process
+
+
 @pytest.mark.parametrize("name, data, reason", [
     ("magic", b"XXXX" + bytes(40), "(bad magic)"),
-    ("empty", _gguf_header(0, 0), "(no model metadata)"),
-    ("truncated", None, "past the end of the file"),  # a real file cut short: MLX's reader says so
-    ("garbage", _gguf_header(1, 2) + random.Random(0).randbytes(2000), "crashed with signal"),
-])
+    pytest.param("empty", _gguf_header(0, 0), "(no model metadata)", marks=CHILD),
+    # a real file cut short: MLX's reader says so
+    pytest.param("truncated", None, "past the end of the file", marks=CHILD),
+    pytest.param("garbage", _gguf_header(1, 2) + random.Random(0).randbytes(2000),
+                 "crashed with signal", marks=CHILD),
+], ids=["magic", "empty", "truncated", "garbage"])
 def test_corrupt_gguf_says_not_a_valid_gguf(tmp_path, name, data, reason):
     bad = tmp_path / f"{name}.gguf"
     bad.write_bytes(data if data is not None else default_gguf_path().read_bytes()[:100_000])
@@ -81,6 +86,7 @@ def test_corrupt_gguf_says_not_a_valid_gguf(tmp_path, name, data, reason):
     assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
 
 
+@pytest.mark.subprocess  # each conversion runs in a child process
 def test_converted_dir_is_private_and_a_loose_one_is_redone(tmp_path):
     old = os.umask(0)
     try:
