@@ -130,6 +130,7 @@ def test_handshake_round_trip_and_refusals():
         handshake.raise_refusals(answered, end)
 
 
+@pytest.mark.subprocess
 def test_a_rank_that_never_comes_is_a_clear_error_within_the_init_timeout(tmp_path):
     hostfile = write_hostfile(tmp_path / "hosts.json", 2)
     t = time.monotonic()
@@ -167,6 +168,7 @@ def finish(procs, timeout: float = 300):
             p.kill()
 
 
+@pytest.mark.subprocess
 def test_two_ranks_match_one_process_and_release_together(tiny_dir, tmp_path):
     procs = spawn(tmp_path, "parity", "--model", str(tiny_dir), "--mode", "pipeline,tensor",
                   "--max-tokens", "8")
@@ -195,6 +197,7 @@ def test_two_ranks_match_one_process_and_release_together(tiny_dir, tmp_path):
         assert [r["blocks_used"] for r in after] == [0, 0]  # freed on both ranks
 
 
+@pytest.mark.subprocess
 def test_killed_rank_ends_the_run_with_a_clear_error(tiny_dir, tmp_path):
     timeout = 20
     procs = spawn(tmp_path, "stream", "--model", str(tiny_dir), "--timeout", str(timeout))
@@ -214,6 +217,7 @@ def test_killed_rank_ends_the_run_with_a_clear_error(tiny_dir, tmp_path):
     assert "rank 0 released its KV pool (1 requests ended" in line
 
 
+@pytest.mark.subprocess
 def test_disk_store_per_rank_keyed_by_split(default_model, tmp_path):
     # 3 layers: two 2-rank pipeline splits, 1/2 and 2/1
     model = build_tiny_model(tmp_path, default_model, "llama")
