@@ -25,6 +25,8 @@ from test_server_process import ServerProcess
 from engine.kvcache.disk import entry as disk_entry
 from engine.paths import TEMP_MARK
 
+pytestmark = pytest.mark.subprocess  # the server is a real `kvchat serve` process
+
 CLIENTS = 64
 DISCONNECT_MODES = ["before_response", "in_prefill", "after_tokens", "after_tokens"]
 WORDS = ["river", "stone", "lamp", "cloud", "engine", "garden", "violin", "harbor", "maple",
