@@ -26,6 +26,12 @@ PROMPTS = [
     "Give me a recipe for pancakes.",
     "What is 17 times 23? Show your work.",
 ]
+# What each float32 parity prompt adds (measured on the embedded model): "capital of France"
+# ends on EOS after 8 tokens and runs first, on a cold pool (no cached prefix); "KV cache"
+# runs to max_tokens (48) through three more blocks, on the system prompt's cached blocks;
+# the long document prefills in five 512-token chunks. The other chat prompts only repeated
+# one of the first two (the haiku ends on EOS, the rest run to 48) with other words.
+PARITY_PROMPTS = [PROMPTS[0], PROMPTS[2]]
 
 
 def long_document_prompt(tokenizer, min_tokens: int = 2100) -> str:
@@ -60,16 +66,20 @@ def engine_greedy(engine: Engine, ids: list[int], max_tokens: int):
 def test_default_model_matches_mlx_lm(default_model):
     engine = Engine(default_model, EngineConfig(kv_budget_bytes=256 << 20, prefill_chunk=512))
     tok = default_model.tokenizer
-    prompts = [engine.encode_prompt(p) for p in PROMPTS]
+    prompts = [engine.encode_prompt(p) for p in PARITY_PROMPTS]
     prompts.append(engine.encode_prompt(long_document_prompt(tok)))
     assert len(prompts[-1]) > 2000
     eos = set(tok.eos_token_ids)
+    endings = []
     for ids in prompts:
         n = 48 if len(ids) < 1000 else 16
         ours, stats = engine_greedy(engine, ids, n)
         ref = mlx_lm_greedy(default_model.model, ids, n, 512, eos)
         assert ours == ref, tok.decode(ids)[-200:]
         assert stats.blocks_released == stats.blocks_used
+        endings.append((ours[-1] in eos, stats.cached_tokens > 0))
+    # each ending and cache state the prompts were chosen for still happens
+    assert endings == [(True, False), (False, True), (False, True)]
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
@@ -104,7 +114,7 @@ def test_shipped_quantized_weights_match_mlx_lm():
     engine = Engine(loaded, EngineConfig(kv_budget_bytes=64 << 20))
     assert engine.layout.bytes_per_token == 23_040  # DESIGN.md's fp16 figure
     eos = set(loaded.tokenizer.eos_token_ids)
-    for text in PROMPTS[:3]:
+    for text in PARITY_PROMPTS:  # an EOS ending and a max_tokens one
         ids = engine.encode_prompt(text)
         ours, _ = engine_greedy(engine, ids, 12)
         assert ours == mlx_lm_greedy(loaded.model, ids, 12, 512, eos)
