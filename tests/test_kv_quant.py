@@ -178,17 +178,28 @@ def test_quantized_blocks_persist_and_never_mix_with_other_formats_on_disk(
     assert q2.prefix.store.stats().misses == 0  # nothing was judged foreign or malformed
 
 
-@pytest.mark.parametrize("mode", [None, "recompute"])
-def test_oversubscribed_quantized_pool_resumes_identically(default_model, q8_prompts, mode):
+# a fixed prefill budget: timed pacing moves chunk boundaries from run to run, and a
+# 4-bit pool can round a differently chunked recompute a step apart
+OVERSUBSCRIBED = dict(kv_bits=4, block_size=4, max_running=3, step_target_s=None)
+
+
+@pytest.fixture(scope="module")
+def q4_alone(default_model, q8_prompts):
+    """Each prompt alone on a roomy 4-bit pool (both preemption modes' reference), and the
+    pool's bytes per block."""
+    alone = Engine(default_model, EngineConfig(kv_budget_bytes=16 << 20, **OVERSUBSCRIBED))
     p = SamplingParams(max_tokens=16, ignore_eos=True)
-    # a fixed prefill budget: timed pacing moves chunk boundaries from run to run, and a
-    # 4-bit pool can round a differently chunked recompute a step apart
-    cfg = dict(kv_bits=4, block_size=4, max_running=3, step_target_s=None)
-    alone = Engine(default_model, EngineConfig(kv_budget_bytes=16 << 20, **cfg))
-    ref = [alone.generate_text(ids, p).tokens for ids in q8_prompts]
+    return [alone.generate_text(ids, p).tokens for ids in q8_prompts], alone.layout.bytes_per_block
+
+
+@pytest.mark.parametrize("mode", [None, "recompute"])
+def test_oversubscribed_quantized_pool_resumes_identically(default_model, q8_prompts, q4_alone,
+                                                           mode):
+    p = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref, bytes_per_block = q4_alone
     # the prompts fit (14 blocks), their answers do not (26): preemption while decoding
     tight = Engine(default_model, EngineConfig(
-        kv_budget_bytes=16 * alone.layout.bytes_per_block, preempt_mode=mode, **cfg))
+        kv_budget_bytes=16 * bytes_per_block, preempt_mode=mode, **OVERSUBSCRIBED))
     handles = [tight.submit(ids, p) for ids in q8_prompts]
     out = [[e.token for e in h if e.token is not None] for h in handles]
     m = tight.metrics()
