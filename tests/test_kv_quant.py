@@ -157,7 +157,7 @@ def test_quantized_blocks_persist_and_never_mix_with_other_formats_on_disk(
     cold_q = Engine(default_model, EngineConfig(kv_budget_bytes=32 << 20, kv_bits=8,
                                                 prefix_cache=False))
     want = cold_q.generate_text(ids, p).tokens
-    fp, _ = run()
+    fp, cold_fp = run()
     floats = files()
     assert floats and fp.metrics().disk_entries == len(floats)
     q, r = run(kv_bits=8)
@@ -174,7 +174,7 @@ def test_quantized_blocks_persist_and_never_mix_with_other_formats_on_disk(
     _, mixed = run(k_bits=8, v_bits=4)
     assert mixed.stats.cache_source == "none"
     _, fp2 = run()
-    assert fp2.stats.cache_source == "disk"
+    assert fp2.stats.cache_source == "disk" and fp2.tokens == cold_fp.tokens  # float32, too
     assert q2.prefix.store.stats().misses == 0  # nothing was judged foreign or malformed
 
 

@@ -30,15 +30,18 @@ def disk_engine(model, tmp_path, **kw) -> Engine:
 
 
 @pytest.mark.slow
-def test_cold_warm_ram_warm_disk_identical(default_model, tmp_path):
-    cold_engine = Engine(default_model, EngineConfig(kv_budget_bytes=128 << 20,
-                                                     prefix_cache=False))
+def test_cold_warm_ram_warm_disk_identical(quick_model, tmp_path):
+    # the default model as load_model() gives it here (Q4/Q8 on the CPU extension where it
+    # builds): the float32 path's warm runs are checked in tests/test_engine_parity.py (RAM,
+    # against mlx-lm) and tests/test_kv_quant.py (a restart served from disk)
+    cold_engine = Engine(quick_model, EngineConfig(kv_budget_bytes=128 << 20,
+                                                   prefix_cache=False))
     ids = doc_prompt(cold_engine, "What does this module do?")
     assert len(ids) > 600
     cold, s0 = run(cold_engine, ids)
     assert s0.cached_tokens == 0 and s0.cache_source == "none"
 
-    engine = disk_engine(default_model, tmp_path)
+    engine = disk_engine(quick_model, tmp_path)
     first, s1 = run(engine, ids)
     warm, s2 = run(engine, ids)
     assert first == cold and warm == cold
@@ -49,7 +52,7 @@ def test_cold_warm_ram_warm_disk_identical(default_model, tmp_path):
     engine.shutdown()  # flushes the background writer
     assert m.disk_entries > 0 or engine.prefix.store.stats().entries > 0
 
-    restarted = disk_engine(default_model, tmp_path)  # a new engine: nothing in RAM
+    restarted = disk_engine(quick_model, tmp_path)  # a new engine: nothing in RAM
     from_disk, s3 = run(restarted, ids)
     assert from_disk == cold
     assert s3.cache_source == "disk" and s3.cached_tokens == s2.cached_tokens
