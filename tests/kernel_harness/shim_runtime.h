@@ -62,7 +62,8 @@ struct Dim3 {
 struct SimdGroup {
   Barrier* barrier = nullptr;
   int size = 0;
-  alignas(16) unsigned char slots[kSimdWidth][16];
+  // Two sets, used by alternate barrier rounds (see simd_exchange).
+  alignas(16) unsigned char slots[2][kSimdWidth][16];
 };
 
 // What one lane knows about itself while running the kernel body.
@@ -180,22 +181,25 @@ inline void group_barrier(const char* what, const std::source_location& loc,
 }
 
 // All lanes of the simdgroup publish `value`, then each combines the slots.
+// One barrier round: round `seq` uses slot set seq % 2, and a lane writes that
+// set again only at round seq + 2 or later, after passing round seq + 1, which
+// no lane reaches before it has read round seq's slots (the barrier's mutex
+// orders it, for TSan too).
 template <typename V, typename F>
 V simd_exchange(V value, const char* what, const std::source_location& loc, F combine) {
   static_assert(sizeof(V) <= 16, "simd value too large");
   auto& c = ctx();
   SimdGroup& sg = *c.simd;
   const uint64_t seq = c.simd_calls++;
-  std::memcpy(sg.slots[c.lane], &value, sizeof(V));
+  auto& slots = sg.slots[seq % 2];
+  std::memcpy(slots[c.lane], &value, sizeof(V));
   barrier_wait(*sg.barrier, what, loc, seq, int(c.local_index));
-  auto slot = [&sg](int lane) {
+  auto slot = [&slots](int lane) {
     V v;
-    std::memcpy(&v, sg.slots[lane], sizeof(V));
+    std::memcpy(&v, slots[lane], sizeof(V));
     return v;
   };
-  V result = combine(slot, sg.size, int(c.lane));
-  barrier_wait(*sg.barrier, what, loc, seq, int(c.local_index));  // slots reusable after this
-  return result;
+  return combine(slot, sg.size, int(c.lane));
 }
 
 inline void simd_sync(const char* what, const std::source_location& loc, bool orders_tg = true) {
