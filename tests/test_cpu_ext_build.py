@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from engine.model.cpu_ext import build, toolchain
@@ -11,7 +13,10 @@ from engine.model.cpu_ext import build, toolchain
 def untried(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "_module", None)
     monkeypatch.setattr(build, "_tried", False)
-    monkeypatch.setattr(build, "_reason", None)
+    monkeypatch.setattr(build, "_off", None)
+    failed = copy.copy(build._failed)  # a switch of its own, not yet tripped
+    failed.reset()
+    monkeypatch.setattr(build, "_failed", failed)
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))  # an empty cache: nothing built here
     return monkeypatch
 
