@@ -76,6 +76,16 @@ def is_private_dir(path: Path) -> bool:
         return False
 
 
+def is_trusted_file(path: Path) -> bool:
+    """True when ``path`` is a private regular file of ours (not a symlink) in a private
+    directory of ours: the rule for code kvchat loads into its process, as anyone who
+    could write either could run code in every kvchat process."""
+    try:
+        return is_private_dir(path.parent) and is_private(os.lstat(path))
+    except OSError:
+        return False
+
+
 def is_private_tree(path: Path, *, required: str | None = None) -> bool:
     """True when ``path`` is a private directory of ours holding only private regular
     files (no subdirectories, no symlinks), ``required`` among them when given."""

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.errors import KVChatError
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.disk.store import DiskPrefixStore
-from engine.kvcache.kv_cache import KVLayout, PagedKVCache
+from engine.kvcache.kv_cache import POOL_BITS, KVLayout, PagedKVCache
 from engine.kvcache.prefix_cache import PrefixCache
 from engine.kvcache.prefix_key import salt_base
 from engine.kvcache.quant import QuantSpec
@@ -45,14 +45,14 @@ def kv_quant(config: EngineConfig, head_dim: int) -> tuple[QuantSpec | None, Qua
     """
     k = config.k_bits or config.kv_bits
     v = config.v_bits or config.kv_bits
-    if not any(b in (4, 8) for b in (k, v)):
+    if not any(b in POOL_BITS for b in (k, v)):
         return None, None, None, None
     g = config.kv_group_size
     if head_dim % g:
         return None, None, "float16", (f"KV quantization needs a head dim divisible by the "
                                        f"group size {g} (this model: {head_dim}); "
                                        f"the KV cache uses float16 instead")
-    spec = {b: QuantSpec(b, g) for b in (4, 8)}
+    spec = {b: QuantSpec(b, g) for b in POOL_BITS}
     return spec.get(k), spec.get(v), None, None
 
 

@@ -18,7 +18,14 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from engine.paths import cache_root, is_private, is_private_dir, private_dir, temp_path
+from engine.paths import (
+    cache_root,
+    is_private,
+    is_private_dir,
+    is_trusted_file,
+    private_dir,
+    temp_path,
+)
 
 _SRC = Path(__file__).with_name("csrc") / "gemv_shim.c"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -42,11 +49,7 @@ def shim_is_trusted(path: Path) -> bool:
     others, in a directory that is likewise ours and private: anyone who could write
     either could run code in every kvchat process.
     """
-    path = Path(path)
-    try:
-        return is_private_dir(path.parent) and is_private(os.lstat(path))
-    except OSError:
-        return False
+    return is_trusted_file(Path(path))
 
 
 def _compile(out: Path) -> Path | None:

@@ -102,5 +102,5 @@ def _variant(pool: Pool) -> tuple:
 def variant_key(call: PagedCall) -> tuple:
     """What the first-launch check tells apart: the kind, dtypes, GQA, dims, pool formats."""
     q = call.queries
-    return ("cpu", call.kind != "decode", q.dtype, call.gqa_ratio, q.shape[3],
+    return (call.kind != "decode", q.dtype, call.gqa_ratio, q.shape[3],
             call.k_pool.shape[2], _variant(call.k_pool), _variant(call.v_pool))

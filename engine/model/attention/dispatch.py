@@ -20,7 +20,7 @@ class KernelPath:
 
     ready: Callable[[PagedCall], bool]
     launch: Callable[..., mx.array]  # the kernel entry point, fed `PagedCall.args()`
-    variant: Callable[[PagedCall], tuple]  # what the first-launch check tells apart
+    variant: Callable[[PagedCall], tuple]  # what the first-launch check tells apart, per backend
 
 
 def _cpu_ready(call: PagedCall) -> bool:
@@ -33,9 +33,7 @@ def _gpu_ready(call: PagedCall) -> bool:
 
 def _gpu_variant(kind: str) -> Callable[[PagedCall], tuple]:
     def key(call: PagedCall) -> tuple:
-        name = backend.kernel_backend()
-        return (name, *abi.variant_key(call.queries, call.k_pool, call.v_pool,
-                                       call.block_tables, kind))
+        return abi.variant_key(call.queries, call.k_pool, call.v_pool, call.block_tables, kind)
     return key
 
 
@@ -78,8 +76,8 @@ def paged_attention(
         name = routes.route(call, where).path
         path = KERNEL_PATHS.get(name)
         if path is not None and path.ready(call):
-            out = GUARD.run(f"{name} attention on {where}", path.variant(call), path.launch,
-                            call.args(), lambda: _reference(call), (k_pool, v_pool))
+            out = GUARD.run(f"{name} attention on {where}", (where, *path.variant(call)),
+                            path.launch, call.args(), lambda: _reference(call), (k_pool, v_pool))
             if out is not None:
                 return out
     return _reference(call)

@@ -50,9 +50,6 @@ class LaunchGuard:
         self._lock = threading.Lock()
         self._validated: set[tuple] = set()
 
-    def is_validated(self, key: tuple) -> bool:
-        return key in self._validated
-
     def run(self, name: str, key: tuple, launch: Callable[..., mx.array], args: tuple,
             reference: Callable[[], mx.array], pools=()) -> mx.array | None:
         """``launch(*args)``, or None ("use the reference") once anything failed; ``name``

@@ -19,7 +19,6 @@ import importlib.util
 import logging
 import os
 import shutil
-import stat
 import tempfile
 import threading
 import time
@@ -38,6 +37,7 @@ from engine.model.cpu_ext.toolchain import (
     toolchain,
 )
 from engine.model.fallback import FallbackSwitch
+from engine.paths import is_private_dir, is_trusted_file
 
 ENV_SWITCH = "KVCHAT_CPU_EXT"
 LOCK_TIMEOUT_S = 900  # waiting for another process's build
@@ -58,23 +58,9 @@ def enabled() -> bool:
     return not backend.switched_off(ENV_SWITCH)
 
 
-def _dir_is_private(path: Path) -> bool:
-    from engine.paths import is_private
-
-    try:
-        return is_private(os.lstat(path), kind=stat.S_IFDIR)
-    except OSError:
-        return False
-
-
 def _is_trusted(path: Path) -> bool:
     """The library and its directory are ours and not writable by others (it runs code)."""
-    from engine.paths import is_private
-
-    try:
-        return _dir_is_private(path.parent) and is_private(os.lstat(path))
-    except OSError:
-        return False
+    return is_trusted_file(path)
 
 
 @contextlib.contextmanager
@@ -136,7 +122,7 @@ def build() -> Path:
         if _is_trusted(final):  # built by another process while we waited
             return final
         private_dir(final.parent)
-        if not (_dir_is_private(root) and _dir_is_private(final.parent)):
+        if not (is_private_dir(root) and is_private_dir(final.parent)):
             raise BuildError(f"{final.parent} is not private to this user; not building there")
         tmp_dir = Path(tempfile.mkdtemp(prefix=".build-", dir=final.parent))
         try:
