@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -229,6 +230,9 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; user errors print one ``kvchat: error:`` line and return 2."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    # The variable above only counts when transformers is imported after it; the logger
+    # level also covers a transformers that something imported first.
+    logging.getLogger("transformers").setLevel(logging.ERROR)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv = ["chat", *argv]  # `kvchat [chat flags]` opens the chat
     try:
