@@ -27,13 +27,7 @@ SEQ_ID = 1 << 40  # far from the engine's request ids, which count up from 0
 
 def all_logits(runner: PagedModel, batch: StepBatch, kv: PagedKVCache) -> mx.array:
     """(B, L, vocab) logits of every new position (`PagedModel.__call__`'s layers)."""
-    h = runner.embed_tokens(batch.input_ids)
-    for i, layer in enumerate(runner.layers):
-        h = h + runner._attention(layer.self_attn, layer.input_layernorm(h), i, batch, kv)
-        h = h + runner._mlp(layer.mlp, layer.post_attention_layernorm(h), runner.fused[i])
-    h = runner.norm(h)
-    return runner.embed_tokens.as_linear(h) if runner.tied else runner.model.lm_head(h)
-
+    return runner._logits(runner.hidden(batch, kv))
 
 @dataclass(slots=True)
 class TokenScores:

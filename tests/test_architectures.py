@@ -1,0 +1,176 @@
+"""The parity matrix: every architecture `architectures.ARCHITECTURES` lists, as a tiny
+random-weight model built from mlx-lm's own classes (tests/arch_zoo.py), float and 4-/8-bit.
+
+Each run checks paged greedy tokens against mlx-lm's own generation with its own caches
+(rotating ones for windowed layers): 64 tokens from prompts longer than every window.
+Then, on the engine alone: batched == alone, prefix cache cold == warm RAM == warm disk,
+and preemption by recompute and by swap resumes exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from arch_zoo import VOCAB, WINDOW, ZOO, build
+from test_engine_parity import mlx_lm_greedy
+
+from engine import Engine, EngineConfig, SamplingParams, load_model
+from engine.errors import ModelLoadError
+from engine.model import architectures
+
+NEW_TOKENS = 64
+PROMPT = 40  # > WINDOW: sliding layers lose their first positions during the prompt
+EOS = 2
+# one per architecture family that the README table lists; llama appears twice (Llama 3.x
+# rope_scaling; sliding layer_types)
+FLOAT = sorted(ZOO)
+# 4-bit and 8-bit on alternating halves: every architecture runs quantized once
+QUANT = [(name, 4 if i % 2 else 8) for i, name in enumerate(FLOAT)]
+PATHS = ["gemma3_text", "gpt_oss", "qwen3_moe", "cohere2", "llama_sliding"]
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory, default_model):
+    """Factory: the loaded tiny model ``(name, bits)``, built once per session."""
+    made = {}
+
+    def get(name: str, bits: int | None = None):
+        if (name, bits) not in made:
+            path = tmp_path_factory.mktemp("zoo") / f"{name}-{bits or 'f32'}"
+            build(path, name, default_model.path, eos=EOS, bits=bits, seed=len(name))
+            made[name, bits] = load_model(str(path), weights="shipped" if bits else "float32")
+        return made[name, bits]
+
+    return get
+
+
+def prompts(n: int = 3, length: int = PROMPT) -> list[list[int]]:
+    rng = np.random.default_rng(length)
+    return [[int(t) for t in rng.integers(3, VOCAB, length + 3 * i)] for i in range(n)]
+
+
+def greedy(engine: Engine, ids: list[int], n: int = NEW_TOKENS, **kw):
+    r = engine.generate_text(ids, SamplingParams(max_tokens=n, ignore_eos=True), **kw)
+    return r.tokens, r.stats
+
+
+def test_windows_come_from_the_models_own_caches(zoo):
+    runner = Engine(zoo("gemma3_text"), EngineConfig(kv_budget_bytes=8 << 20)).runner
+    assert runner.windows == [WINDOW, None, WINDOW, None]  # sliding_window_pattern=2
+    assert [s.window for s in runner.attention] == runner.windows
+    assert "2 sliding (window 16) + 2 global" in runner.describe()
+
+
+@pytest.mark.parametrize("name", FLOAT)
+def test_float_matches_mlx_lm(zoo, name):
+    loaded = zoo(name)
+    engine = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, prefill_chunk=16))
+    ids = prompts(1)[0]
+    ours, stats = greedy(engine, ids)
+    ref = mlx_lm_greedy(loaded.model, ids, NEW_TOKENS, 16, set())
+    assert ours == ref
+    assert len(set(ref)) > 8, "a degenerate model would compare nothing"
+    assert stats.blocks_released == stats.blocks_used
+    engine.blocks.check_invariants()
+
+
+@pytest.mark.parametrize("name,bits", QUANT)
+def test_quantized_matches_mlx_lm(zoo, name, bits):
+    loaded = zoo(name, bits)
+    assert loaded.weight_format.startswith("q")
+    # one 64-token prefill chunk: the window is cut inside a chunk as well as across chunks
+    engine = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, prefill_chunk=64))
+    ids = prompts(1)[0]
+    ours, _ = greedy(engine, ids)
+    assert ours == mlx_lm_greedy(loaded.model, ids, NEW_TOKENS, 64, set())
+
+
+def test_a_window_the_engine_ignored_would_be_caught(zoo):
+    """The check can fail: the same model with its windows dropped disagrees with mlx-lm."""
+    loaded = zoo("gemma3_text")
+    engine = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, prefill_chunk=16))
+    ids = prompts(1)[0]
+    ref = mlx_lm_greedy(loaded.model, ids, NEW_TOKENS, 16, set())
+    runner = engine.runner
+    runner.windows = [None] * len(runner.windows)
+    runner.attention = [type(s)(s.scale) for s in runner.attention]
+    assert greedy(engine, ids)[0] != ref
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_batched_equals_alone(zoo, name):
+    loaded = zoo(name)
+    alone = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, prefix_cache=False))
+    want = [greedy(alone, ids, 24)[0] for ids in prompts()]
+    together = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, prefix_cache=False))
+    p = SamplingParams(max_tokens=24, ignore_eos=True)
+    handles = [together.submit(ids, p) for ids in prompts()]
+    got = [[e.token for e in h if e.token is not None] for h in handles]
+    assert got == want
+    m = together.metrics()
+    steps = [m.decode_forward, m.mixed_forward]
+    assert sum(c.tokens for c in steps) > sum(c.steps for c in steps), "never batched"
+
+
+@pytest.mark.parametrize("name", PATHS)
+def test_prefix_cache_cold_warm_ram_warm_disk(zoo, name, tmp_path):
+    loaded = zoo(name)
+    ids = prompts(1, 70)[0]  # four whole blocks cached, each past the window
+    cold, s0 = greedy(Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20,
+                                                  prefix_cache=False)), ids, 24)
+    assert s0.cached_tokens == 0
+
+    def disk_engine():
+        return Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, disk_cache=True,
+                                           disk_cache_dir=str(tmp_path / "prefix")))
+
+    engine = disk_engine()
+    first, s1 = greedy(engine, ids, 24)
+    ram, s2 = greedy(engine, ids, 24)
+    engine.shutdown()
+    disk, s3 = greedy(disk_engine(), ids, 24)
+    assert first == ram == disk == cold
+    assert s1.cache_source == "none" and s2.cache_source == "memory" and s3.cache_source == "disk"
+    assert s2.cached_tokens == s3.cached_tokens == 64
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])
+def test_preemption_resumes_exactly(zoo, name, mode):
+    loaded = zoo(name)
+    fixed = dict(block_size=4, max_running=3, step_target_s=None, prefix_cache=False)
+    alone = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, **fixed))
+    want = [greedy(alone, ids, 24)[0] for ids in prompts()]
+    per_block = alone.layout.bytes_per_block
+    # the prompts fit (33 blocks), their answers do not (51): preemption while decoding
+    tight = Engine(loaded, EngineConfig(kv_budget_bytes=36 * per_block, preempt_mode=mode,
+                                        **fixed))
+    p = SamplingParams(max_tokens=24, ignore_eos=True)
+    handles = [tight.submit(ids, p) for ids in prompts()]
+    got = [[e.token for e in h if e.token is not None] for h in handles]
+    m = tight.metrics()
+    assert m.preemptions > 0, "no pressure"
+    assert got == want
+    assert m.blocks_free == m.blocks_total
+
+
+@pytest.mark.parametrize("model_type,why", [
+    ("qwen3_next", "recurrent state"), ("nemotron_h", "recurrent state"),
+    ("lfm2", "recurrent state"), ("deepseek_v3", "latent attention"),
+    ("kimi_k25", "latent attention"), ("gemma4_text", "shares K/V across layers"),
+    ("bert_of_the_future", "not supported yet"),
+])
+def test_unservable_architectures_are_refused_in_one_line(tmp_path, model_type, why):
+    (tmp_path / "config.json").write_text(f'{{"model_type": "{model_type}"}}')
+    with pytest.raises(ModelLoadError) as e:
+        load_model(str(tmp_path))
+    assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_wrapped_text_model_is_checked_by_its_inner_type():
+    assert architectures.check_supported(
+        {"model_type": "mistral3", "text_config": {"model_type": "ministral3"}}
+    ).model_type == "ministral3"
+    with pytest.raises(ValueError, match="latent attention"):
+        architectures.check_supported({"model_type": "mistral3",
+                                       "text_config": {"model_type": "mistral4"}})
