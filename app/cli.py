@@ -69,6 +69,8 @@ def cmd_generate(args) -> int:
     eng = build_engine(args, pool_sequences=1, max_running=1)
     for notice in eng.notices:  # e.g. a KV format this model cannot use
         print(f"kvchat: note: {notice}", file=sys.stderr)
+    if args.model not in (None, "default") and not args.json:  # one the user brought
+        print(f"kvchat: model {eng.loaded.name}: {_architecture(eng)}", file=sys.stderr)
     try:
         prompt = read_prompt(args, eng.max_context)
         if not prompt.strip():
@@ -115,6 +117,7 @@ def print_result(eng: EngineLike, result, *, as_json: bool, metrics=None) -> Non
                 "name": loaded.name,
                 "path": str(loaded.path),
                 "weight_format": loaded.weight_format,
+                "architecture": _architecture(eng),
                 "cpu_ext": loaded.cpu_ext,
                 "fingerprint": loaded.fingerprint,
                 "tokenizer_fingerprint": loaded.tokenizer_fingerprint,
@@ -131,6 +134,15 @@ def print_result(eng: EngineLike, result, *, as_json: bool, metrics=None) -> Non
            if metrics.disk_write_errors else "") + "]",
         file=sys.stderr,
     )
+
+
+def _architecture(eng: EngineLike) -> str:
+    """The runner's own account (layers, heads, windows, experts); the config's on ranks."""
+    from engine.model.architectures import summary
+
+    runner = getattr(eng, "runner", None)
+    describe = getattr(runner, "describe", None)
+    return describe() if callable(describe) else summary(eng.loaded.config)
 
 
 def _stream(eng: EngineLike, ids, params, args):

@@ -8,6 +8,7 @@ tqdm-compatible class that calls back instead of drawing on the terminal.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -34,6 +35,7 @@ class LocalModel:
     size_bytes: int
     path: Path | None  # the GGUF file or the hub snapshot directory
     loadable: bool = True  # hub snapshots need a config.json
+    architecture: str = ""  # `architectures.summary` of its config ("" when unreadable)
 
     @property
     def spec(self) -> str:
@@ -79,7 +81,18 @@ def _embedded_model() -> LocalModel | None:
         path = default_gguf_path()
     except ModelLoadError:
         return None
-    return LocalModel(DEFAULT_MODEL, "embedded", path.stat().st_size, path)
+    return LocalModel(DEFAULT_MODEL, "embedded", path.stat().st_size, path,
+                      architecture="llama, 30 layers")
+
+
+def _architecture(config_path: Path) -> str:
+    from engine.model.architectures import summary
+
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return ""
+    return summary(config) if isinstance(config, dict) else ""
 
 
 def list_hub_models() -> list[LocalModel]:
@@ -98,7 +111,8 @@ def list_hub_models() -> list[LocalModel]:
         rev = max(repo.revisions, key=lambda r: r.last_modified)
         path = Path(rev.snapshot_path)
         out.append(LocalModel(repo.repo_id, "hub", repo.size_on_disk, path,
-                              loadable=(path / "config.json").is_file()))
+                              loadable=(path / "config.json").is_file(),
+                              architecture=_architecture(path / "config.json")))
     return sorted(out, key=lambda m: m.name.lower())
 
 

@@ -62,6 +62,11 @@ ZOO: dict[str, dict] = {
                                         "llama_4_scaling_beta": 0.1, "beta_fast": 32.0,
                                         "beta_slow": 1.0, "mscale": 1.0,
                                         "mscale_all_dim": 1.0}),
+    # a multimodal checkpoint's text model alone (Mistral 3 / Ministral 3 with vision)
+    "mistral3": dict(model_type="mistral3", text_config=dict(
+        _BASE, model_type="ministral3", num_hidden_layers=2, head_dim=32, vocab_size=VOCAB,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                         "original_max_position_embeddings": 64, "llama_4_scaling_beta": 0.1})),
     "mixtral": dict(_BASE, model_type="mixtral", num_hidden_layers=2, num_local_experts=4,
                     num_experts_per_tok=2, intermediate_size=64),
     "qwen3_moe": dict(_BASE, model_type="qwen3_moe", num_hidden_layers=2, head_dim=128,
@@ -82,7 +87,7 @@ def build(path: Path, name: str, tokenizer_dir: Path, *, eos: int, bits: int | N
     """Random weights for ``ZOO[name]`` (float32, or quantized to ``bits``) as a model dir."""
     from mlx_lm.utils import _get_classes, quantize_model
 
-    config = dict(ZOO[name], vocab_size=VOCAB, eos_token_id=eos, **(overrides or {}))
+    config = {**ZOO[name], "vocab_size": VOCAB, "eos_token_id": eos, **(overrides or {})}
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))

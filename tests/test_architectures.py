@@ -9,6 +9,8 @@ and preemption by recompute and by swap resumes exactly.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from arch_zoo import VOCAB, WINDOW, ZOO, build
@@ -174,3 +176,33 @@ def test_a_wrapped_text_model_is_checked_by_its_inner_type():
     with pytest.raises(ValueError, match="latent attention"):
         architectures.check_supported({"model_type": "mistral3",
                                        "text_config": {"model_type": "mistral4"}})
+
+
+def test_generate_says_what_a_brought_model_runs_as(tmp_path, default_model, kvchat_cli):
+    vocab = default_model.config["vocab_size"]  # the CLI encodes text with the tokenizer
+    path = build(tmp_path / "gemma", "gemma3_text", default_model.path, eos=EOS,
+                 overrides={"vocab_size": vocab})
+    code, out, err = kvchat_cli("generate", "--model", str(path), "--prompt", "Hello there",
+                                "--max-tokens", "4", "--weights", "float32")
+    assert code == 0, err
+    assert "kvchat: model" in err and "2 sliding (window 16) + 2 global" in err
+    code, out, err = kvchat_cli("generate", "--model", str(path), "--prompt", "Hello there",
+                                "--max-tokens", "4", "--weights", "float32", "--json")
+    assert code == 0, err
+    assert "sliding (window 16)" in json.loads(out)["model"]["architecture"]
+
+
+def test_generate_refuses_a_state_space_model_in_one_line(tmp_path, kvchat_cli):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_next"}')
+    code, out, err = kvchat_cli("generate", "--model", str(tmp_path), "--prompt", "Hi")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("kvchat: error:"), err
+    assert "recurrent state" in lines[0] and "Traceback" not in err
+
+
+def test_config_summary_for_the_models_screen():
+    gemma = dict(ZOO["gemma3_text"])
+    assert architectures.summary(gemma) == "gemma3_text, 4 layers, sliding window 16"
+    oss = architectures.summary(dict(ZOO["gpt_oss"]))
+    assert "attention sinks" in oss and "4 experts" in oss
+    assert "not supported" in architectures.summary({"model_type": "jamba"})

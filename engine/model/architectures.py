@@ -156,3 +156,27 @@ def num_experts(args) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 0
+
+
+def summary(config: dict) -> str:
+    """What a checkpoint's config.json says it is, in a few words, without loading it:
+    its architecture and what it uses (windows, sinks, experts), or why it cannot run."""
+    try:
+        arch = check_supported(config)
+    except ValueError as e:
+        return f"{config.get('model_type', '?')}: not supported ({str(e).split(': it ')[-1]})"
+    text = config.get("text_config") or config
+    parts = [arch.model_type]
+    if text.get("num_hidden_layers"):
+        parts.append(f"{text['num_hidden_layers']} layers")
+    kinds = text.get("layer_types") or []
+    window = text.get("sliding_window")
+    if window and ("sliding_attention" in kinds or text.get("sliding_window_pattern")):
+        parts.append(f"sliding window {window}")
+    if arch.model_type == "gpt_oss":
+        parts.append("attention sinks")
+    experts = next((text[k] for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if text.get(k)), 0)
+    if experts:
+        parts.append(f"{experts} experts")
+    return ", ".join(parts)

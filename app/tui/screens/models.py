@@ -65,7 +65,7 @@ class ModelsScreen(ModalScreen[str | None]):
 
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
-        table.add_columns("model", "source", "size", "")
+        table.add_columns("model", "architecture", "source", "size", "")
         self.query_one(ProgressBar).display = False
         self.action_reload()
         table.focus()
@@ -76,7 +76,8 @@ class ModelsScreen(ModalScreen[str | None]):
         self.models = {m.name: m for m in models_hub.list_local_models()}
         for m in self.models.values():
             note = "loaded" if m.name == self.current else ("" if m.loadable else "no config.json")
-            table.add_row(m.name, m.source, fmt_bytes(m.size_bytes), note, key=m.name)
+            table.add_row(m.name, m.architecture, m.source, fmt_bytes(m.size_bytes), note,
+                          key=m.name)
 
     def _selected(self) -> LocalModel | None:
         table = self.query_one(DataTable)
