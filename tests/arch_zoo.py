@@ -29,6 +29,7 @@ ZOO: dict[str, dict] = {
     "llama_sliding": dict(_BASE, model_type="llama", num_hidden_layers=3, head_dim=32,
                           layer_types=["sliding_attention", "sliding_attention",
                                        "full_attention"], sliding_window=WINDOW),
+    "mistral": dict(_BASE, model_type="mistral", num_hidden_layers=2, head_dim=32),
     "smollm3": dict(_BASE, model_type="smollm3", num_hidden_layers=4, head_dim=32,
                     no_rope_layer_interval=2, tie_word_embeddings=True),
     "phi3": dict(_BASE, model_type="phi3", num_hidden_layers=2, num_key_value_heads=4),
