@@ -64,6 +64,9 @@ class EngineConfig:
     """Bytes the disk store may hold; least recently used entries go first."""
     disk_ttl_s: float = 24 * 3600
     """Lifetime of a disk entry; cached K/V is user data and never outlives it."""
+    window_pool: bool = True
+    """Sliding-window layers keep K/V only for the blocks their window covers (a smaller
+    store of its own); False keeps every block in every layer (the A/B baseline)."""
     overflow: str = "truncate"
     """A request whose output cannot fit: "truncate" its max tokens (and say so) or "reject"."""
     kernels: bool = True

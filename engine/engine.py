@@ -247,7 +247,9 @@ class Engine(EngineLoop):
             return
         decided = req.cancel_at or time.perf_counter()
         s = req.stats
-        s.bytes_used = s.blocks_used * self.layout.bytes_per_block
+        window = self.blocks.window
+        s.bytes_used = self.kv.bytes_for(
+            s.blocks_used, window.held(req.request_id) if window else s.blocks_used)
         s.blocks_released = self.scheduler.release(req)
         s.release_latency_ms = (time.perf_counter() - decided) * 1e3
         req.state, req.finish_reason, req.error = RequestState.FINISHED, reason, error

@@ -164,14 +164,22 @@ def snapshot(blocks, recorder: MetricsRecorder, layout, scheduler, prefix,
              inbox: int = 0) -> EngineMetrics:
     """The engine's metrics now: cheap (no MLX work), safe from any thread."""
     b, rec, bpb = blocks, recorder, layout.bytes_per_block
+    w = b.window  # sliding-window layers' own store: their bytes follow its blocks
+
+    def nbytes(pool_blocks: int, window_blocks: int) -> int:
+        if w is None:
+            return pool_blocks * bpb
+        return w.bytes_for(bpb, layout.num_layers, pool_blocks, window_blocks)
+
     return EngineMetrics(
-        used_bytes=b.num_used_blocks * bpb,
-        peak_bytes=rec.peak_blocks * bpb,
+        used_bytes=nbytes(b.num_used_blocks, w.num_used if w else 0),
+        # each store's own peak (an upper bound when they peaked at different times)
+        peak_bytes=nbytes(rec.peak_blocks, w.peak_used if w else 0),
         hit_rate=rec.cached_tokens / rec.prompt_tokens if rec.prompt_tokens else 0.0,
         active_sequences=len(b.block_tables),
         evictions=b.evictions,
         release_latency_ms=rec.release_latency_ms,
-        budget_bytes=b.num_blocks * bpb,
+        budget_bytes=nbytes(b.num_blocks, w.num_window_blocks - 1 if w else 0),
         bytes_per_block=bpb,
         bytes_per_token=layout.bytes_per_token,
         kv_format=layout.kv_format,

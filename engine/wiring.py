@@ -21,6 +21,7 @@ from engine.kvcache.prefix_cache import PrefixCache
 from engine.kvcache.prefix_key import salt_base
 from engine.kvcache.quant import QuantSpec
 from engine.kvcache.swap import HostSwap
+from engine.kvcache.window_blocks import WindowBlocks
 from engine.model import memory
 from engine.model.loader import LoadedModel
 from engine.model.model_runner import PagedModel
@@ -88,6 +89,35 @@ def check_kv_budget(budget: int, weight_bytes: int, limit: int | None = None) ->
             f"try --kv-budget {max(suggest >> 20, 1)}M")
 
 
+def window_pool(runner: PagedModel, layout: KVLayout, config: EngineConfig, num_blocks: int,
+                max_context: int) -> tuple[WindowBlocks | None, int]:
+    """The sliding-window layers' store, and the pool's blocks once that store is carved
+    out of the budget; (None, num_blocks) when the model has no windows or its windows
+    would span the whole pool anyway.
+
+    Every running sequence may hold its window plus two prefill chunks (see
+    `window_blocks`), and as many again stay retained for the next turn of a chat.
+    """
+    windows = [w for w in runner.windows if w]
+    if not (config.window_pool and windows):
+        return None, num_blocks
+    bs, window = config.block_size, max(windows)
+    margin = 2 * max(config.prefill_chunk, config.max_step_tokens or 0)
+    per_seq = -(-(window + margin) // bs) + 2
+    num_window_blocks = 1 + 2 * (config.pool_sequences or config.max_running) * per_seq
+    per_layer = layout.bytes_per_block // layout.num_layers
+    n_global = layout.num_layers - len(windows)
+    room = config.kv_budget_bytes - num_window_blocks * len(windows) * per_layer
+    # every layer windowed: pool blocks only name tokens, as many as the plain pool had
+    pool_blocks = room // (n_global * per_layer) if n_global else num_blocks
+    if config.pool_sequences is not None:
+        pool_blocks = min(pool_blocks, config.pool_sequences * -(-max_context // bs) + 1)
+    if room <= 0 or num_window_blocks >= pool_blocks:
+        return None, num_blocks
+    return WindowBlocks(pool_blocks, num_window_blocks, bs, window, margin,
+                        layers=len(windows)), pool_blocks
+
+
 def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     """The runner, the KV pool and its bookkeeping, the prefix cache and the scheduler config."""
     check_kv_budget(config.kv_budget_bytes, loaded.weight_bytes)
@@ -108,8 +138,10 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     if config.pool_sequences is not None:
         per_seq = -(-max_context // config.block_size)
         num_blocks = min(num_blocks, config.pool_sequences * per_seq + 1)
-    kv = PagedKVCache(layout, num_blocks, row_writer=row_writer(loaded))
-    blocks = BlockManager(num_blocks, config.block_size)
+    window, num_blocks = window_pool(runner, layout, config, num_blocks, max_context)
+    kv = PagedKVCache(layout, num_blocks, row_writer=row_writer(loaded), window=window,
+                      windowed=[w is not None for w in runner.windows])
+    blocks = BlockManager(num_blocks, config.block_size, window)
     store = None
     if config.prefix_cache and config.disk_cache:
         root = Path(config.disk_cache_dir).expanduser() if config.disk_cache_dir else None

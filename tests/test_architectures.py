@@ -51,6 +51,15 @@ def prompts(n: int = 3, length: int = PROMPT) -> list[list[int]]:
     return [[int(t) for t in rng.integers(3, VOCAB, length + 3 * i)] for i in range(n)]
 
 
+def config(**kw) -> EngineConfig:
+    """Small enough that windowed layers get their own store (`wiring.window_pool`)."""
+    return EngineConfig(**{"kv_budget_bytes": 16 << 20, "max_running": 4, **kw})
+
+
+def windows_stored_apart(engine: Engine) -> bool:
+    return engine.kv.window is not None and any(engine.kv.windowed)
+
+
 def greedy(engine: Engine, ids: list[int], n: int = NEW_TOKENS, **kw):
     r = engine.generate_text(ids, SamplingParams(max_tokens=n, ignore_eos=True), **kw)
     return r.tokens, r.stats
@@ -66,7 +75,8 @@ def test_windows_come_from_the_models_own_caches(zoo):
 @pytest.mark.parametrize("name", FLOAT)
 def test_float_matches_mlx_lm(zoo, name):
     loaded = zoo(name)
-    engine = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, prefill_chunk=16))
+    engine = Engine(loaded, config(prefill_chunk=16))
+    assert windows_stored_apart(engine) == any(engine.runner.windows)
     ids = prompts(1)[0]
     ours, stats = greedy(engine, ids)
     ref = mlx_lm_greedy(loaded.model, ids, NEW_TOKENS, 16, set())
@@ -81,7 +91,8 @@ def test_quantized_matches_mlx_lm(zoo, name, bits):
     loaded = zoo(name, bits)
     assert loaded.weight_format.startswith("q")
     # one 64-token prefill chunk: the window is cut inside a chunk as well as across chunks
-    engine = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, prefill_chunk=64))
+    engine = Engine(loaded, config(prefill_chunk=64))
+    assert windows_stored_apart(engine) == any(engine.runner.windows)
     ids = prompts(1)[0]
     ours, _ = greedy(engine, ids)
     assert ours == mlx_lm_greedy(loaded.model, ids, NEW_TOKENS, 64, set())
@@ -90,7 +101,7 @@ def test_quantized_matches_mlx_lm(zoo, name, bits):
 def test_a_window_the_engine_ignored_would_be_caught(zoo):
     """The check can fail: the same model with its windows dropped disagrees with mlx-lm."""
     loaded = zoo("gemma3_text")
-    engine = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, prefill_chunk=16))
+    engine = Engine(loaded, config(prefill_chunk=16, window_pool=False))
     ids = prompts(1)[0]
     ref = mlx_lm_greedy(loaded.model, ids, NEW_TOKENS, 16, set())
     runner = engine.runner
@@ -102,9 +113,11 @@ def test_a_window_the_engine_ignored_would_be_caught(zoo):
 @pytest.mark.parametrize("name", PATHS)
 def test_batched_equals_alone(zoo, name):
     loaded = zoo(name)
-    alone = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, prefix_cache=False))
+    # alone on a pool that keeps every block in every layer; together on the window store
+    alone = Engine(loaded, config(prefix_cache=False, prefill_chunk=16, window_pool=False))
     want = [greedy(alone, ids, 24)[0] for ids in prompts()]
-    together = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, prefix_cache=False))
+    together = Engine(loaded, config(prefix_cache=False, prefill_chunk=16))
+    assert windows_stored_apart(together) == any(together.runner.windows)
     p = SamplingParams(max_tokens=24, ignore_eos=True)
     handles = [together.submit(ids, p) for ids in prompts()]
     got = [[e.token for e in h if e.token is not None] for h in handles]
@@ -112,23 +125,26 @@ def test_batched_equals_alone(zoo, name):
     m = together.metrics()
     steps = [m.decode_forward, m.mixed_forward]
     assert sum(c.tokens for c in steps) > sum(c.steps for c in steps), "never batched"
+    together.blocks.check_invariants()
+    assert m.blocks_free == m.blocks_total
 
 
 @pytest.mark.parametrize("name", PATHS)
 def test_prefix_cache_cold_warm_ram_warm_disk(zoo, name, tmp_path):
     loaded = zoo(name)
     ids = prompts(1, 70)[0]  # four whole blocks cached, each past the window
-    cold, s0 = greedy(Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20,
-                                                  prefix_cache=False)), ids, 24)
+    cold, s0 = greedy(Engine(loaded, config(prefix_cache=False, window_pool=False)), ids, 24)
     assert s0.cached_tokens == 0
 
     def disk_engine():
-        return Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, disk_cache=True,
-                                           disk_cache_dir=str(tmp_path / "prefix")))
+        return Engine(loaded, config(prefill_chunk=16, disk_cache=True,
+                                     disk_cache_dir=str(tmp_path / "prefix")))
 
     engine = disk_engine()
+    assert windows_stored_apart(engine) == any(engine.runner.windows)
     first, s1 = greedy(engine, ids, 24)
     ram, s2 = greedy(engine, ids, 24)
+    engine.blocks.check_invariants()
     engine.shutdown()
     disk, s3 = greedy(disk_engine(), ids, 24)
     assert first == ram == disk == cold
@@ -140,19 +156,24 @@ def test_prefix_cache_cold_warm_ram_warm_disk(zoo, name, tmp_path):
 @pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])
 def test_preemption_resumes_exactly(zoo, name, mode):
     loaded = zoo(name)
-    fixed = dict(block_size=4, max_running=3, step_target_s=None, prefix_cache=False)
-    alone = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20, **fixed))
-    want = [greedy(alone, ids, 24)[0] for ids in prompts()]
-    per_block = alone.layout.bytes_per_block
-    # the prompts fit (33 blocks), their answers do not (51): preemption while decoding
-    tight = Engine(loaded, EngineConfig(kv_budget_bytes=36 * per_block, preempt_mode=mode,
-                                        **fixed))
-    p = SamplingParams(max_tokens=24, ignore_eos=True)
-    handles = [tight.submit(ids, p) for ids in prompts()]
+    fixed = dict(block_size=4, max_running=3, step_target_s=None, prefix_cache=False,
+                 prefill_chunk=16)
+    alone = Engine(loaded, config(window_pool=False, **fixed))
+    long = prompts(3, 120)
+    want = [greedy(alone, ids, 48)[0] for ids in long]
+    roomy = Engine(loaded, config(**fixed))
+    # the prompts fit in 100 pool blocks (93), their answers do not (129): preemption;
+    # the windowed layers' store (85 blocks) is smaller, as at real context lengths
+    budget = roomy.kv.bytes_for(100, roomy.kv.window.num_window_blocks)
+    tight = Engine(loaded, config(kv_budget_bytes=budget, preempt_mode=mode, **fixed))
+    assert tight.blocks.num_blocks == 100 and windows_stored_apart(tight)
+    p = SamplingParams(max_tokens=48, ignore_eos=True)
+    handles = [tight.submit(ids, p) for ids in long]
     got = [[e.token for e in h if e.token is not None] for h in handles]
     m = tight.metrics()
     assert m.preemptions > 0, "no pressure"
     assert got == want
+    tight.blocks.check_invariants()
     assert m.blocks_free == m.blocks_total
 
 

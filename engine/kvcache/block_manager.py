@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.errors import OutOfBlocksError
+from engine.kvcache.window_blocks import WindowBlocks
 
 
 @dataclass(slots=True)
@@ -32,7 +33,7 @@ class SlotPlan:
 class BlockManager:
     """Allocates fixed-size blocks to sequences and tracks their reference counts."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, window: WindowBlocks | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -47,6 +48,7 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0, LRU first
         self.evictions = 0
+        self.window = window  # sliding-window layers' storage (window_blocks.py), if any
 
     # -- queries -----------------------------------------------------------
     @property
@@ -95,7 +97,9 @@ class BlockManager:
             raise
 
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
-        return self._new_blocks_for(seq_id, num_new_tokens) <= self.num_free_blocks
+        new = self._new_blocks_for(seq_id, num_new_tokens)
+        return new <= self.num_free_blocks and (self.window is None
+                                                 or self.window.can_take(new))
 
     def append(self, seq_id: int, num_new_tokens: int) -> SlotPlan:
         """Reserve slots for ``num_new_tokens`` more tokens of ``seq_id``.
@@ -117,9 +121,13 @@ class BlockManager:
             self.ref_counts[src] -= 1
             table[-1] = dst
             copies.append((src, dst))
+            if self.window is not None:
+                self.window.replace(seq_id, src, dst)
         while len(table) < self.blocks_needed(n + num_new_tokens):
             table.append(self._take_block())
         self.num_tokens[seq_id] = n + num_new_tokens
+        if self.window is not None:
+            self.window.track(seq_id, table, n + num_new_tokens)
         return SlotPlan(self.slots(seq_id, n, n + num_new_tokens), copies)
 
     def slots(self, seq_id: int, start: int, stop: int) -> list[int]:
@@ -136,6 +144,8 @@ class BlockManager:
             self.ref_counts[b] += 1
         self.block_tables[child_id] = table
         self.num_tokens[child_id] = self.num_tokens[parent_id]
+        if self.window is not None:
+            self.window.track(child_id, table, self.num_tokens[child_id])
 
     def free(self, seq_id: int) -> int:
         """Drop ``seq_id``'s block references exactly once; returns blocks freed.
@@ -147,6 +157,8 @@ class BlockManager:
         if table is None:
             return 0
         del self.num_tokens[seq_id]
+        if self.window is not None:
+            self.window.release(seq_id, table, self.block_hash)
         freed = 0
         # In table order, so a later sequence tends to get an ascending run of
         # ids again (the reference attention reads such a run without a gather).
@@ -180,6 +192,8 @@ class BlockManager:
             if b is None or self.block_tokens[b] != tuple(tokens):
                 break
             found.append(b)
+        if self.window is not None:  # the windowed layers must find their rows too
+            return found[: self.window.usable_prefix(found)]
         return found
 
     def allocate_cached(self, seq_id: int, cached: Sequence[int]) -> None:
@@ -192,6 +206,8 @@ class BlockManager:
             self.ref_counts[b] += 1
         self.block_tables[seq_id] = list(cached)
         self.num_tokens[seq_id] = len(cached) * self.block_size
+        if self.window is not None:
+            self.window.track(seq_id, self.block_tables[seq_id], self.num_tokens[seq_id])
 
     def register(self, block_id: int, block_hash: bytes, tokens: Sequence[int]) -> bool:
         """Name a full, computed block by its chained hash so later prompts can reuse it."""
@@ -215,6 +231,8 @@ class BlockManager:
     def _unhash(self, b: int) -> None:
         h = self.block_hash.pop(b)
         del self.block_tokens[b], self.hash_to_block[h]
+        if self.window is not None:
+            self.window.forget_block(b)
 
     # -- invariants --------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -234,3 +252,5 @@ class BlockManager:
             assert (b in self.evictable) <= (b in self.block_hash), f"cached block {b} unhashed"
             assert (b in free) <= (b not in self.block_hash), f"free block {b} hashed"
         assert {self.hash_to_block[h] for h in self.block_hash.values()} == set(self.block_hash)
+        if self.window is not None:
+            self.window.check_invariants(self.block_tables)

@@ -14,13 +14,15 @@ slots; attention dequantizes only the blocks it reads (`QuantizedBlocks`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from engine.kvcache import quant as quant_format
 from engine.kvcache.quant import QuantSpec
+from engine.kvcache.window_blocks import WindowBlocks
 
 SCALE_DTYPE = getattr(mx, quant_format.SCALE_DTYPE)
 # What attention reads (the kernels); `QuantSpec` admits more, as the disk store may meet more.
@@ -138,36 +140,85 @@ class PagedKVCache:
     MLX's indexing builds ~12 nodes per write.
     """
 
-    def __init__(self, layout: KVLayout, num_blocks: int, row_writer: RowWriter | None = None):
+    def __init__(self, layout: KVLayout, num_blocks: int, row_writer: RowWriter | None = None,
+                 *, window: WindowBlocks | None = None, windowed: Sequence[bool] = ()):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.layout = layout
         self.num_blocks = num_blocks
         self.row_writer = row_writer
-        self.keys: list[Store] = [self._empty(layout.k_quant) for _ in range(layout.num_layers)]
-        self.values: list[Store] = [self._empty(layout.v_quant)
-                                    for _ in range(layout.num_layers)]
+        # sliding-window layers keep rows only for the blocks a window covers
+        self.window = window
+        self.windowed = [bool(w) and window is not None for w in windowed] or \
+            [False] * layout.num_layers
+        self._blocks = [window.num_window_blocks if w else num_blocks for w in self.windowed]
+        self.keys: list[Store] = [self._empty(layout.k_quant, n) for n in self._blocks]
+        self.values: list[Store] = [self._empty(layout.v_quant, n) for n in self._blocks]
+        self._map: tuple[int, mx.array] | None = None
+        self._memo: dict[tuple[int, int], tuple[object, int, mx.array]] = {}
         mx.eval(self.keys, self.values)
 
-    def _empty(self, quant: QuantSpec | None) -> Store:
+    def _empty(self, quant: QuantSpec | None, num_blocks: int) -> Store:
         L = self.layout
-        rows = (L.num_kv_heads, self.num_blocks * L.block_size)
+        rows = (L.num_kv_heads, num_blocks * L.block_size)
         if quant is None:
             return mx.zeros((*rows, L.head_dim), L.dtype)
         groups = quant.num_groups(L.head_dim)
         return (mx.zeros((*rows, quant.packed_dim(L.head_dim)), mx.uint32),
                 mx.zeros((*rows, groups), SCALE_DTYPE), mx.zeros((*rows, groups), SCALE_DTYPE))
 
+    def _window_map(self) -> mx.array:
+        version = self.window.version
+        if self._map is None or self._map[0] != version:
+            wmap = np.maximum(np.array(self.window.wmap, dtype=np.int32), 0)  # -1: scratch
+            self._map = (version, mx.array(wmap))
+        return self._map[1]
+
+    def _translated(self, kind: int, index: mx.array) -> mx.array:
+        """Window-store slots (kind 0) or block tables (kind 1) for ``index``, once per
+        array and map version (every windowed layer of a step shares them)."""
+        key = (kind, id(index))
+        memo = self._memo.get(key)
+        if memo is not None and memo[0] is index and memo[1] == self.window.version:
+            return memo[2]
+        if len(self._memo) > 64:  # one step's arrays; older ones are dead
+            self._memo.clear()
+        wmap = self._window_map()
+        if kind == 1:
+            out = mx.take(wmap, index)
+        else:
+            bs = self.layout.block_size
+            out = mx.take(wmap, index // bs) * bs + index % bs
+        self._memo[key] = (index, self.window.version, out)
+        return out
+
+    def slots_for(self, layer: int, slots: mx.array) -> mx.array:
+        """Where ``slots`` (pool slots) live in layer ``layer``'s store."""
+        return self._translated(0, slots) if self.windowed[layer] else slots
+
+    def tables_for(self, layer: int, block_tables: mx.array) -> mx.array:
+        """``block_tables`` as layer ``layer``'s store numbers its blocks (a windowed
+        layer's blocks outside every window read scratch, which its mask hides)."""
+        return self._translated(1, block_tables) if self.windowed[layer] else block_tables
+
     @property
     def nbytes(self) -> int:
         """Bytes the pool holds (all blocks, used or not)."""
-        return self.num_blocks * self.layout.bytes_per_block
+        per_layer = self.layout.bytes_per_block // self.layout.num_layers
+        return sum(self._blocks) * per_layer
 
-    def _view(self, store: Store, quant: QuantSpec | None):
+    def bytes_for(self, blocks: int, window_blocks: int) -> int:
+        """Bytes of ``blocks`` pool blocks whose windowed layers hold ``window_blocks``."""
+        L = self.layout
+        if self.window is None:
+            return blocks * L.bytes_per_block
+        return self.window.bytes_for(L.bytes_per_block, L.num_layers, blocks, window_blocks)
+
+    def _view(self, store: Store, quant: QuantSpec | None, num_blocks: int):
         L = self.layout
         if quant is None:
-            return store.reshape(L.num_kv_heads, self.num_blocks, L.block_size, L.head_dim)
-        parts = [a.reshape(L.num_kv_heads, self.num_blocks, L.block_size, a.shape[-1])
+            return store.reshape(L.num_kv_heads, num_blocks, L.block_size, L.head_dim)
+        parts = [a.reshape(L.num_kv_heads, num_blocks, L.block_size, a.shape[-1])
                  for a in store]
         return QuantizedBlocks(*parts, quant, L.head_dim)
 
@@ -175,8 +226,9 @@ class PagedKVCache:
         """Layer ``layer``'s K and V as ``(kv_heads, num_blocks, block_size, head_dim)``:
         arrays, or `QuantizedBlocks` for a quantized side."""
         L = self.layout
-        return (self._view(self.keys[layer], L.k_quant),
-                self._view(self.values[layer], L.v_quant))
+        n = self._blocks[layer]
+        return (self._view(self.keys[layer], L.k_quant, n),
+                self._view(self.values[layer], L.v_quant, n))
 
     @staticmethod
     def _put(store: Store, slots, rows) -> None:
@@ -189,6 +241,7 @@ class PagedKVCache:
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store ``keys``/``values`` of shape (kv_heads, N, head_dim) at ``slots``."""
         L = self.layout
+        slots = self.slots_for(layer, slots)
         for stores, rows, quant in ((self.keys, keys, L.k_quant),
                                     (self.values, values, L.v_quant)):
             if quant:
@@ -200,18 +253,21 @@ class PagedKVCache:
 
     def take(self, slots: mx.array) -> tuple[list[Store], list[Store]]:
         """Every layer's stored K and V rows at ``slots``, in their stored format."""
-        def rows(store: Store) -> Store:
+        def rows(store: Store, layer: int) -> Store:
+            at = self.slots_for(layer, slots)
             if isinstance(store, tuple):
-                return tuple(a[:, slots] for a in store)
-            return store[:, slots]
+                return tuple(a[:, at] for a in store)
+            return store[:, at]
 
-        return [rows(k) for k in self.keys], [rows(v) for v in self.values]
+        return ([rows(k, i) for i, k in enumerate(self.keys)],
+                [rows(v, i) for i, v in enumerate(self.values)])
 
     def put(self, slots: mx.array, keys: list[Store], values: list[Store]) -> None:
         """Write back rows from `take` (the exact stored bytes) at ``slots``."""
         for layer in range(self.layout.num_layers):
-            self._put(self.keys[layer], slots, keys[layer])
-            self._put(self.values[layer], slots, values[layer])
+            at = self.slots_for(layer, slots)
+            self._put(self.keys[layer], at, keys[layer])
+            self._put(self.values[layer], at, values[layer])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (src -> dst) in every layer: the copy-on-write step."""

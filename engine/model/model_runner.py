@@ -178,19 +178,25 @@ class PagedModel:
                  k.transpose(1, 0, 2, 3).reshape(self.num_kv_heads, rows * L, -1),
                  v.transpose(1, 0, 2, 3).reshape(self.num_kv_heads, rows * L, -1))
         k_pool, v_pool = kv.block_view(layer)
+        # a windowed layer's store numbers blocks its own way, so no contiguous run
+        windowed = kv.windowed[layer]
         if not isinstance(batch, PackedBatch):
-            return paged_attention(q, k_pool, v_pool, batch.block_tables, batch.context_lens,
-                                   spec, block_run=batch.block_run,
+            return paged_attention(q, k_pool, v_pool, kv.tables_for(layer, batch.block_tables),
+                                   batch.context_lens, spec,
+                                   block_run=None if windowed else batch.block_run,
                                    use_kernels=self.use_kernels)
         outs = []
         for seg in batch.prefills:
             qs = q[seg.start:seg.start + seg.length].transpose(2, 1, 0, 3)  # (1, Hq, n, D)
-            o = paged_attention(qs, k_pool, v_pool, seg.block_table, [seg.context_len], spec,
-                                block_run=seg.block_run, use_kernels=self.use_kernels)
+            o = paged_attention(qs, k_pool, v_pool, kv.tables_for(layer, seg.block_table),
+                                [seg.context_len], spec,
+                                block_run=None if windowed else seg.block_run,
+                                use_kernels=self.use_kernels)
             outs.append(o.transpose(2, 1, 0, 3))
         if batch.decode_lens:
             outs.append(paged_attention(q[batch.decode_start:], k_pool, v_pool,
-                                        batch.decode_tables, batch.decode_lens, spec,
+                                        kv.tables_for(layer, batch.decode_tables),
+                                        batch.decode_lens, spec,
                                         use_kernels=self.use_kernels))
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
 
