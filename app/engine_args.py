@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
                    help="K's bits alone (overrides --kv-bits for K)")
     p.add_argument("--v-bits", type=int, choices=[16, 8, 4], default=None,
                    help="V's bits alone (overrides --kv-bits for V)")
+    p.add_argument("--full-window-layers", action="store_true",
+                   help="sliding-window layers keep every block, as global ones do "
+                        "(default: only the blocks their window covers)")
     if disk:
         p.add_argument("--cache-dir", default=None,
                        help="disk prefix cache directory (default ~/.cache/kvchat/prefix)")

@@ -17,7 +17,7 @@ from arch_zoo import VOCAB, WINDOW, ZOO, build
 from test_engine_parity import mlx_lm_greedy
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, RequestError
 from engine.model import architectures
 
 NEW_TOKENS = 64
@@ -227,3 +227,35 @@ def test_config_summary_for_the_models_screen():
     oss = architectures.summary(dict(ZOO["gpt_oss"]))
     assert "attention sinks" in oss and "4 experts" in oss
     assert "not supported" in architectures.summary({"model_type": "jamba"})
+
+
+def test_gemma3_at_8k_holds_windowed_layers_for_their_window_only(tmp_path, default_model):
+    """Gemma-3 shape (5 sliding layers of window 512 per global one, 1 KV head of 256):
+    KV bytes ~ global layers x context + windowed layers x (window + margin)."""
+    path = build(tmp_path / "gemma8k", "gemma3_text", default_model.path, eos=EOS,
+                 overrides=dict(num_hidden_layers=6, sliding_window=512,
+                                sliding_window_pattern=6, max_position_embeddings=32768))
+    loaded = load_model(str(path), weights="float32")
+    ids = prompts(1, 8300)[0]
+    engine = Engine(loaded, config(kv_budget_bytes=64 << 20, max_running=1,
+                                   prefix_cache=False))
+    kv = engine.kv
+    assert kv.windowed == [True] * 5 + [False] and kv.window.window == 512
+    ours, stats = greedy(engine, ids, 8)
+    assert ours == mlx_lm_greedy(loaded.model, ids, 8, 512, set())
+    per_token_layer = engine.layout.bytes_per_token // 6  # K + V of one layer, one token
+    context = stats.blocks_used * 16
+    held = stats.bytes_used - context * per_token_layer  # the five windowed layers' part
+    assert held % (5 * per_token_layer) == 0
+    assert 512 <= held // (5 * per_token_layer) <= 512 + 2 * 512 + 2 * 16
+    # the same 64 MiB budget holding every layer's blocks is too small for this context
+    plain = Engine(loaded, config(kv_budget_bytes=64 << 20, max_running=1, prefix_cache=False,
+                                  window_pool=False))
+    with pytest.raises(RequestError, match="KV pool holds"):
+        plain.submit(ids, SamplingParams(max_tokens=8))
+    plain = Engine(loaded, config(kv_budget_bytes=128 << 20, max_running=1,
+                                  prefix_cache=False, window_pool=False))
+    assert plain.kv.window is None
+    _, full = greedy(plain, ids, 8)
+    assert full.bytes_used == 6 * context * per_token_layer
+    assert stats.bytes_used < full.bytes_used / 2.5

@@ -9,6 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from engine.errors import OutOfBlocksError
 from engine.kvcache.block_manager import BlockManager
+from engine.kvcache.window_blocks import WindowBlocks
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -138,6 +139,54 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPool = PoolMachine.TestCase
 TestPool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class WindowPoolMachine(PoolMachine):
+    """The same operations with sliding-window layers on their own smaller store: every
+    sequence still reads back, through ``wmap``, every token its next query's window
+    sees, and the window store's bookkeeping stays consistent."""
+
+    @initialize(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4]),
+                window=st.sampled_from([1, 2, 5, 9]), margin=st.sampled_from([0, 3]),
+                window_blocks=st.integers(2, 30))
+    def setup(self, num_blocks, block_size, window, margin, window_blocks):
+        super().setup(num_blocks, block_size)
+        self.wb = WindowBlocks(num_blocks, window_blocks, block_size, window, margin)
+        self.bm = BlockManager(num_blocks, block_size, self.wb)
+        self.window_values: dict[int, int] = {}
+
+    def _wslot(self, slot: int) -> int | None:
+        bs = self.bm.block_size
+        w = self.wb.wmap[slot // bs]
+        return w * bs + slot % bs if w > 0 else None
+
+    def _write(self, seq, plan, n):
+        bs = self.bm.block_size
+        for src, dst in plan.copies:
+            for i in range(bs):
+                a, b = self._wslot(src * bs + i), self._wslot(dst * bs + i)
+                if a is not None and b is not None and a in self.window_values:
+                    self.window_values[b] = self.window_values[a]
+        counter = self.counter
+        super()._write(seq, plan, n)
+        for k, slot in enumerate(plan.slots):
+            w = self._wslot(slot)
+            if w is not None:
+                self.window_values[w] = counter + k + 1
+
+    @invariant()
+    def every_window_reads_back(self):
+        bs, W = self.bm.block_size, self.wb.window
+        for seq, values in self.tokens.items():
+            n, table = len(values), self.bm.block_tables[seq]
+            for p in range(max(0, n - W + 1), n):
+                w = self._wslot(table[p // bs] * bs + p % bs)
+                assert w is not None, f"sequence {seq} lost position {p} of its window"
+                assert self.window_values.get(w) == values[p], f"sequence {seq} at {p}"
+
+
+TestWindowPool = WindowPoolMachine.TestCase
+TestWindowPool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
 @given(n=st.integers(0, 200), bs=st.integers(1, 32))

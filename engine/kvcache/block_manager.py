@@ -81,8 +81,16 @@ class BlockManager:
         return extra + (1 if cow and num_new_tokens > 0 else 0)
 
     # -- check / act pairs ------------------------------------------------------
+    def _window_blocks_for(self, have: int, num_tokens: int, cow: int) -> int:
+        """Window blocks an append to ``num_tokens`` over ``have`` blocks gives out: its
+        fresh blocks that the window still covers (see `WindowBlocks.track`)."""
+        first = self.window.first_needed(num_tokens)
+        return max(0, self.blocks_needed(num_tokens) - max(have, first)) + cow
+
     def can_allocate(self, num_tokens: int) -> bool:
-        return self.blocks_needed(num_tokens) <= self.num_free_blocks
+        return self.blocks_needed(num_tokens) <= self.num_free_blocks and (
+            self.window is None
+            or self.window.can_take(self._window_blocks_for(0, num_tokens, 0)))
 
     def allocate(self, seq_id: int, num_tokens: int = 0) -> SlotPlan:
         """Register a new sequence and reserve slots for its first ``num_tokens``."""
@@ -98,8 +106,13 @@ class BlockManager:
 
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
         new = self._new_blocks_for(seq_id, num_new_tokens)
-        return new <= self.num_free_blocks and (self.window is None
-                                                 or self.window.can_take(new))
+        if new > self.num_free_blocks:
+            return False
+        if self.window is None:
+            return True
+        have, n = len(self.block_tables[seq_id]), self.num_tokens[seq_id]
+        cow = int(new > self.blocks_needed(n + num_new_tokens) - have)
+        return self.window.can_take(self._window_blocks_for(have, n + num_new_tokens, cow))
 
     def append(self, seq_id: int, num_new_tokens: int) -> SlotPlan:
         """Reserve slots for ``num_new_tokens`` more tokens of ``seq_id``.
@@ -123,11 +136,12 @@ class BlockManager:
             copies.append((src, dst))
             if self.window is not None:
                 self.window.replace(seq_id, src, dst)
+        fresh = len(table)
         while len(table) < self.blocks_needed(n + num_new_tokens):
             table.append(self._take_block())
         self.num_tokens[seq_id] = n + num_new_tokens
         if self.window is not None:
-            self.window.track(seq_id, table, n + num_new_tokens)
+            self.window.track(seq_id, table, n + num_new_tokens, fresh)
         return SlotPlan(self.slots(seq_id, n, n + num_new_tokens), copies)
 
     def slots(self, seq_id: int, start: int, stop: int) -> list[int]:
@@ -145,7 +159,7 @@ class BlockManager:
         self.block_tables[child_id] = table
         self.num_tokens[child_id] = self.num_tokens[parent_id]
         if self.window is not None:
-            self.window.track(child_id, table, self.num_tokens[child_id])
+            self.window.track(child_id, table, self.num_tokens[child_id], len(table))
 
     def free(self, seq_id: int) -> int:
         """Drop ``seq_id``'s block references exactly once; returns blocks freed.
@@ -207,7 +221,8 @@ class BlockManager:
         self.block_tables[seq_id] = list(cached)
         self.num_tokens[seq_id] = len(cached) * self.block_size
         if self.window is not None:
-            self.window.track(seq_id, self.block_tables[seq_id], self.num_tokens[seq_id])
+            table = self.block_tables[seq_id]
+            self.window.track(seq_id, table, self.num_tokens[seq_id], len(table))
 
     def register(self, block_id: int, block_hash: bytes, tokens: Sequence[int]) -> bool:
         """Name a full, computed block by its chained hash so later prompts can reuse it."""

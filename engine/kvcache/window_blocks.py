@@ -104,17 +104,23 @@ class WindowBlocks:
             else:
                 self._take_back(b)
 
-    def track(self, seq_id: int, table: list[int], num_tokens: int) -> None:
-        """After ``seq_id`` grew to ``num_tokens`` over ``table``: give its newly needed
-        blocks window blocks and let go of those its window left behind."""
+    def track(self, seq_id: int, table: list[int], num_tokens: int, new_from: int) -> None:
+        """After ``seq_id`` grew to ``num_tokens`` over ``table`` (entries from ``new_from``
+        on are fresh blocks): give the fresh ones window blocks, count the needed ones, and
+        let go of those its window left behind. A needed block that is not fresh and has no
+        window block lies in the margin only (never read): it is counted, not given one."""
         first = self.first_needed(num_tokens)
         old_first, upto = self.first.get(seq_id, (first, first))
         for j in range(old_first, min(first, upto)):
             self._drop_need(table[j], keep=False)
         first = max(first, old_first)
         for j in range(max(upto, first), len(table)):
-            self.need[table[j]] += 1
-            self._give(table[j])
+            b = table[j]
+            self.need[b] += 1
+            if j >= new_from:
+                self._give(b)
+            elif self.wmap[b] >= 0:
+                self.retained.pop(b, None)
         self.first[seq_id] = (first, max(len(table), first))
 
     def replace(self, seq_id: int, old: int, new: int) -> None:
@@ -123,7 +129,7 @@ class WindowBlocks:
         if seq_id in self.first:
             self.need[new] += 1
             self._give(new)
-            self._drop_need(old, keep=False)
+            self._drop_need(old, keep=True)  # evictable: the copy still reads it
 
     def forget_block(self, b: int) -> None:
         """The prefix cache dropped ``b``: a retained window block goes back."""
@@ -150,4 +156,5 @@ class WindowBlocks:
         assert not set(held) & set(self.free_ids), "a window block both held and free"
         assert len(held) + len(self.free_ids) == self.num_window_blocks - 1
         for b, w in enumerate(self.wmap):
-            assert (w >= 0) == (need[b] > 0 or b in self.retained), f"block {b}"
+            assert (w >= 0) <= (need[b] > 0 or b in self.retained), f"block {b} leaks"
+            assert (b in self.retained) <= (w >= 0 and need[b] == 0), f"block {b} retained"
