@@ -6,7 +6,10 @@
 //            block_tables (B, max_blocks) int32; context_lens (B,) int32;
 //            scale (1,) float32; k_scales, k_biases, v_scales, v_biases
 //            (Hkv, num_blocks, BS, D / group) for a quantized side, else one
-//            unused placeholder element
+//            unused placeholder element; attn_window (1,) int32: the layer sees
+//            its last attn_window positions (0: all); attn_sinks (Hq,) float32
+//            learned logits joining each head's softmax without a value, or
+//            one placeholder of -FLT_MAX (no sinks: it adds exp(-huge) = 0)
 //   output:  out (B, Hq, 1, D) T
 //   template: T (queries dtype), D (head dim, multiple of 32), BS (block
 //             size), NSG (simdgroups per threadgroup), KB / VB (bits of the K /
@@ -38,6 +41,9 @@
   }
   const int kv_head = head / (num_q_heads / num_kv_heads);
   const int num_tokens = context_lens[seq];
+  // A sliding window: the query (position num_tokens - 1) sees the last attn_window keys.
+  const int win = attn_window[0];
+  const int t_first = win > 0 && num_tokens > win ? num_tokens - win : 0;
 
   // This lane's slice of the query, pre-scaled, in fp32.
   const int64_t q_offset = (int64_t(seq) * num_q_heads + head) * D + lane * EPL;
@@ -54,7 +60,7 @@
   float m = PA_FINITE_MIN;
   float l = 0.0f;
   const int64_t head_row = int64_t(kv_head) * num_blocks * BS;
-  for (int t = sg; t < num_tokens; t += NSG) {
+  for (int t = t_first + sg; t < num_tokens; t += NSG) {
     const int block = block_tables[seq * max_blocks + t / BS];
     const int64_t row = head_row + int64_t(block) * BS + t % BS;
     const PaLaneRow<EPL> k = PaRowReader<KB, KG, D>::read(k_pool, k_scales, k_biases, row, lane);
@@ -84,12 +90,14 @@
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  float g_max = PA_FINITE_MIN;
+  // The head's sink joins the softmax as one more logit, with no value.
+  const float sink = attn_sinks[attn_sinks_shape[0] == 1 ? 0 : head];
+  float g_max = sink;
   for (int g = 0; g < NSG; ++g) {
     g_max = pa_max(g_max, tg_max[g]);
   }
   float weight[NSG];
-  float denom = 0.0f;
+  float denom = pa_exp(sink - g_max);
   for (int g = 0; g < NSG; ++g) {
     weight[g] = pa_exp(tg_max[g] - g_max);
     denom += tg_sum[g] * weight[g];

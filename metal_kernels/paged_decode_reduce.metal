@@ -1,7 +1,8 @@
 // Paged decode attention, pass 2 of 2: merges a sequence's partitions.
 // Body for mx.fast.metal_kernel (the same text runs on CUDA via cuda_backend.h).
 //   inputs:  part_out (NP, B, Hq, D), part_max, part_sum (NP, B, Hq) float32
-//            from paged_decode_split.metal; context_lens (B,) int32
+//            from paged_decode_split.metal; context_lens (B,) int32;
+//            attn_window (1,) int32 and attn_sinks (Hq or 1,) float32 as in pass 1
 //   output:  out (B, Hq, 1, D) T
 //   template: T (output dtype), D (head dim), PS (tokens per partition, as
 //             in pass 1)
@@ -16,17 +17,23 @@
   if (d >= D || head >= num_q_heads || seq >= num_seqs) {
     return;
   }
-  const int used = (context_lens[seq] + PS - 1) / PS;
+  const int num_tokens = context_lens[seq];
+  const int used = (num_tokens + PS - 1) / PS;
+  // partitions wholly before a sliding window hold nothing (pass 1 skipped them)
+  const int win = attn_window[0];
+  const int skip = win > 0 && num_tokens > win ? (num_tokens - win) / PS : 0;
   const int64_t stride = int64_t(num_seqs) * num_q_heads;  // between partitions
   const int64_t first = int64_t(seq) * num_q_heads + head;
 
-  float g_max = PA_FINITE_MIN;
-  for (int p = 0; p < used; ++p) {
+  // The head's sink joins the softmax as one more logit, with no value.
+  const float sink = attn_sinks[attn_sinks_shape[0] == 1 ? 0 : head];
+  float g_max = sink;
+  for (int p = skip; p < used; ++p) {
     g_max = pa_max(g_max, part_max[first + p * stride]);
   }
-  float denom = 0.0f;
+  float denom = pa_exp(sink - g_max);
   float acc = 0.0f;
-  for (int p = 0; p < used; ++p) {
+  for (int p = skip; p < used; ++p) {
     const int64_t slot = first + p * stride;
     const float w = pa_exp(part_max[slot] - g_max);
     denom += part_sum[slot] * w;

@@ -32,13 +32,18 @@
   const int max_blocks = block_tables_shape[1];
   const int first_head = head_group * QPG;
   const int num_tokens = context_lens[seq];
-  const int begin = part * PS;
+  // A sliding window: the query sees the last attn_window keys; partitions wholly
+  // before them are skipped here and in pass 2.
+  const int win = attn_window[0];
+  const int t_first = win > 0 && num_tokens > win ? num_tokens - win : 0;
+  const int begin = part * PS > t_first ? part * PS : t_first;
   // Uniform per threadgroup: CUDA rounds the grid up to whole blocks, and a
   // short sequence has fewer partitions than the longest.
-  if (first_head >= num_q_heads || seq >= num_seqs || begin >= num_tokens) {
+  if (first_head >= num_q_heads || seq >= num_seqs || begin >= num_tokens ||
+      (part + 1) * PS <= t_first) {
     return;
   }
-  const int end = begin + PS < num_tokens ? begin + PS : num_tokens;
+  const int end = (part + 1) * PS < num_tokens ? (part + 1) * PS : num_tokens;
   const int kv_head = first_head / (num_q_heads / num_kv_heads);
 
   // This lane's slice of each query, pre-scaled, in fp32.

@@ -106,13 +106,25 @@ def test_cpu_route(call, path):
     assert routes.route(call, "cpu").path == path
 
 
-@pytest.mark.parametrize("spec", [AttentionSpec(0.125, window=64),
-                                  AttentionSpec(0.125, sinks=mx.zeros((4,)))])
-@pytest.mark.parametrize("where", ["cpu", "metal"])
-def test_windows_and_sinks_take_the_reference_everywhere(spec, where):
+WINDOW_AND_SINKS = [AttentionSpec(0.125, window=64), AttentionSpec(0.125, sinks=mx.zeros((4,))),
+                    AttentionSpec(0.125, window=7, sinks=mx.zeros((4,)))]
+
+
+@pytest.mark.parametrize("spec", WINDOW_AND_SINKS)
+def test_windows_and_sinks_take_the_reference_on_cpu(spec):
     for c in (call_of(4, None, 100, spec=spec), call_of(1, 0, 100, spec=spec),
               call_of(1, None, 100, L=8, spec=spec)):
-        assert routes.route(c, where).path == "reference"
+        assert routes.route(c, "cpu").path == "reference"
+
+
+@pytest.mark.parametrize("spec", WINDOW_AND_SINKS)
+@pytest.mark.parametrize("where", ["metal", "cuda"])
+def test_windows_and_sinks_take_the_gpu_decode_kernels(spec, where):
+    """The kernels' one body computes them (tests/test_kernels_window_sinks.py)."""
+    assert routes.route(call_of(4, None, 100, spec=spec), where).path == "one_pass"
+    assert routes.route(call_of(2, None, 5000, spec=spec), where).path == "two_pass"
+    assert routes.route(call_of(1, 0, 100, spec=spec), where).path == "view_sdpa"
+    assert routes.route(call_of(1, None, 100, L=8, spec=spec), where).path == "reference"
 
 
 def test_gpu_multi_query_calls_take_the_reference():
@@ -137,11 +149,11 @@ def test_kernel_paths(case, path, spies):
     assert guard.kernel_fallback() is None
 
 
-def test_a_windowed_layer_never_reaches_a_kernel(spies):
+def test_a_windowed_sink_layer_reaches_the_kernel_with_its_spec(spies):
     inputs = make_inputs(SHORT)
-    spec = AttentionSpec(inputs.pop("scale"), window=5)
+    spec = AttentionSpec(inputs.pop("scale"), window=5, sinks=mx.ones((4,), mx.float16))
     out = paged_attention(**inputs, scale=spec)
-    assert spies == {"one_pass": [], "two_pass": []}
+    assert len(spies["one_pass"]) == 1 and spies["one_pass"][0][-1] is spec
     assert mx.array_equal(out, reference.paged_attention_ref(**inputs, scale=spec))
 
 

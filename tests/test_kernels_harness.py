@@ -39,8 +39,9 @@ EXIT_MEM_ORDER = 89
 BARRIER = "  threadgroup_barrier(mem_flags::mem_threadgroup);\n"
 MEM_NONE = paged.mutate(BARRIER, "  threadgroup_barrier(mem_flags::mem_none);\n")
 NO_BARRIER = paged.mutate(BARRIER, "")
-LOOP = "  for (int t = sg; t < num_tokens; t += NSG) {\n"
-LANE_BOUND = paged.mutate(LOOP, "  for (int t = sg; t < num_tokens - (lane & 1); t += NSG) {\n")
+LOOP = "  for (int t = t_first + sg; t < num_tokens; t += NSG) {\n"
+LANE_BOUND = paged.mutate(
+    LOOP, "  for (int t = t_first + sg; t < num_tokens - (lane & 1); t += NSG) {\n")
 SIMD = "    s = simd_sum(s);\n"
 DERIVED_FLAG = paged.mutate(
     SIMD, "    const bool upper = lane >= 16;\n    if (!upper) {\n      s = simd_sum(s);\n    }\n"

@@ -38,6 +38,7 @@ def test_generated_signature_for_quantized_pools():
         "queries_shape",
         "k_pool_shape",
         "block_tables_shape",
+        "attn_sinks_shape",  # one placeholder sink or one per query head
     }
 
 

@@ -30,7 +30,7 @@ MSL_TEXT = kernel_header("metal") + BODY
 GOLDEN_NAME = (
     "custom_kernel_paged_decode__float16_t_64_16_8_0_0_0_0_"
     "float16_t_float16_t_float16_t_int32_t_int32_tc_floatc_"
-    "float16_tc_float16_tc_float16_tc_float16_tc_float16_t"
+    "float16_tc_float16_tc_float16_tc_float16_tc_int32_tc_floatc_float16_t"
 )
 GOLDEN_SIGNATURE = f"""template <typename T, int D, int BS, int NSG, int KB, int KG, int VB, int VG>
 [[kernel]] void {GOLDEN_NAME}(
@@ -47,7 +47,10 @@ GOLDEN_SIGNATURE = f"""template <typename T, int D, int BS, int NSG, int KB, int
   const constant float16_t* k_biases [[buffer(10)]],
   const constant float16_t* v_scales [[buffer(11)]],
   const constant float16_t* v_biases [[buffer(12)]],
-  device float16_t* out [[buffer(13)]],
+  const constant int32_t* attn_window [[buffer(13)]],
+  const constant float* attn_sinks [[buffer(14)]],
+  const constant int* attn_sinks_shape [[buffer(15)]],
+  device float16_t* out [[buffer(16)]],
   uint simdgroup_index_in_threadgroup [[simdgroup_index_in_threadgroup]],
   uint thread_index_in_simdgroup [[thread_index_in_simdgroup]],
   uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]) {{
@@ -142,6 +145,7 @@ def test_generated_signature_tracks_sizes_and_dtypes():
         "queries_shape",
         "k_pool_shape",
         "block_tables_shape",
+        "attn_sinks_shape",  # one placeholder sink or one per query head
     }
     assert src.template_call == "<bfloat16_t, 128, 16, 8, 0, 0, 0, 0>"
 
@@ -260,7 +264,7 @@ def test_body_avoids_accidental_shape_params():
         for s in ("shape", "strides", "ndim")
         if f"{n}_{s}" in BODY
     }
-    assert used == {"queries_shape", "k_pool_shape", "block_tables_shape"}
+    assert used == {"queries_shape", "k_pool_shape", "block_tables_shape", "attn_sinks_shape"}
     # No input name ends another, so "<a>_shape" is never inside "<b>_shape".
     names = abi.INPUT_NAMES
     assert not [(a, b) for a in names for b in names if a != b and b.endswith(a)]

@@ -152,7 +152,8 @@ def test_generated_split_and_reduce_signatures():
         "queries_shape", "k_pool_shape", "block_tables_shape"}
     assert srcs.split.template_call == "<float16_t, 64, 16, 2, 0, 0, 0, 0, 4, 32>"
     reduce = {p.name: p for p in srcs.reduce.params}
-    assert {p.name for p in srcs.reduce.params if p.kind == "shape"} == {"part_max_shape"}
+    assert {p.name for p in srcs.reduce.params if p.kind == "shape"} == {
+        "part_max_shape", "attn_sinks_shape"}
     assert reduce["out"].ctype == "device float16_t*"
     assert srcs.reduce.template_call == "<float16_t, 64, 32>"
     # No input name ends another, so MLX's "<name>_shape" search cannot misfire.

@@ -46,10 +46,10 @@ MUTANTS = {
     # name: (split body, reduce body, sanitizer, TG mode)
     "merge_unscaled": (None, _reduce("pa_exp(part_max[slot] - g_max)", "1.0f"), None, "checked"),
     "reduce_all_partitions": (
-        None, _reduce("(context_lens[seq] + PS - 1) / PS", "part_max_shape[0]"), None, "checked"),
+        None, _reduce("(num_tokens + PS - 1) / PS", "part_max_shape[0]"), None, "checked"),
     "partition_end_late": (
-        _split("begin + PS < num_tokens ? begin + PS", "begin + PS + 1 < num_tokens ? "
-               "begin + PS + 1"), None, None, "checked"),
+        _split("(part + 1) * PS < num_tokens ? (part + 1) * PS", "(part + 1) * PS + 1 < "
+               "num_tokens ? (part + 1) * PS + 1"), None, None, "checked"),
     "gqa_head_mapping": (
         _split("first_head / (num_q_heads / num_kv_heads)", "head_group % num_kv_heads"), None,
         None, "checked"),

@@ -60,7 +60,7 @@ def _launches(case: TwoPassCase, inputs: dict) -> tuple[list[mx.array], dict, di
     )
     reduce = two_pass.reduce_launch(q, case.partition_tokens)
     partials = [mx.zeros(s, dtype=mx.float32) for s in split["output_shapes"]]
-    return args, split, reduce, [*partials, args[4]]
+    return args, split, reduce, [*partials, *two_pass.reduce_extras(args)]
 
 
 def sources(
@@ -121,7 +121,8 @@ def emulate(
     q = args[0]
     second = emulator.run(
         binary, srcs.reduce,
-        dict(zip(two_pass.REDUCE_INPUT_NAMES, [*partials, args[4]], strict=True)),
+        dict(zip(two_pass.REDUCE_INPUT_NAMES, [*partials, *two_pass.reduce_extras(args)],
+                 strict=True)),
         {"out": (q.shape, q.dtype)}, reduce["grid"], reduce["threadgroup"], work_dir,
         **run_options,
     )

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from engine.kvcache.kv_cache import QuantizedBlocks
-from engine.model.attention.spec import PagedCall, Pool
+from engine.model.attention.spec import AttentionSpec, PagedCall, Pool
 from engine.model.cpu_ext import build
 
 QUANT_BITS = (4, 8)
@@ -34,6 +34,10 @@ def _side(pool: Pool) -> dict:
 
 
 def _paged(queries, k_pool, v_pool, block_tables, context_lens, scale) -> mx.array:
+    spec = AttentionSpec.of(scale)
+    if not spec.plain:
+        raise ValueError("the extension's attention computes plain layers only")
+    scale = spec.scale
     if not isinstance(context_lens, mx.array):
         context_lens = mx.array([int(n) for n in context_lens], dtype=mx.int32)
     k, v = _side(k_pool), _side(v_pool)
@@ -45,7 +49,8 @@ def _paged(queries, k_pool, v_pool, block_tables, context_lens, scale) -> mx.arr
 
 
 def paged_decode(queries: mx.array, k_pool: Pool, v_pool: Pool, block_tables: mx.array,
-                 context_lens: Sequence[int] | mx.array, scale: float) -> mx.array:
+                 context_lens: Sequence[int] | mx.array,
+                 scale: float | AttentionSpec) -> mx.array:
     """Decode attention read through the block table (plain layers).
 
     Args:
@@ -65,7 +70,8 @@ def paged_decode(queries: mx.array, k_pool: Pool, v_pool: Pool, block_tables: mx
 
 
 def paged_prefill(queries: mx.array, k_pool: Pool, v_pool: Pool, block_tables: mx.array,
-                  context_lens: Sequence[int] | mx.array, scale: float) -> mx.array:
+                  context_lens: Sequence[int] | mx.array,
+                  scale: float | AttentionSpec) -> mx.array:
     """Causal attention of each sequence's L newest positions (already written to the
     pool) over its blocks: `paged_decode`'s arguments with queries (B, Hq, L, D); query i
     of sequence b sits at position ``context_lens[b] - L + i``.

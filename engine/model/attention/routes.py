@@ -46,9 +46,9 @@ class Route:
 
 
 ROUTES = (
-    Route(("cpu", *GPU), KINDS, "the layer has a sliding window or attention sinks",
-          "reference", "no kernel computes them yet; the reference does (a window mask or "
-          "the cut to the last W keys, MLX's SDPA sinks)",
+    Route(("cpu",), KINDS, "the layer has a sliding window or attention sinks",
+          "reference", "the extension does not compute them yet; the reference does (a "
+          "window mask or the cut to the last W keys, MLX's SDPA sinks)",
           lambda call: not call.spec.plain),
     Route(("cpu",), KINDS, "one sequence whose pools are plain and of the queries' dtype",
           "reference", "exactly the computation mlx-lm does over its dense cache: "
@@ -57,6 +57,8 @@ ROUTES = (
     Route(("cpu",), KINDS, "any other call (batches, float16 or quantized pools)", "cpu",
           "one op instead of the reference's ~15: no gather copy, no cast of a float16 pool, "
           "no padding of ragged batches; prefill tiles flash-style (the tables above)"),
+    # Windows and sinks are in the kernels' one body (attn_window, attn_sinks): the GPU
+    # decode rows below take windowed and sink layers as they take plain ones.
     Route(GPU, ("decode",), "one sequence whose blocks are one contiguous run", "view_sdpa",
           "a view of the pool costs no copy and MLX's sdpa_vector picks its own one- or "
           "two-pass kernel; no Mac figure yet shows the paged kernels beating it",

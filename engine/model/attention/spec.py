@@ -109,9 +109,10 @@ class PagedCall:
         return self.queries.shape[1] // self.k_pool.shape[0]
 
     def args(self) -> tuple:
-        """The positional arguments every kernel entry point takes."""
+        """The positional arguments every kernel entry point takes (the spec last: a
+        kernel reads its scale, window and sinks)."""
         return (self.queries, self.k_pool, self.v_pool, self.block_tables, self.context_lens,
-                self.spec.scale)
+                self.spec)
 
 
 def contiguous_run(block_table: Sequence[int]) -> int | None:

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.model import backend
-from engine.model.attention.spec import Pool
+from engine.model.attention.spec import AttentionSpec, Pool
 
 # Tiling: NUM_SIMDGROUPS simdgroups of SIMD_WIDTH lanes per (query head, sequence).
 SIMD_WIDTH = 32
@@ -31,11 +31,16 @@ INPUT_NAMES = [
     "k_biases",
     "v_scales",
     "v_biases",
+    "attn_window",
+    "attn_sinks",
 ]
 OUTPUT_NAMES = ["out"]
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 QUANT_BITS = (4, 8)
 PLACEHOLDER_DTYPE = mx.float16  # a plain side's unused scales/biases input
+# A layer without sinks passes one sink of this logit: it adds exp(-huge) = 0 to every
+# softmax and never raises a maximum, so one body serves both (common.h's PA_FINITE_MIN).
+NO_SINK = -3.4028234663852886e38
 
 KernelFn = Callable[..., list[mx.array]]
 
@@ -123,6 +128,7 @@ def variant_key(
     which inputs MLX binds as constant memory (fewer than 8 elements)."""
     sides = [_side_inputs(p) for p in (k_pool, v_pool)]
     arrays = [queries, sides[0][0], sides[1][0], block_tables, *sides[0][1:], *sides[1][1:]]
+    # attn_sinks is one placeholder or Hq values: constant memory below 8 of them
     small = (block_tables.shape[0] < 8, block_tables.size < 8)  # lengths; the table
     return (
         kind,
@@ -130,6 +136,7 @@ def variant_key(
         queries.shape[1] // k_pool.shape[0],  # the GQA ratio: the two-pass QPG
         tuple((a.dtype, a.size < 8) for a in arrays),
         small,
+        queries.shape[1] < 8,
     )
 
 
@@ -139,13 +146,21 @@ def kernel_inputs(
     v_pool: Pool,
     block_tables: mx.array,
     context_lens: Sequence[int] | mx.array,
-    scale: float | mx.array,
+    scale: float | AttentionSpec | mx.array,
 ) -> list[mx.array]:
-    """The kernel's inputs in INPUT_NAMES order (lengths and scale as small arrays)."""
+    """The kernel's inputs in INPUT_NAMES order (lengths and scale as small arrays).
+
+    An `AttentionSpec` brings its window (``attn_window``, 0 = none) and sinks
+    (``attn_sinks``, one logit per query head; one `NO_SINK` placeholder without)."""
     if not isinstance(context_lens, mx.array):
         context_lens = mx.array([int(n) for n in context_lens], dtype=mx.int32)
+    window, sinks = 0, None
+    if isinstance(scale, AttentionSpec):
+        window, sinks, scale = scale.window or 0, scale.sinks, scale.scale
     if not isinstance(scale, mx.array):
         scale = mx.array([float(scale)], dtype=mx.float32)
+    sinks = (mx.array([NO_SINK], dtype=mx.float32) if sinks is None
+             else sinks.astype(mx.float32).reshape(-1))
     k_rows, k_scales, k_biases = _side_inputs(k_pool)
     v_rows, v_scales, v_biases = _side_inputs(v_pool)
     # scale is a 1-element array, not a 0-d one: Metal binds 0-d inputs by
@@ -161,6 +176,8 @@ def kernel_inputs(
         k_biases,
         v_scales,
         v_biases,
+        mx.array([int(window)], dtype=mx.int32),
+        sinks,
     ]
 
 

@@ -21,7 +21,7 @@ from engine.model.attention.gpu.abi import (
     kernel_inputs,
     template_args,
 )
-from engine.model.attention.spec import Pool
+from engine.model.attention.spec import AttentionSpec, Pool
 from metal_kernels import kernel_header, read_source
 
 KERNEL_NAME = "paged_decode"
@@ -77,10 +77,10 @@ def paged_decode_attention(
     v_pool: Pool,
     block_tables: mx.array,
     context_lens: Sequence[int],
-    scale: float,
+    scale: float | AttentionSpec,
 ) -> mx.array:
     """Decode attention straight from the block pool (the contract of
-    `engine.model.attention`, L == 1, plain layers).
+    `engine.model.attention`, L == 1), sliding windows and sinks included.
 
     Args:
         queries: (B, Hq, 1, D); D a multiple of 32.
@@ -88,7 +88,7 @@ def paged_decode_attention(
             float array or `QuantizedBlocks` (4/8-bit, dequantized in registers).
         block_tables: (B, max_blocks) int32 physical block ids.
         context_lens: B host ints, tokens per sequence including the new one.
-        scale: softmax scale.
+        scale: softmax scale, or the layer's `AttentionSpec` (window, sinks).
 
     Returns:
         (B, Hq, 1, D) in the queries' dtype.

@@ -26,13 +26,14 @@ from engine.model.attention.gpu.abi import (
     kernel_inputs,
     template_args,
 )
-from engine.model.attention.spec import Pool
+from engine.model.attention.spec import AttentionSpec, Pool
 from metal_kernels import kernel_header, read_source
 
 SPLIT_NAME = "paged_decode_split"
 REDUCE_NAME = "paged_decode_reduce"
 SPLIT_OUTPUT_NAMES = ["part_out", "part_max", "part_sum"]
-REDUCE_INPUT_NAMES = ["part_out", "part_max", "part_sum", "context_lens"]
+REDUCE_INPUT_NAMES = ["part_out", "part_max", "part_sum", "context_lens", "attn_window",
+                      "attn_sinks"]
 PARTITION_TOKENS = 512
 MAX_HEADS_PER_GROUP = 8  # q/o registers per lane grow with it: 2 x 8 x D / 32 floats
 
@@ -121,7 +122,7 @@ def paged_decode_two_pass(
     v_pool: Pool,
     block_tables: mx.array,
     context_lens: Sequence[int],
-    scale: float,
+    scale: float | AttentionSpec,
     *,
     partition_tokens: int = PARTITION_TOKENS,
 ) -> mx.array:
@@ -142,4 +143,11 @@ def paged_decode_two_pass(
                                 qpg=qpg),
         **split_launch(queries, parts, qpg=qpg),
     )
-    return reduce(inputs=[*partials, inputs[4]], **reduce_launch(queries, partition_tokens))[0]
+    return reduce(inputs=[*partials, *reduce_extras(inputs)],
+                  **reduce_launch(queries, partition_tokens))[0]
+
+
+def reduce_extras(inputs: list[mx.array]) -> list[mx.array]:
+    """Pass 2's inputs after the partials, taken from pass 1's (`abi.kernel_inputs`)."""
+    names = dict(zip(INPUT_NAMES, inputs, strict=True))
+    return [names["context_lens"], names["attn_window"], names["attn_sinks"]]
