@@ -64,7 +64,7 @@ def check(q, k, v, tables, lens, scale=None, op=None):
     """Kernel (``op``: `cpu.paged_decode` unless given) vs reference. The reference rounds
     dequantized rows to their float16 scales' dtype, the kernel keeps them in float32:
     quantized pools get float16's allowance."""
-    scale = scale or q.shape[-1] ** -0.5
+    scale = scale or q.shape[-1] ** -0.5  # or an AttentionSpec
     out = (op or cpu.paged_decode)(q, k, v, tables, lens, scale)
     ref = paged_attention_ref(q, k, v, tables, lens, scale)
     assert out.shape == ref.shape and out.dtype == q.dtype

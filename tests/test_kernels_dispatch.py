@@ -111,10 +111,13 @@ WINDOW_AND_SINKS = [AttentionSpec(0.125, window=64), AttentionSpec(0.125, sinks=
 
 
 @pytest.mark.parametrize("spec", WINDOW_AND_SINKS)
-def test_windows_and_sinks_take_the_reference_on_cpu(spec):
-    for c in (call_of(4, None, 100, spec=spec), call_of(1, 0, 100, spec=spec),
-              call_of(1, None, 100, L=8, spec=spec)):
-        assert routes.route(c, "cpu").path == "reference"
+def test_windows_and_sinks_take_the_cpu_rows_of_plain_layers(spec):
+    """The extension computes them (tests/test_cpu_ext_window_sinks.py)."""
+    assert routes.route(call_of(4, None, 100, spec=spec), "cpu").path == "cpu"
+    mixed = call_of(1, None, 100, L=8, dtype=mx.float32, spec=spec)  # a float16 pool
+    assert routes.route(mixed, "cpu").path == "cpu"
+    same = call_of(1, 0, 100, dtype=mx.float32, pool_dtype=mx.float32, spec=spec)
+    assert routes.route(same, "cpu").path == "reference"  # mlx-lm's own computation
 
 
 @pytest.mark.parametrize("spec", WINDOW_AND_SINKS)

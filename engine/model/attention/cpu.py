@@ -1,5 +1,5 @@
 """Paged attention on kvchat's C++ CPU extension (csrc/paged_attention.cpp): typed
-entry points and what they take.
+entry points and what they take. Sliding windows and sinks are the extension's too.
 
 One op reads K/V through the block table (no gather copy, no cast of a float16 pool,
 no padding of ragged batches), decode and prefill alike; prefill tiles flash-style and
@@ -35,15 +35,13 @@ def _side(pool: Pool) -> dict:
 
 def _paged(queries, k_pool, v_pool, block_tables, context_lens, scale) -> mx.array:
     spec = AttentionSpec.of(scale)
-    if not spec.plain:
-        raise ValueError("the extension's attention computes plain layers only")
-    scale = spec.scale
     if not isinstance(context_lens, mx.array):
         context_lens = mx.array([int(n) for n in context_lens], dtype=mx.int32)
     k, v = _side(k_pool), _side(v_pool)
     return build.require().paged_attention(
         queries, k["rows"], v["rows"], block_tables.astype(mx.int32),
-        context_lens.astype(mx.int32), scale=float(scale),
+        context_lens.astype(mx.int32), scale=float(spec.scale), window=spec.window or 0,
+        sinks=spec.sinks,
         k_scales=k["scales"], k_biases=k["biases"], k_bits=k["bits"], k_group=k["group"],
         v_scales=v["scales"], v_biases=v["biases"], v_bits=v["bits"], v_group=v["group"])
 
@@ -59,7 +57,7 @@ def paged_decode(queries: mx.array, k_pool: Pool, v_pool: Pool, block_tables: mx
             (4/8-bit rows, group dividing D).
         block_tables: (B, max_blocks) int32 physical block ids.
         context_lens: B ints, tokens per sequence including the new one.
-        scale: softmax scale.
+        scale: softmax scale, or the layer's `AttentionSpec` (its window and sinks).
 
     Returns:
         (B, Hq, 1, D) in the queries' dtype.

@@ -46,10 +46,6 @@ class Route:
 
 
 ROUTES = (
-    Route(("cpu",), KINDS, "the layer has a sliding window or attention sinks",
-          "reference", "the extension does not compute them yet; the reference does (a "
-          "window mask or the cut to the last W keys, MLX's SDPA sinks)",
-          lambda call: not call.spec.plain),
     Route(("cpu",), KINDS, "one sequence whose pools are plain and of the queries' dtype",
           "reference", "exactly the computation mlx-lm does over its dense cache: "
           "`--weights float32` promises mlx-lm's greedy tokens (tests/test_engine_parity.py)",
@@ -57,8 +53,8 @@ ROUTES = (
     Route(("cpu",), KINDS, "any other call (batches, float16 or quantized pools)", "cpu",
           "one op instead of the reference's ~15: no gather copy, no cast of a float16 pool, "
           "no padding of ragged batches; prefill tiles flash-style (the tables above)"),
-    # Windows and sinks are in the kernels' one body (attn_window, attn_sinks): the GPU
-    # decode rows below take windowed and sink layers as they take plain ones.
+    # Windows and sinks are in every kernel (the extension's; the GPU body's attn_window,
+    # attn_sinks): each row takes windowed and sink layers as it takes plain ones.
     Route(GPU, ("decode",), "one sequence whose blocks are one contiguous run", "view_sdpa",
           "a view of the pool costs no copy and MLX's sdpa_vector picks its own one- or "
           "two-pass kernel; no Mac figure yet shows the paged kernels beating it",

@@ -39,7 +39,8 @@ NB_MODULE(_kvchat_cpu_ext, m) {
   m.def("paged_attention", &kvchat::paged_attention, "queries"_a, "k"_a, "v"_a,
         "block_tables"_a, "context_lens"_a, nb::kw_only(), "scale"_a, "k_scales"_a = nb::none(),
         "k_biases"_a = nb::none(), "k_bits"_a = 0, "k_group"_a = 0, "v_scales"_a = nb::none(),
-        "v_biases"_a = nb::none(), "v_bits"_a = 0, "v_group"_a = 0, "stream"_a = nb::none(),
+        "v_biases"_a = nb::none(), "v_bits"_a = 0, "v_group"_a = 0, "window"_a = 0,
+        "sinks"_a = nb::none(), "stream"_a = nb::none(),
         "Causal attention of each sequence's L newest positions over a block-paged K/V pool\n"
         "(L == 1: decode; see engine/model/attention).");
   m.def("rms_norm", &kvchat::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,

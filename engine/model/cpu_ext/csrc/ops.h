@@ -33,6 +33,7 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
                           const std::optional<mx::array>& k_biases, int k_bits, int k_group,
                           const std::optional<mx::array>& v_scales,
                           const std::optional<mx::array>& v_biases, int v_bits, int v_group,
+                          int window = 0, const std::optional<mx::array>& sinks = std::nullopt,
                           mx::StreamOrDevice s = {});
 
 // `pool` (H, S, D) with rows (H, N, D) written at `slots` (N,): one node, in
@@ -98,8 +99,10 @@ struct QuantSide {
 
 class PagedAttention : public mx::UnaryPrimitive {
  public:
-  PagedAttention(mx::Stream stream, float scale, QuantSide k, QuantSide v)
-      : mx::UnaryPrimitive(stream), scale_(scale), k_(k), v_(v) {}
+  PagedAttention(mx::Stream stream, float scale, QuantSide k, QuantSide v, int window,
+                 bool sinks)
+      : mx::UnaryPrimitive(stream), scale_(scale), k_(k), v_(v), window_(window),
+        sinks_(sinks) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -110,6 +113,8 @@ class PagedAttention : public mx::UnaryPrimitive {
  private:
   float scale_;
   QuantSide k_, v_;
+  int window_;  // a sliding window (0: none)
+  bool sinks_;  // the last input is (Hq,) float32 sinks
 };
 
 }  // namespace kvchat

@@ -7,6 +7,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
 #include "ops.h"
 #include "paged_decode_kernel.h"
 #include "tensor.h"
@@ -34,7 +35,7 @@ Side make_side(const mx::array& rows, const mx::array* scales, const mx::array* 
 }
 
 void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, QuantSide kq,
-         QuantSide vq) {
+         QuantSide vq, int window, bool sinks) {
   const mx::array& queries = inputs[0];
   const mx::array& k = inputs[1];
   const mx::array& v = inputs[2];
@@ -61,6 +62,9 @@ void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, Quan
   pb.table_width = inputs[3].shape(1);
   pb.lens = static_cast<const int32_t*>(row_major(inputs[4], bufs[7]));
   pb.scale = scale;
+  pb.window = window;
+  std::vector<char> sink_buf;  // sinks are float32 (cast when the op was made)
+  pb.sinks = sinks ? static_cast<const float*>(row_major(inputs.back(), sink_buf)) : nullptr;
   const int group = pb.Hq / pb.Hkv;
   pb.heads_per_task = std::min(group, kMaxHeadsPerTask);
   pb.head_chunks = (group + pb.heads_per_task - 1) / pb.heads_per_task;
@@ -88,8 +92,9 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
-  encoder.dispatch([inputs, out, scale = scale_, kq = k_, vq = v_]() mutable {
-    guarded(out, [&] { run(inputs, out, scale, kq, vq); });
+  encoder.dispatch([inputs, out, scale = scale_, kq = k_, vq = v_, window = window_,
+                    sinks = sinks_]() mutable {
+    guarded(out, [&] { run(inputs, out, scale, kq, vq, window, sinks); });
   });
 }
 
@@ -99,7 +104,8 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const PagedAttention&>(other);
-  return scale_ == o.scale_ && k_ == o.k_ && v_ == o.v_;
+  return scale_ == o.scale_ && k_ == o.k_ && v_ == o.v_ && window_ == o.window_ &&
+         sinks_ == o.sinks_;
 }
 
 namespace {
@@ -136,6 +142,7 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
                        const std::optional<mx::array>& k_biases, int k_bits, int k_group,
                        const std::optional<mx::array>& v_scales,
                        const std::optional<mx::array>& v_biases, int v_bits, int v_group,
+                       int window, const std::optional<mx::array>& sinks,
                        mx::StreamOrDevice s) {
   if (queries.ndim() != 4 || queries.shape(2) < 1 || !is_float_dtype(queries.dtype()))
     throw std::invalid_argument("paged_attention: queries must be float (B, Hq, L, D)");
@@ -153,13 +160,18 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
   if (context_lens.ndim() != 1 || context_lens.shape(0) != B ||
       context_lens.dtype() != mx::int32)
     throw std::invalid_argument("paged_attention: context_lens must be int32 (B,)");
+  if (window < 0) throw std::invalid_argument("paged_attention: window must be >= 0");
+  if (sinks && (sinks->ndim() != 1 || sinks->shape(0) != Hq))
+    throw std::invalid_argument("paged_attention: sinks must be (Hq,)");
   std::vector<mx::array> inputs = {queries, k, v, block_tables, context_lens};
   if (k_bits) inputs.insert(inputs.end(), {*k_scales, *k_biases});
   if (v_bits) inputs.insert(inputs.end(), {*v_scales, *v_biases});
   auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (sinks) inputs.push_back(mx::astype(*sinks, mx::float32, stream));
   return mx::array(queries.shape(), queries.dtype(),
                    std::make_shared<PagedAttention>(stream, scale, QuantSide{k_bits, k_group},
-                                                 QuantSide{v_bits, v_group}),
+                                                 QuantSide{v_bits, v_group}, window,
+                                                 bool(sinks)),
                    std::move(inputs));
 }
 

@@ -113,8 +113,9 @@ void run_problem(Problem pb, float* out /* (B, Hq, D) */) {
   int64_t rows_read = 0;  // K and V rows of every (sequence, KV head)
   int max_len = 0;
   for (int b = 0; b < pb.B; ++b) {
-    rows_read += 2 * int64_t(pb.lens[b]) * pb.Hkv;
-    max_len = std::max(max_len, pb.lens[b]);
+    const int seen = pb.lens[b] - pb.first_key(pb.lens[b] - 1);  // keys a window leaves
+    rows_read += 2 * int64_t(seen) * pb.Hkv;
+    max_len = std::max(max_len, seen);
   }
   auto& pool = ThreadPool::instance();
   const bool parallel = rows_read * pb.D >= kParallelMinElements && pool.size() > 1;
@@ -167,9 +168,12 @@ void run_problem(Problem pb, float* out /* (B, Hq, D) */) {
           for (int d = 0; d < D; ++d) row[d] += acc[d] * w;
         }
       }
+      const int q_head = h * group + hc * H + g;
+      // A sink adds exp(sink - m) to the denominator (o and l are relative to m).
+      if (!bad && m != -std::numeric_limits<float>::infinity()) l += pb.sink_weight(q_head, m);
       const float inv = std::isnan(l) ? l : l > 0.0f ? 1.0f / l : 0.0f;
       for (int d = 0; d < D; ++d) row[d] *= inv;
-      float* dst = out + (int64_t(b) * pb.Hq + h * group + hc * H + g) * D;
+      float* dst = out + (int64_t(b) * pb.Hq + q_head) * D;
       if (pb.v.bits == 4) {
         unpermute4(row.data(), tmp.data(), D);
         std::copy(tmp.begin(), tmp.end(), dst);

@@ -2,6 +2,7 @@
 // description of one problem it solves.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -83,7 +84,20 @@ struct Problem {
   float scale;
   int heads_per_task, head_chunks;
   int parts;  // context partitions (split-K); set by run_problem
+  int window;  // a sliding window: each query sees its last `window` positions (0: all)
+  const float* sinks;  // (Hq,) logits joining each head's softmax without a value, or null
+
+  // First key position a query at position `pos` sees.
+  int first_key(int pos) const {
+    return window > 0 && pos + 1 > window ? pos + 1 - window : 0;
+  }
+  // exp(sink - m): what a head's sink adds to a softmax whose running max is m.
+  float sink_weight(int q_head, float m) const;
 };
+
+inline float Problem::sink_weight(int q_head, float m) const {
+  return sinks == nullptr ? 0.0f : std::exp(sinks[q_head] - m);
+}
 
 // First pool row of sequence b's logical block blk for KV head h; -1 for a block
 // id outside the pool. Never read outside it: the caller reports a NaN row (an

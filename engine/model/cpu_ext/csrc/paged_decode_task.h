@@ -21,11 +21,17 @@ struct Partial {
 
 // The tokens [t0, t1) of sequence b that context partition `part` covers
 // (whole blocks, so partitions never share one).
+// A sliding window: the partitions cover the blocks from the window's first one on,
+// and the first partition starts at the window's first key.
 inline void token_range(const Problem& pb, int b, int part, int& t0, int& t1) {
   const int len = pb.lens[b];
-  const int per_part = ((len + pb.parts - 1) / pb.parts + pb.BS - 1) / pb.BS * pb.BS;
-  t0 = std::min(len, part * per_part);
+  const int lo = pb.first_key(len - 1);
+  const int base = lo / pb.BS * pb.BS;
+  const int span = len - base;
+  const int per_part = ((span + pb.parts - 1) / pb.parts + pb.BS - 1) / pb.BS * pb.BS;
+  t0 = std::min(len, base + part * per_part);
   t1 = std::min(len, t0 + per_part);
+  t0 = std::min(t1, std::max(t0, lo));
 }
 
 // One block's online-softmax step for one head: scores pg[r0..r1) become

@@ -90,16 +90,16 @@ void accumulate_rows(const float* p, const float* v, int n, int D, const float* 
   }
 }
 
-// Scores of one row -> probabilities in place (the first `lim` keys are
-// visible, the rest become 0); updates the row's running max and sum and
-// returns the factor its accumulated output must be scaled by.
-inline float softmax_row(float* s, int lim, float& m, float& l) {
+// Scores of one row -> probabilities in place (keys lo .. lim - 1 are visible,
+// the rest become 0); updates the row's running max and sum and returns the
+// factor its accumulated output must be scaled by.
+inline float softmax_row(float* s, int lo, int lim, float& m, float& l) {
   vi lane;
   for (int i = 0; i < W; ++i) lane[i] = i;
   vf sv[kNV];
   vf top = splat(kNegInf);
   for (int j = 0; j < kNV; ++j) {
-    const vi visible = lane + j * W < lim;
+    const vi visible = (lane + j * W < lim) & (lane + j * W >= lo);
     sv[j] = visible ? load(s + j * W) : splat(kNegInf);
     top = top > sv[j] ? top : sv[j];
   }
@@ -107,7 +107,7 @@ inline float softmax_row(float* s, int lim, float& m, float& l) {
   const float alpha = std::exp(m - m_new);  // 0 on the first block (m = -inf)
   vf sum{};
   for (int j = 0; j < kNV; ++j) {
-    const vi visible = lane + j * W < lim;
+    const vi visible = (lane + j * W < lim) & (lane + j * W >= lo);
     const vf e = visible ? exp_neg(sv[j] - m_new) : vf{};
     store(s + j * W, e);
     sum += e;
@@ -162,12 +162,16 @@ void attend_tile(const Problem& pb, int b, int h, int p0, int p1, float* out) {
     t.m[r] = kNegInf;
     t.l[r] = 0.0f;
   }
-  auto visible = [&](int r, int k0, int nk) {  // keys of this block row r sees
+  auto visible = [&](int r, int k0, int nk) {  // keys of this block row r sees: [.., lim)
     return r >= rows ? 0 : std::min(nk, first + p0 + r / G - k0 + 1);
+  };
+  auto hidden = [&](int r, int k0) {  // ... from this one on: a window hides the earlier
+    return r >= rows ? 0 : std::max(0, pb.first_key(first + p0 + r / G) - k0);
   };
   bool bad = false;  // an id outside the pool: report NaN, never read it
   const int end = first + p1;  // keys 0 .. end - 1 are visible to some row
-  for (int k0 = 0; k0 < end && !bad; k0 += kKeys) {
+  // A window hides every key before the first row's first one from every row.
+  for (int k0 = pb.first_key(first + p0); k0 < end && !bad; k0 += kKeys) {
     const int nk = std::min(kKeys, end - k0);
     for (int i = 0; i < nk; ++i) {
       const int key = k0 + i;
@@ -197,10 +201,10 @@ void attend_tile(const Problem& pb, int b, int h, int p0, int p1, float* out) {
       float* s = t.s + size_t(r0) * kKeys;
       scores(t.q + size_t(r0) * D, D, t.kt, s);
       for (int r = r0; r < r0 + kRows; ++r) {
-        const int lim = visible(r, k0, nk);
+        const int lim = visible(r, k0, nk), lo = hidden(r, k0);
         float* sr = t.s + size_t(r) * kKeys;
-        if (lim > 0) {
-          t.alpha[r] = softmax_row(sr, lim, t.m[r], t.l[r]);
+        if (lim > lo) {
+          t.alpha[r] = softmax_row(sr, lo, lim, t.m[r], t.l[r]);
         } else {  // this row sees none of the block: adds nothing
           std::fill_n(sr, kKeys, 0.0f);
           t.alpha[r] = 1.0f;
@@ -210,7 +214,9 @@ void attend_tile(const Problem& pb, int b, int h, int p0, int p1, float* out) {
     }
   }
   for (int r = 0; r < rows; ++r) {
-    const float inv = bad ? std::numeric_limits<float>::quiet_NaN() : 1.0f / t.l[r];
+    // A sink adds exp(sink - m) to the denominator (o and l are relative to m).
+    const float l = t.l[r] + pb.sink_weight(h * G + r % G, t.m[r]);
+    const float inv = bad ? std::numeric_limits<float>::quiet_NaN() : 1.0f / l;
     float* o = t.o + size_t(r) * D;
     for (int d = 0; d < D; ++d) o[d] *= inv;
     float* dst = out + head_row(r) * D;
