@@ -14,6 +14,8 @@ import json
 import numpy as np
 import pytest
 from arch_zoo import VOCAB, WINDOW, ZOO, build
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_engine_parity import mlx_lm_greedy
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
@@ -259,3 +261,26 @@ def test_gemma3_at_8k_holds_windowed_layers_for_their_window_only(tmp_path, defa
     _, full = greedy(plain, ids, 8)
     assert full.bytes_used == 6 * context * per_token_layer
     assert stats.bytes_used < full.bytes_used / 2.5
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(name=st.sampled_from(["gemma3_text", "gpt_oss", "olmo3", "qwen3_moe"]),
+       kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]),
+       head_dim=st.sampled_from([32, 64, 128]), window=st.integers(3, 24),
+       block_size=st.sampled_from([4, 16]), chunk=st.sampled_from([7, 32]))
+def test_drawn_head_layouts_match_mlx_lm(tmp_path_factory, default_model, name, kv_heads,
+                                         group, head_dim, window, block_size, chunk):
+    """Other head layouts, windows, block sizes and prefill chunks than the fixed matrix."""
+    heads = kv_heads * group  # (transformers' config check wants hidden % heads == 0)
+    overrides = dict(num_attention_heads=heads, num_key_value_heads=kv_heads,
+                     head_dim=head_dim, hidden_size=64 * heads)
+    if "sliding_window" in ZOO[name]:
+        overrides["sliding_window"] = window
+    path = build(tmp_path_factory.mktemp("drawn") / name, name, default_model.path, eos=EOS,
+                 seed=window, overrides=overrides)
+    loaded = load_model(str(path), weights="float32")
+    engine = Engine(loaded, config(prefill_chunk=chunk, block_size=block_size))
+    ids = prompts(1, 30 + window)[0]
+    ours, _ = greedy(engine, ids, 24)
+    assert ours == mlx_lm_greedy(loaded.model, ids, 24, chunk, set())
