@@ -18,10 +18,10 @@ import pytest
 from kernel_harness import emulator, paged, two_pass
 from kernel_harness.cases import Case, make_inputs
 from kernel_harness.two_pass import REDUCE_BODY, SPLIT_BODY, TwoPassCase
+from test_kernels_emulated import TOLERANCE
+from test_kernels_emulated import check_case as check
 
 from engine.model.attention import AttentionSpec
-
-TOLERANCE = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
 
 # (case, window, sinks): ragged lengths around the window, GQA, windows of 1 and wider
 # than every sequence, sinks with and without a window, every dtype.
@@ -54,15 +54,6 @@ def spec_inputs(case, window: int | None, sinks: bool) -> dict:
 def ident(param) -> str:
     case, window, sinks = param
     return f"{case.id}-w{window}-{'sinks' if sinks else 'nosinks'}"
-
-
-def check(case, out, result, inputs) -> None:
-    assert result.ok, f"emulator failed (rc={result.returncode}):\n{result.stderr[-4000:]}"
-    assert out is not None
-    err = paged.max_abs_error(out, paged.reference(inputs))
-    assert err <= TOLERANCE[case.dtype], f"{case.id}: max abs error {err:.3g} vs reference"
-    excess = paged.ulp_excess(out, paged.reference(inputs, fp32=True))
-    assert excess <= 0.0, f"{case.id}: {excess:.3g} ulp beyond half an ulp of the fp32 oracle"
 
 
 def _body(old: str, new: str) -> str:
