@@ -95,16 +95,20 @@ def window_pool(runner: PagedModel, layout: KVLayout, config: EngineConfig, num_
     out of the budget; (None, num_blocks) when the model has no windows or its windows
     would span the whole pool anyway.
 
-    Every running sequence may hold its window plus two prefill chunks (see
-    `window_blocks`), and as many again stay retained for the next turn of a chat.
+    Every running sequence may hold its window and margin (`window_blocks`), and one
+    more such span stays retained for the next turn of a chat. Fewer would only limit
+    how many sequences run at once: `BlockManager.can_append` counts window blocks.
     """
     windows = [w for w in runner.windows if w]
     if not (config.window_pool and windows):
         return None, num_blocks
     bs, window = config.block_size, max(windows)
-    margin = 2 * max(config.prefill_chunk, config.max_step_tokens or 0)
+    # A step's queries read back W - 1 keys before its chunk (margin >= chunk), and the
+    # disk writer reads a chunk one step late: its first key may sit 2 chunks - W behind.
+    chunk = max(config.prefill_chunk, config.max_step_tokens or 0)
+    margin = max(chunk, 2 * chunk - window)
     per_seq = -(-(window + margin) // bs) + 2
-    num_window_blocks = 1 + 2 * (config.pool_sequences or config.max_running) * per_seq
+    num_window_blocks = 1 + ((config.pool_sequences or config.max_running) + 1) * per_seq
     per_layer = layout.bytes_per_block // layout.num_layers
     n_global = layout.num_layers - len(windows)
     room = config.kv_budget_bytes - num_window_blocks * len(windows) * per_layer

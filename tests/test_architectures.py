@@ -165,10 +165,11 @@ def test_preemption_resumes_exactly(zoo, name, mode):
     want = [greedy(alone, ids, 48)[0] for ids in long]
     roomy = Engine(loaded, config(**fixed))
     # the prompts fit in 100 pool blocks (93), their answers do not (129): preemption;
-    # the windowed layers' store (85 blocks) is smaller, as at real context lengths
+    # the windowed layers' store (41 blocks) is smaller, as at real context lengths
     budget = roomy.kv.bytes_for(100, roomy.kv.window.num_window_blocks)
     tight = Engine(loaded, config(kv_budget_bytes=budget, preempt_mode=mode, **fixed))
     assert tight.blocks.num_blocks == 100 and windows_stored_apart(tight)
+    assert tight.kv.window.num_window_blocks < tight.blocks.num_blocks
     p = SamplingParams(max_tokens=48, ignore_eos=True)
     handles = [tight.submit(ids, p) for ids in long]
     got = [[e.token for e in h if e.token is not None] for h in handles]

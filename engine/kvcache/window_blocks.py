@@ -8,9 +8,10 @@ for those layers (-1: none). Window block 0 is scratch: rows for a block without
 are written there and never read (the window mask hides those positions).
 
 A block holds a window block while it is *needed*: some live sequence's next queries
-may read it. Trimming keeps, per sequence, every block from ``position - W - margin``
-on; the margin (two prefill chunks) covers a step planned ahead and the prefix cache's
-disk writer, which reads a chunk's blocks one step after computing them. When a
+may read it. Trimming keeps, per sequence, every block from ``length - W - margin`` on,
+``length`` counting the tokens just appended: the margin covers that chunk's own
+queries (>= one chunk) and the prefix cache's disk writer, which reads a chunk's rows
+one step after computing them (>= two chunks - W; `wiring.window_pool` sizes it). When a
 sequence ends, its still-needed blocks that the prefix cache names stay *retained*
 (evictable, least recently used first), so the next turn of a chat hits them; a
 prefix hit counts only up to the blocks whose window rows exist (`usable_prefix`).
@@ -37,7 +38,8 @@ class WindowBlocks:
         self.wmap = [-1] * num_blocks
         self.free_ids: deque[int] = deque(range(1, num_window_blocks))
         self.need = [0] * num_blocks  # live sequences whose window may still read the block
-        self.first: dict[int, int] = {}  # per sequence: its first block still needed
+        # per sequence: (first block still needed, end of the blocks counted in `need`)
+        self.first: dict[int, tuple[int, int]] = {}
         self.retained: OrderedDict[int, None] = OrderedDict()  # need 0, kept for prefixes
         self.version = 0  # bumps on every wmap change (the pool re-uploads its map)
 
