@@ -28,8 +28,8 @@ EOS = 2
 # one per architecture family that the README table lists; llama appears twice (Llama 3.x
 # rope_scaling; sliding layer_types)
 FLOAT = sorted(ZOO)
-# 4-bit and 8-bit on alternating halves: every architecture runs quantized once
-QUANT = [(name, 4 if i % 2 else 8) for i, name in enumerate(FLOAT)]
+# every architecture with 8-bit and with 4-bit weights (mlx-lm's quantize_model)
+QUANT = [(name, bits) for name in FLOAT for bits in (8, 4)]
 PATHS = ["gemma3_text", "gpt_oss", "qwen3_moe", "cohere2", "llama_sliding"]
 
 
