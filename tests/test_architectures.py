@@ -229,7 +229,8 @@ def test_config_summary_for_the_models_screen():
     assert architectures.summary(gemma) == "gemma3_text, 4 layers, sliding window 16"
     oss = architectures.summary(dict(ZOO["gpt_oss"]))
     assert "attention sinks" in oss and "4 experts" in oss
-    assert "not supported" in architectures.summary({"model_type": "jamba"})
+    assert "not supported (keeps recurrent state" in architectures.summary({"model_type": "jamba"})
+    assert architectures.summary({"model_type": "bert9"}) == "bert9: not supported yet"
 
 
 def test_gemma3_at_8k_holds_windowed_layers_for_their_window_only(tmp_path, default_model):

@@ -164,7 +164,9 @@ def summary(config: dict) -> str:
     try:
         arch = check_supported(config)
     except ValueError as e:
-        return f"{config.get('model_type', '?')}: not supported ({str(e).split(': it ')[-1]})"
+        why = str(e).split(": it ", 1)
+        reason = f" ({why[1]})" if len(why) == 2 else " yet"
+        return f"{config.get('model_type', '?')}: not supported{reason}"
     text = config.get("text_config") or config
     parts = [arch.model_type]
     if text.get("num_hidden_layers"):
