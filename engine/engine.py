@@ -248,8 +248,8 @@ class Engine(EngineLoop):
         decided = req.cancel_at or time.perf_counter()
         s = req.stats
         window = self.blocks.window
-        s.bytes_used = self.kv.bytes_for(
-            s.blocks_used, window.held(req.request_id) if window else s.blocks_used)
+        s.bytes_used = self.kv.bytes_for(s.blocks_used,
+                                         window.held(req.request_id) if window else 0)
         s.blocks_released = self.scheduler.release(req)
         s.release_latency_ms = (time.perf_counter() - decided) * 1e3
         req.state, req.finish_reason, req.error = RequestState.FINISHED, reason, error

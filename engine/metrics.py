@@ -12,6 +12,9 @@ import math
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
+from functools import partial
+
+from engine.kvcache.window_blocks import pool_bytes
 
 LATENCY_KEYS = ("ttft_s", "prefill_tps", "itl_s", "decode_tps", "release_ms")
 
@@ -165,11 +168,7 @@ def snapshot(blocks, recorder: MetricsRecorder, layout, scheduler, prefix,
     """The engine's metrics now: cheap (no MLX work), safe from any thread."""
     b, rec, bpb = blocks, recorder, layout.bytes_per_block
     w = b.window  # sliding-window layers' own store: their bytes follow its blocks
-
-    def nbytes(pool_blocks: int, window_blocks: int) -> int:
-        if w is None:
-            return pool_blocks * bpb
-        return w.bytes_for(bpb, layout.num_layers, pool_blocks, window_blocks)
+    nbytes = partial(pool_bytes, bpb, layout.num_layers, w.layers if w else 0)
 
     return EngineMetrics(
         used_bytes=nbytes(b.num_used_blocks, w.num_used if w else 0),

@@ -8,6 +8,7 @@ independent of each other and of the runtime.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,7 +22,7 @@ from engine.kvcache.prefix_cache import PrefixCache
 from engine.kvcache.prefix_key import salt_base
 from engine.kvcache.quant import QuantSpec
 from engine.kvcache.swap import HostSwap
-from engine.kvcache.window_blocks import WindowBlocks
+from engine.kvcache.window_blocks import WindowBlocks, pool_bytes
 from engine.model import memory
 from engine.model.loader import LoadedModel
 from engine.model.model_runner import PagedModel
@@ -109,11 +110,11 @@ def window_pool(runner: PagedModel, layout: KVLayout, config: EngineConfig, num_
     margin = max(chunk, 2 * chunk - window)
     per_seq = -(-(window + margin) // bs) + 2
     num_window_blocks = 1 + ((config.pool_sequences or config.max_running) + 1) * per_seq
-    per_layer = layout.bytes_per_block // layout.num_layers
-    n_global = layout.num_layers - len(windows)
-    room = config.kv_budget_bytes - num_window_blocks * len(windows) * per_layer
+    store_bytes = partial(pool_bytes, layout.bytes_per_block, layout.num_layers, len(windows))
+    room = config.kv_budget_bytes - store_bytes(0, num_window_blocks)
     # every layer windowed: pool blocks only name tokens, as many as the plain pool had
-    pool_blocks = room // (n_global * per_layer) if n_global else num_blocks
+    global_block = store_bytes(1, 0)
+    pool_blocks = room // global_block if global_block else num_blocks
     if config.pool_sequences is not None:
         pool_blocks = min(pool_blocks, config.pool_sequences * -(-max_context // bs) + 1)
     if room <= 0 or num_window_blocks >= pool_blocks:

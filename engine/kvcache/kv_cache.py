@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.kvcache import quant as quant_format
 from engine.kvcache.quant import QuantSpec
-from engine.kvcache.window_blocks import WindowBlocks
+from engine.kvcache.window_blocks import WindowBlocks, pool_bytes
 
 SCALE_DTYPE = getattr(mx, quant_format.SCALE_DTYPE)
 # What attention reads (the kernels); `QuantSpec` admits more, as the disk store may meet more.
@@ -204,15 +204,13 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes the pool holds (all blocks, used or not)."""
-        per_layer = self.layout.bytes_per_block // self.layout.num_layers
-        return sum(self._blocks) * per_layer
+        return self.bytes_for(self.num_blocks, self.window.num_window_blocks if self.window else 0)
 
-    def bytes_for(self, blocks: int, window_blocks: int) -> int:
+    def bytes_for(self, blocks: int, window_blocks: int = 0) -> int:
         """Bytes of ``blocks`` pool blocks whose windowed layers hold ``window_blocks``."""
         L = self.layout
-        if self.window is None:
-            return blocks * L.bytes_per_block
-        return self.window.bytes_for(L.bytes_per_block, L.num_layers, blocks, window_blocks)
+        return pool_bytes(L.bytes_per_block, L.num_layers, sum(self.windowed), blocks,
+                          window_blocks)
 
     def _view(self, store: Store, quant: QuantSpec | None, num_blocks: int):
         L = self.layout

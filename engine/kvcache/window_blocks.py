@@ -24,6 +24,14 @@ from collections import OrderedDict, deque
 from engine.errors import OutOfBlocksError
 
 
+def pool_bytes(bytes_per_block: int, num_layers: int, windowed_layers: int, blocks: int,
+               window_blocks: int) -> int:
+    """Bytes of ``blocks`` pool blocks (``bytes_per_block`` counting every layer) whose
+    ``windowed_layers`` hold ``window_blocks`` window blocks instead."""
+    per_layer = bytes_per_block // num_layers
+    return per_layer * ((num_layers - windowed_layers) * blocks + windowed_layers * window_blocks)
+
+
 class WindowBlocks:
     """Which window block holds each pool block's rows for the windowed layers."""
 
@@ -53,13 +61,6 @@ class WindowBlocks:
         """Window blocks ``seq_id`` holds now."""
         first, upto = self.first.get(seq_id, (0, 0))
         return upto - first
-
-    def bytes_for(self, bytes_per_block: int, num_layers: int, blocks: int,
-                  window_blocks: int) -> int:
-        """Bytes of ``blocks`` pool blocks (every layer's ``bytes_per_block``) whose
-        windowed layers hold ``window_blocks`` window blocks."""
-        per_layer = bytes_per_block // num_layers
-        return per_layer * ((num_layers - self.layers) * blocks + self.layers * window_blocks)
 
     def can_take(self, n: int) -> bool:
         return n <= len(self.free_ids) + len(self.retained)
