@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from engine.model.cpu_ext import build, ops, toolchain
+from engine.paths import is_trusted_file
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def test_swiglu_matches_mlx_lm(ext, dtype, rel):
 
 def test_cached_build_is_reused(ext):
     path = build.build()
-    assert path == build.library_path() and build._is_trusted(path)
+    assert path == build.library_path() and is_trusted_file(path)
     assert ext.simd() in ("avx512", "avx2", "neon", "generic") and ext.threads() >= 1
 
 

@@ -58,11 +58,6 @@ def enabled() -> bool:
     return not backend.switched_off(ENV_SWITCH)
 
 
-def _is_trusted(path: Path) -> bool:
-    """The library and its directory are ours and not writable by others (it runs code)."""
-    return is_trusted_file(path)
-
-
 @contextlib.contextmanager
 def _file_lock(path: Path, timeout_s: float):
     import fcntl
@@ -116,10 +111,11 @@ def build() -> Path:
     root = private_dir(cache_root() / "cpu_ext")
     probe, _ = commands(cxx, mlx_dir, nb_dir, py_include, Path("/"))
     final = root / digest(cxx, probe) / library_name()
-    if _is_trusted(final):
+    # the library runs code in this process: ours, in a directory of ours, unwritable by others
+    if is_trusted_file(final):
         return final
     with _file_lock(root / "build.lock", LOCK_TIMEOUT_S):
-        if _is_trusted(final):  # built by another process while we waited
+        if is_trusted_file(final):  # built by another process while we waited
             return final
         private_dir(final.parent)
         if not (is_private_dir(root) and is_private_dir(final.parent)):
@@ -130,7 +126,7 @@ def build() -> Path:
             _build(final, compiles, link, tmp_dir)
         finally:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-    if not _is_trusted(final):
+    if not is_trusted_file(final):
         raise BuildError(f"the built library at {final} is not private")
     return final
 
@@ -201,7 +197,7 @@ def build_pending() -> bool:
     if _tried or not enabled() or backend.backend() != "cpu":
         return False
     try:
-        return not _is_trusted(library_path())
+        return not is_trusted_file(library_path())
     except Exception:  # noqa: BLE001 - no compiler or nanobind: nothing will be built
         return False
 
