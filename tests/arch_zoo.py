@@ -83,25 +83,31 @@ ZOO: dict[str, dict] = {
 }
 
 
-def build(path: Path, name: str, tokenizer_dir: Path, *, eos: int, bits: int | None = None,
-          seed: int = 0, overrides: dict | None = None) -> Path:
-    """Random weights for ``ZOO[name]`` (float32, or quantized to ``bits``) as a model dir."""
+def save_random_model(path: Path, config: dict, tokenizer_dir: Path, *, seed: int,
+                      scale: float = 3, bits: int | None = None) -> Path:
+    """Random weights for the mlx-lm ``config`` (float32, or quantized to ``bits``) saved as
+    a model directory with ``tokenizer_dir``'s tokenizer. Matrices are scaled up by
+    ``scale`` so logits are peaked and greedy is meaningful."""
     from mlx_lm.utils import _get_classes, quantize_model
 
-    config = {**ZOO[name], "vocab_size": VOCAB, "eos_token_id": eos, **(overrides or {})}
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
-    # scale the random init up so logits are peaked and greedy is meaningful
-    model.update_modules({})
     params = dict(tree_flatten(model.parameters()))
-    params = {k: v * 3 if v.ndim >= 2 and "norm" not in k else v for k, v in params.items()}
+    params = {k: v * scale if v.ndim >= 2 and "norm" not in k else v for k, v in params.items()}
     model.load_weights(list(params.items()))
     if bits:
         model, config = quantize_model(model, config, group_size=32, bits=bits)
     path.mkdir(parents=True)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (path / "config.json").write_text(json.dumps(config))
-    for name_ in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name_, path / name_)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, path / name)
     return path
+
+
+def build(path: Path, name: str, tokenizer_dir: Path, *, eos: int, bits: int | None = None,
+          seed: int = 0, overrides: dict | None = None) -> Path:
+    """``ZOO[name]`` (with ``overrides``) as a random-weight model directory."""
+    config = {**ZOO[name], "vocab_size": VOCAB, "eos_token_id": eos, **(overrides or {})}
+    return save_random_model(path, config, tokenizer_dir, seed=seed, bits=bits)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,7 +19,6 @@ import engine  # noqa: E402,F401  (preloads OpenBLAS before mlx.core)
 # isort: split
 import mlx.core as mx  # noqa: E402
 import pytest  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -104,22 +101,12 @@ TINY = {
 
 def build_tiny_model(tmp_path, default_model, kind: str):
     """Random weights for a real mlx-lm architecture, saved as a model directory."""
-    from mlx_lm.utils import _get_classes
+    from arch_zoo import save_random_model
 
     config = dict(TINY[kind], vocab_size=default_model.config["vocab_size"],
                   eos_token_id=default_model.config["eos_token_id"])
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(len(kind))
-    model = model_cls(args_cls.from_dict(config))
-    # scale up the random init so logits are peaked and greedy is meaningful
-    params = {k: v * 4 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
-    path = tmp_path / kind
-    path.mkdir()
-    mx.save_safetensors(str(path / "model.safetensors"), params)
-    (path / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model.path / name, path / name)
-    return path
+    return save_random_model(tmp_path / kind, config, default_model.path, seed=len(kind),
+                             scale=4)
 
 
 @pytest.fixture
