@@ -1,19 +1,20 @@
-"""Convert a llama-architecture GGUF file into an MLX model directory.
+"""Convert a GGUF file into an MLX model directory.
 
 The directory (safetensors in MLX affine format, config.json, tokenizer.json,
 tokenizer_config.json) is what `mlx_lm.load` opens, so kvchat and mlx-lm run
-the very same weights. GGUF facts this relies on (see DESIGN.md):
-- `mx.load` returns Q4_0/Q4_1/Q8_0 tensors already as MLX affine triples
-  (weight, scales, biases) with group size 32; bits differ per tensor.
-- GGUF permutes Q/K rows for interleaved RoPE, hence ``rope_traditional``.
-- The tokenizer (byte-level BPE) and chat template live in the metadata.
+the very same weights. What it relies on:
+- gguf-py's reader (memory-mapped; metadata and each tensor's raw blocks);
+- `gguf_quants`: Q4_0/Q4_1/Q4_K -> 4-bit and Q8_0/Q5_0/Q5_1/Q5_K -> 8-bit MLX affine
+  tensors exactly, Q6_K re-quantized to 8 bits; other types refused in one line;
+- `gguf_config`: llama, qwen2, qwen3, gemma3, phi3 onto mlx-lm's modules;
+- the tokenizer from the metadata: kvchat's own byte-level BPE builder for the GPT-2-style
+  vocabularies it was written for, transformers' GGUF converter for the rest.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import struct
 import subprocess
@@ -21,7 +22,9 @@ import sys
 from pathlib import Path
 
 from engine.errors import ModelLoadError
+from engine.model import gguf_config, gguf_quants
 from engine.model.fingerprint import file_digest
+from engine.model.gguf_config import rename_tensor, scalar
 from engine.paths import (
     cache_root,
     is_private_tree,
@@ -31,93 +34,46 @@ from engine.paths import (
     write_private,
 )
 
-GGUF_GROUP_SIZE = 32
+GGUF_GROUP_SIZE = gguf_quants.GROUP
 CONTROL_TOKEN = 3
-
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
-_TOP = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
+# Bumped when the conversion changes what it writes: a new directory, not a stale one.
+CONVERTER_VERSION = 2
 
 # llama.cpp's "smollm"/"gpt2"-family pre-tokenizer: single digits, then GPT-2's regex.
 _PRE_TOKENIZERS_WITH_DIGITS = {"smollm", "starcoder", "refact", "codeshell", "exaone"}
+_OWN_TOKENIZER_PRE = _PRE_TOKENIZERS_WITH_DIGITS | {"gpt2", "default"}
 
 
-def rename_tensor(name: str) -> str:
-    """Map a GGUF tensor name to the Hugging Face / mlx-lm name."""
-    if m := _BLOCK.match(name):
-        layer, part, suffix = m.groups()
-        if part not in _LAYER_NAMES:
-            raise ModelLoadError(f"unsupported GGUF tensor {name!r}")
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
-    if (m := _TOP.match(name)) and m.group(1) in _TOP_NAMES:
-        return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
-    raise ModelLoadError(f"unsupported GGUF tensor {name!r}")
-
-
-def _scalar(meta: dict, key: str, default=None):
-    value = meta.get(key, default)
-    if value is None:
-        raise ModelLoadError(f"GGUF metadata lacks {key!r}")
-    return value.item() if hasattr(value, "item") else value
-
-
-def model_config(meta: dict, weights: dict) -> dict:
-    """Build an mlx-lm llama config.json from GGUF metadata and the tensors."""
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (only llama)")
-    hidden = int(_scalar(meta, "llama.embedding_length"))
-    heads = int(_scalar(meta, "llama.attention.head_count"))
-    quantization: dict = {"group_size": GGUF_GROUP_SIZE, "bits": 4, "mode": "affine"}
+def model_config(meta: dict, weights: dict, extra: dict | None = None) -> dict:
+    """mlx-lm config.json from GGUF metadata and the converted tensors (bits per layer are
+    read off the packed width vs the scales)."""
+    quantization = {}
     for name, w in weights.items():
         if name.endswith(".scales"):
             base = name[: -len(".scales")]
             in_features = w.shape[-1] * GGUF_GROUP_SIZE
             bits = weights[base + ".weight"].shape[-1] * 32 // in_features
             quantization[base] = {"group_size": GGUF_GROUP_SIZE, "bits": int(bits)}
-    tokens = meta["tokenizer.ggml.tokens"]
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": hidden,
-        "num_hidden_layers": int(_scalar(meta, "llama.block_count")),
-        "intermediate_size": int(_scalar(meta, "llama.feed_forward_length")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(_scalar(meta, "llama.attention.head_count_kv", heads)),
-        "head_dim": int(_scalar(meta, "llama.rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(_scalar(meta, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_scalar(meta, "llama.rope.freq_base", 10000.0)),
-        "rope_traditional": True,
-        "max_position_embeddings": int(_scalar(meta, "llama.context_length")),
-        "vocab_size": len(tokens),
-        "tie_word_embeddings": "lm_head.weight" not in weights,
-        "bos_token_id": int(_scalar(meta, "tokenizer.ggml.bos_token_id", 1)),
-        "eos_token_id": int(_scalar(meta, "tokenizer.ggml.eos_token_id")),
-    }
-    if any(isinstance(v, dict) for v in quantization.values()):
-        config["quantization"] = quantization
-    return config
+    return gguf_config.model_config(meta, weights, quantization, extra or {})
 
 
-def build_tokenizer(meta: dict):
-    """A `tokenizers.Tokenizer` for GGUF's byte-level BPE vocabulary."""
+def own_tokenizer(meta: dict) -> bool:
+    """Whether kvchat's own builder makes this file's tokenizer: GPT-2-style byte-level BPE
+    with GPT-2's split (and single digits for the smollm family)."""
+    return (meta.get("tokenizer.ggml.model") == "gpt2"
+            and meta.get("tokenizer.ggml.pre", "default") in _OWN_TOKENIZER_PRE)
+
+
+def build_tokenizer(meta: dict, path: Path | None = None):
+    """A `tokenizers.Tokenizer` for the file's vocabulary: kvchat's byte-level BPE builder
+    where it applies (`own_tokenizer`), else transformers' GGUF converter (Llama 3 and Qwen
+    splits, SentencePiece vocabularies of gemma3 and phi3), which reads ``path``."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise ModelLoadError("only byte-level BPE ('gpt2') GGUF tokenizers are supported")
+    if not own_tokenizer(meta):
+        return _transformers_tokenizer(path)
     tokens = meta["tokenizer.ggml.tokens"]
-    types = meta["tokenizer.ggml.token_type"].tolist()
+    types = list(meta["tokenizer.ggml.token_type"])
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
@@ -133,6 +89,24 @@ def build_tokenizer(meta: dict):
     return tok
 
 
+def _transformers_tokenizer(path: Path | None):
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        convert_gguf_tokenizer,
+        get_gguf_tokenizer,
+    )
+
+    if path is None:
+        raise ModelLoadError("this GGUF tokenizer needs the file to convert it")
+    try:
+        arch, tokenizer_dict, _ = get_gguf_tokenizer(str(path))
+        return convert_gguf_tokenizer(arch, tokenizer_dict)[0]
+    except ModelLoadError:
+        raise
+    except Exception as e:  # an unknown tokenizer type, malformed vocabulary
+        raise ModelLoadError(f"cannot build the GGUF tokenizer of {path}: "
+                             f"{' '.join(str(e).split())[:200]}") from e
+
+
 def tokenizer_config(meta: dict) -> dict:
     tokens = meta["tokenizer.ggml.tokens"]
 
@@ -146,9 +120,11 @@ def tokenizer_config(meta: dict) -> dict:
         "eos_token": token("tokenizer.ggml.eos_token_id"),
         "unk_token": token("tokenizer.ggml.unknown_token_id"),
         "pad_token": token("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
+        "add_bos_token": bool(scalar(meta, "tokenizer.ggml.add_bos_token",
+                                     meta.get("tokenizer.ggml.model") == "llama")),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_scalar(meta, "llama.context_length")),
+        "model_max_length": int(scalar(meta, f"{meta['general.architecture']}.context_length")),
     }
     if "tokenizer.chat_template" in meta:
         cfg["chat_template"] = meta["tokenizer.chat_template"]
@@ -181,6 +157,63 @@ def _write_tree(out_dir: Path, files: dict[str, bytes], weights: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def read(gguf_path: Path) -> tuple[dict, list]:
+    """The file's metadata (scalars as Python values, number arrays as numpy, string
+    arrays as lists) and its tensors (gguf-py `ReaderTensor`s, memory-mapped)."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
+
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except Exception as e:  # bad magic, truncated, inconsistent offsets, ...
+        raise ModelLoadError(f"not a valid GGUF file: {gguf_path} ({type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:160]})") from e
+    meta = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if (field.types and field.types[0] == GGUFValueType.ARRAY and len(field.types) > 1
+                and field.types[-1] != GGUFValueType.STRING):
+            value = np.asarray(value)
+        meta[name] = value
+    return meta, reader.tensors
+
+
+def _matrix(t) -> tuple[int, ...]:
+    return tuple(int(d) for d in reversed(t.shape.tolist()))
+
+
+def convert_tensor(t, arch: str) -> dict:
+    """One GGUF tensor as {mlx-lm name: mx.array}: quantized blocks as MLX affine
+    ``weight``/``scales``/``biases``, float tensors as they are (gemma3 norms less 1)."""
+    import mlx.core as mx
+    import numpy as np
+
+    kind = t.tensor_type.name
+    name = rename_tensor(t.name, arch)
+    shape = _matrix(t)
+    if kind not in gguf_quants.SUPPORTED:
+        raise ModelLoadError(
+            f"GGUF tensor {t.name} is {kind}: kvchat reads {', '.join(gguf_quants.SUPPORTED)} "
+            "(re-quantize the file with llama-quantize, e.g. to Q4_K_M)")
+    if kind in gguf_quants.FLOATS:
+        raw = np.asarray(t.data)
+        if kind == "BF16":
+            arr = mx.array(raw.reshape(-1).view(np.uint16)).view(mx.bfloat16).reshape(shape)
+        else:
+            arr = mx.array(raw.reshape(shape))
+        if gguf_config.is_norm(arch, t.name):
+            arr = arr.astype(mx.float32) - 1.0
+        return {name: arr}
+    if len(shape) != 2:
+        raise ModelLoadError(f"GGUF tensor {t.name}: a quantized tensor of shape {shape}")
+    w, scales, biases, _ = gguf_quants.to_affine(kind, t.data, shape)
+    base = name.removesuffix(".weight")
+    return {name: mx.array(w), f"{base}.scales": mx.array(scales),
+            f"{base}.biases": mx.array(biases)}
+
+
 def convert(gguf_path: Path, out_dir: Path) -> Path:
     """Write the MLX model directory for ``gguf_path`` to ``out_dir`` atomically.
 
@@ -189,19 +222,22 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
     Raises:
         ModelLoadError: the file is not a valid GGUF file, or not a supported model.
     """
-    import mlx.core as mx
+    import numpy as np
 
-    try:
-        raw, meta = mx.load(str(gguf_path), return_metadata=True)
-    except Exception as e:  # MLX raises ValueError/RuntimeError for bad files
-        raise ModelLoadError(f"not a valid GGUF file: {gguf_path} ({e})") from e
+    meta, tensors = read(gguf_path)
     if "general.architecture" not in meta or "tokenizer.ggml.tokens" not in meta:
         raise ModelLoadError(f"not a valid GGUF file: {gguf_path} (no model metadata)")
-    weights = {rename_tensor(k): v for k, v in raw.items()}
-    config = model_config(meta, weights)
+    arch = gguf_config.check_architecture(meta["general.architecture"])
+    weights, extra = {}, {}
+    for t in tensors:
+        if t.name in gguf_config.CONFIG_TENSORS:
+            extra[t.name] = np.asarray(t.data, dtype=np.float32)
+        else:
+            weights.update(convert_tensor(t, arch))
+    config = model_config(meta, weights, extra)
     files = {
         "config.json": json.dumps(config, indent=2),
-        "tokenizer.json": build_tokenizer(meta).to_str(pretty=True),  # as .save() writes it
+        "tokenizer.json": build_tokenizer(meta, gguf_path).to_str(pretty=True),
         "tokenizer_config.json": json.dumps(tokenizer_config(meta), indent=2),
         "generation_config.json": json.dumps({"eos_token_id": config["eos_token_id"]}),
     }
@@ -266,7 +302,7 @@ def converted_dir(gguf_path: Path, root: Path | None = None) -> Path:
         raise ModelLoadError(f"GGUF file not found: {gguf_path}")
     check_header(gguf_path)
     digest = file_digest(gguf_path)[:16]
-    out = (root or cache_root() / "models") / f"{gguf_path.stem}-{digest}"
+    out = (root or cache_root() / "models") / f"{gguf_path.stem}-{digest}-v{CONVERTER_VERSION}"
     if not is_private_tree(out, required="config.json"):
         try:
             private_dir(out.parent)

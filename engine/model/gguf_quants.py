@@ -1,0 +1,133 @@
+"""GGUF tensor blocks to MLX affine weights (packed uint32, scales, biases), in numpy.
+
+Every block type kvchat reads becomes MLX's affine layout, which the CPU extension's tiled
+`qmm` and MLX's own kernels compute. Exact where the block format is affine per 32 weights:
+- Q4_0, Q4_1, Q4_K -> 4 bits, group 32 (Q4_K: scale d*sc, bias -dmin*m per sub-block);
+- Q8_0, Q5_0, Q5_1, Q5_K -> 8 bits, group 32 (5-bit codes fit 8 bits unchanged).
+Scales and biases are float16, so d*sc rounds to float16 (relative error <= 2^-11, far
+below the 4/5-bit step). Q6_K has one scale per 16 weights, which MLX's groups (32+) cannot
+hold: it is dequantized and re-quantized to 8 bits per 32 (error <= 1/8 of Q6_K's own
+step; measured in the README). Block layouts: ggml-quants.c / gguf-py's quants.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.errors import ModelLoadError
+
+GROUP = 32
+QK_K = 256
+# name -> (weights per block, bytes per block)
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
+          "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+FLOATS = ("F32", "F16", "BF16")
+SUPPORTED = FLOATS + tuple(BLOCKS)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """(nb, 2) uint8 -> (nb,) float32 from little-endian float16."""
+    return np.ascontiguousarray(raw).view(np.float16)[:, 0].astype(np.float32)
+
+
+def _pack(q: np.ndarray, bits: int, rows: int) -> np.ndarray:
+    """Codes (rows * K,) in 0..2^bits-1 -> (rows, K * bits / 32) uint32 in MLX's order
+    (code k in bits [bits * (k % per), ...) of word k // per, low bits first)."""
+    q = q.astype(np.uint8).reshape(rows, -1)
+    if bits == 4:
+        q = q[:, 0::2] | (q[:, 1::2] << 4)
+    return np.ascontiguousarray(q).view(np.uint32)
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """Q4_0/Q5_0-style (nb, 16) bytes -> (nb, 32): low nibbles are weights 0-15, high 16-31."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """(nb, 4) bytes of a little-endian uint32 -> (nb, 32) bit j of it."""
+    word = np.ascontiguousarray(qh).view(np.uint32)[:, 0]
+    return ((word[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 packed bytes -> (nb, 8) 6-bit scales and mins (get_scale_min_k4)."""
+    sc = sc.astype(np.uint8)
+    lo_s, lo_m = sc[:, 0:4] & 63, sc[:, 4:8] & 63
+    hi_s = (sc[:, 8:12] & 0xF) | ((sc[:, 0:4] >> 6) << 4)
+    hi_m = (sc[:, 8:12] >> 4) | ((sc[:, 4:8] >> 6) << 4)
+    return (np.concatenate([lo_s, hi_s], 1).astype(np.float32),
+            np.concatenate([lo_m, hi_m], 1).astype(np.float32))
+
+
+def _affine(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Blocks (nb, bytes) -> codes (nb, weights), scales and biases (nb, weights / 32), bits."""
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        d = _f16(b[:, 0:2])
+        off = 4 if kind.endswith("_1") else 2
+        m = _f16(b[:, 2:4]) if kind.endswith("_1") else None
+        q = _nibbles32(b[:, -16:])
+        if kind.startswith("Q5"):
+            q = q | (_high_bits(b[:, off:off + 4]) << 4)
+        bits = 4 if kind.startswith("Q4") else 8
+        bias = m if m is not None else -d * (8 if bits == 4 else 16)
+        return q, d[:, None], bias[:, None], bits
+    if kind == "Q8_0":
+        d = _f16(b[:, 0:2])
+        q = (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return q, d[:, None], (-128 * d)[:, None], 8
+    if kind in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = _k_scales(b[:, 4:16])
+        ql = b[:, -128:].reshape(-1, 4, 32)  # 4 chunks of 64 weights: low then high nibbles
+        q = np.stack([ql & 0xF, ql >> 4], axis=2).reshape(-1, 8, 32)  # (nb, sub-block, 32)
+        if kind == "Q5_K":
+            qh = b[:, 16:48]  # bit s of byte l: weight l of sub-block s
+            q = q | (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
+        return q.reshape(-1, QK_K), d[:, None] * sc, -(dmin[:, None] * mn), (
+            4 if kind == "Q4_K" else 8)
+    raise ModelLoadError(f"no affine form for {kind}")
+
+
+def _requantize8(w: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """float weights (rows, K) -> 8-bit group-32 codes, float16 scales and biases
+    (min/max per group, as `mx.quantize` does)."""
+    g = w.astype(np.float32).reshape(rows, -1, GROUP)
+    lo, hi = g.min(-1), g.max(-1)
+    scale = ((hi - lo) / 255).astype(np.float16).astype(np.float32)
+    safe = np.where(scale == 0, 1, scale)
+    bias = lo.astype(np.float16).astype(np.float32)
+    q = np.clip(np.rint((g - bias[..., None]) / safe[..., None]), 0, 255)
+    return q, scale, bias
+
+
+def to_affine(kind: str, data: np.ndarray, shape: tuple[int, int]
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """One quantized GGUF matrix as MLX affine arrays.
+
+    Args:
+        kind: the GGML type's name (a key of `BLOCKS`).
+        data: the tensor's bytes (any shape; read in order).
+        shape: (rows, columns) of the matrix (columns a multiple of the block size).
+
+    Returns:
+        (weight uint32 (rows, columns * bits / 32), scales float16, biases float16
+        (rows, columns / 32), bits).
+    """
+    per, nbytes = BLOCKS[kind]
+    rows, cols = shape
+    raw = np.asarray(data).reshape(-1).view(np.uint8)
+    if cols % per or raw.size != rows * cols // per * nbytes:
+        raise ModelLoadError(f"{kind} tensor of shape {shape} has {raw.size} bytes")
+    blocks = raw.reshape(-1, nbytes)
+    if kind == "Q6_K":
+        from gguf import GGMLQuantizationType, quants
+
+        w = quants.dequantize(blocks, GGMLQuantizationType.Q6_K).reshape(rows, cols)
+        q, scale, bias = _requantize8(w, rows)
+        bits = 8
+    else:
+        q, scale, bias, bits = _affine(kind, blocks)
+    scales = np.asarray(scale, np.float32).reshape(rows, cols // GROUP).astype(np.float16)
+    biases = np.asarray(bias, np.float32).reshape(rows, cols // GROUP).astype(np.float16)
+    return _pack(np.asarray(q).reshape(-1), bits, rows), scales, biases, bits
