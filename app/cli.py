@@ -1,4 +1,5 @@
-"""Command line: `kvchat chat | generate | ask | estimate | serve | convert | bench | eval | cache`.
+"""Command line: `kvchat chat | generate | ask | estimate | serve | convert | bench | eval | cache
+| dev`.
 
 Errors meant for the user (missing or corrupt model, empty or too long prompt)
 print one line to stderr and exit with status 2 — never a traceback.
@@ -236,6 +237,9 @@ def make_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
     cache_cli.add_parser(sub)
+    from app.dev import make_model
+
+    make_model.add_parser(sub)
     return parser
 
 

@@ -125,3 +125,41 @@ def _np(a: mx.array):
     import numpy as np
 
     return np.array(a, copy=False)
+
+
+def add_parser(sub) -> None:
+    """Register ``dev`` (``dev make-model``) on the CLI's subparsers object."""
+    from app import arg_types
+
+    dev = sub.add_parser("dev", help="developer tools (random-weight models of real shapes)")
+    dsub = dev.add_subparsers(dest="dev_command", required=True)
+    m = dsub.add_parser("make-model", help="write a random-weight model (MLX dir or .gguf)")
+    m.add_argument("out", type=Path, help="a new directory, or a .gguf file for GGUF types")
+    m.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    m.add_argument("--config", type=Path, default=None,
+                   help="an mlx-lm config.json to take the shape from (overrides the preset)")
+    m.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="override one config field, e.g. --set num_hidden_layers=4")
+    m.add_argument("--format", default="q4", choices=MLX_FORMATS + GGUF_TYPES)
+    m.add_argument("--group-size", type=int, choices=[32, 64, 128], default=32)
+    m.add_argument("--seed", type=arg_types.non_negative_int, default=0)
+    m.set_defaults(func=run)
+
+
+def run(args) -> int:
+    config = dict(PRESETS[args.preset]) if args.preset else {}
+    if args.config:
+        config.update(json.loads(args.config.read_text()))
+    for item in args.set:
+        key, _, value = item.partition("=")
+        try:
+            config[key] = json.loads(value)
+        except ValueError:
+            config[key] = value
+    if "model_type" not in config:
+        raise ValueError("give --preset, --config or --set model_type=...")
+    if args.out.exists():
+        raise ValueError(f"{args.out} exists")
+    out = make_model(args.out, config, args.format, seed=args.seed, group_size=args.group_size)
+    print(out)
+    return 0
