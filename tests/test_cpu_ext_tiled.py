@@ -114,14 +114,15 @@ def test_tiled_qmm_rejects_what_it_cannot_take(tiled):
         ops.qmm(mx.zeros((1, 64)), w, s, b, group_size=32, bits=4, tiled=True)
 
 
-def test_tiled_embedding_looks_up_and_projects_like_mlx(tiled):
+@pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (4, 64), (4, 128), (8, 128)])
+def test_tiled_embedding_looks_up_and_projects_like_mlx(tiled, bits, group):
     import mlx.nn as nn
 
-    emb = nn.QuantizedEmbedding(96, 64, group_size=32, bits=8)
+    emb = nn.QuantizedEmbedding(96, 256, group_size=group, bits=bits)
     emb.update({"scales": emb.scales.astype(mx.float16), "biases": emb.biases.astype(mx.float16)})
     assert linear.tileable(emb)
     ids = mx.array([[0, 17, 95], [16, 15, 3]])
-    ref_rows, x = emb(ids), mx.random.normal((2, 64))
+    ref_rows, x = emb(ids), mx.random.normal((2, 256))
     ref_head = emb.as_linear(x)
     new = linear.CpuTiledEmbedding.from_quantized(emb)
     assert mx.array_equal(new(ids), ref_rows).item()  # the lookup is exact

@@ -78,10 +78,9 @@ class CpuTiledLinear(CpuQuantizedLinear):
 
 
 def tileable(layer: nn.Module) -> bool:
-    """A supported linear (or 8-bit embedding) the tiled classes can take: rows in 16s,
-    groups of 32s."""
-    kind = (type(layer) is nn.QuantizedLinear
-            or (type(layer) is nn.QuantizedEmbedding and layer.bits == 8))
+    """A supported linear or embedding the tiled classes can take: rows in 16s, groups of
+    32s."""
+    kind = type(layer) in (nn.QuantizedLinear, nn.QuantizedEmbedding)
     return (kind and supported(layer) and layer["weight"].shape[0] % ops.TILE_ROWS == 0
             and layer.group_size % 32 == 0)
 
@@ -106,15 +105,15 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
 
 
 class CpuTiledEmbedding(CpuQuantizedEmbedding):
-    """An 8-bit `CpuQuantizedEmbedding` in `ops.tile`'s layout: ``as_linear`` (the tied
+    """A 4/8-bit `CpuQuantizedEmbedding` in `ops.tile`'s layout: ``as_linear`` (the tied
     output head, the largest matmul of a small model) runs the tiled `qmm`, and a lookup
     puts its rows back in MLX's layout before the same `mx.dequantize` MLX's does."""
 
     tiled = True
 
     def __call__(self, x: mx.array) -> mx.array:
-        w, s, b = ops.untile8_rows(self["weight"], self["scales"], self["biases"], x,
-                                   self.group_size)
+        w, s, b = ops.untile_rows(self["weight"], self["scales"], self["biases"], x,
+                                  self.group_size, self.bits)
         return mx.dequantize(w, scales=s, biases=b, group_size=self.group_size, bits=self.bits)
 
 

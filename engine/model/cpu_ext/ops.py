@@ -88,6 +88,28 @@ def tile(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits:
     return tiled.reshape(N, packed), params(scales), params(biases)
 
 
+def untile_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
+                group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Rows ``rows`` (any int shape) of `tile`d 4/8-bit weights back in MLX's layout: what
+    ``w[rows], scales[rows], biases[rows]`` gave before tiling (an embedding lookup)."""
+    if bits == 8:
+        return untile8_rows(w, scales, biases, rows, group_size)
+    N, packed = w.shape
+    K, G = packed * 8, scales.shape[1]
+    T = N // TILE_ROWS
+    t, i = rows // TILE_ROWS, rows % TILE_ROWS
+    # (t, g, p, i, b): byte b of row i holds quad 2p's weight in its low nibble, 2p + 1's high
+    q = w.view(mx.uint8).reshape(T, G, group_size // 8, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4)
+    q = q[t, i]  # (..., G, P, 4)
+    codes = mx.stack([q & 0xF, q >> 4], axis=-2).reshape(*rows.shape, K)  # natural order
+    data = (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(mx.uint32)
+
+    def params(a: mx.array) -> mx.array:
+        return a.reshape(T, G, TILE_ROWS).transpose(0, 2, 1)[t, i]
+
+    return data, params(scales), params(biases)
+
+
 def untile8_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
                  group_size: int) -> tuple[mx.array, mx.array, mx.array]:
     """Rows ``rows`` (any int shape) of `tile`d 8-bit weights back in MLX's layout: what
