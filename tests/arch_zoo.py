@@ -7,12 +7,9 @@ vocabulary; `build` saves one as a model directory the loader reads like any che
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
-import mlx.core as mx
-from mlx.utils import tree_flatten
+from app.dev.make_model import save_random_model
 
 VOCAB = 512
 WINDOW = 16  # shorter than the parity prompts, so windows are crossed
@@ -81,29 +78,6 @@ ZOO: dict[str, dict] = {
                      num_experts_per_tok=2, first_k_dense_replace=1, use_qk_norm=True,
                      attention_bias=True, partial_rotary_factor=0.5, rope_scaling=None),
 }
-
-
-def save_random_model(path: Path, config: dict, tokenizer_dir: Path, *, seed: int,
-                      scale: float = 3, bits: int | None = None) -> Path:
-    """Random weights for the mlx-lm ``config`` (float32, or quantized to ``bits``) saved as
-    a model directory with ``tokenizer_dir``'s tokenizer. Matrices are scaled up by
-    ``scale`` so logits are peaked and greedy is meaningful."""
-    from mlx_lm.utils import _get_classes, quantize_model
-
-    model_cls, args_cls = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_cls(args_cls.from_dict(config))
-    params = dict(tree_flatten(model.parameters()))
-    params = {k: v * scale if v.ndim >= 2 and "norm" not in k else v for k, v in params.items()}
-    model.load_weights(list(params.items()))
-    if bits:
-        model, config = quantize_model(model, config, group_size=32, bits=bits)
-    path.mkdir(parents=True)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, path / name)
-    return path
 
 
 def build(path: Path, name: str, tokenizer_dir: Path, *, eos: int, bits: int | None = None,

@@ -202,6 +202,8 @@ def write_gguf(path: Path, config: dict, params: dict, tokenizer_meta: dict, *,
             value = value + 1.0
         layer = int(gname.split(".")[1]) if gname.startswith("blk.") else None
         kind = _tensor_kind(gname, kinds, layer) if value.ndim == 2 else "F32"
+        if kind in _ENCODERS and value.shape[-1] % QK_K:
+            kind = "Q8_0"  # as llama.cpp falls back for rows not in whole super-blocks
         data = encode(value, kind)
         if kind == "BF16":
             data = data.view(np.uint8)

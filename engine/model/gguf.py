@@ -90,14 +90,14 @@ def build_tokenizer(meta: dict, path: Path | None = None):
 
 
 def _transformers_tokenizer(path: Path | None):
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-        convert_gguf_tokenizer,
-        get_gguf_tokenizer,
-    )
-
     if path is None:
         raise ModelLoadError("this GGUF tokenizer needs the file to convert it")
     try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            convert_gguf_tokenizer,
+            get_gguf_tokenizer,
+        )
+
         arch, tokenizer_dict, _ = get_gguf_tokenizer(str(path))
         return convert_gguf_tokenizer(arch, tokenizer_dict)[0]
     except ModelLoadError:
@@ -165,18 +165,18 @@ def read(gguf_path: Path) -> tuple[dict, list]:
 
     try:
         reader = GGUFReader(str(gguf_path))
+        meta = {}
+        for name, field in reader.fields.items():
+            if name.startswith("GGUF."):
+                continue
+            value = field.contents()
+            if (field.types and field.types[0] == GGUFValueType.ARRAY and len(field.types) > 1
+                    and field.types[-1] != GGUFValueType.STRING):
+                value = np.asarray(value)
+            meta[name] = value
     except Exception as e:  # bad magic, truncated, inconsistent offsets, ...
-        raise ModelLoadError(f"not a valid GGUF file: {gguf_path} ({type(e).__name__}: "
-                             f"{' '.join(str(e).split())[:160]})") from e
-    meta = {}
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        value = field.contents()
-        if (field.types and field.types[0] == GGUFValueType.ARRAY and len(field.types) > 1
-                and field.types[-1] != GGUFValueType.STRING):
-            value = np.asarray(value)
-        meta[name] = value
+        raise ModelLoadError(f"not a valid GGUF file: {gguf_path} (corrupt or truncated: "
+                             f"{type(e).__name__}: {' '.join(str(e).split())[:160]})") from e
     return meta, reader.tensors
 
 
