@@ -9,10 +9,10 @@ token ids, both sides (and, unless ``--no-float32``, kvchat's ``--weights float3
 - decode the texts that are bench prompts greedily (EOS ignored): tokens identical
   before the first divergence, and equal positions, against mlx-lm's.
 
-The texts are `kvchat bench`'s prompts (the same ids at the same lengths and seed:
-stdlib source) plus generated prose documents (`app.eval.docs`). mlx-lm runs in a fresh
-interpreter without kvchat's OpenBLAS preload, as the bench runs it; its greedy tokens
-continue from the cache its scoring filled (``generate_step`` from the first token on).
+Texts: `kvchat bench`'s prompts (same ids, lengths and seed) and generated prose
+(`app.eval.docs`). mlx-lm runs in a fresh interpreter without the OpenBLAS preload; its
+greedy tokens continue from the cache its scoring filled. ``--peer llama.cpp``: perplexity
+beside llama.cpp's own `llama-perplexity` on a GGUF (`app.eval.llama_peer`).
 """
 
 from __future__ import annotations
@@ -66,11 +66,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="one 48-token prompt, 8 tokens (tests)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every figure as JSON")
     p.add_argument("--model", default=None, help="model to evaluate (default: the embedded one)")
+    from app.eval import llama_peer
+
+    llama_peer.add_args(p)
     p.set_defaults(func=run)
     return p
 
-
-# -- figures -----------------------------------------------------------------------------
 
 def first_divergence(reference: list[int], other: list[int]) -> int:
     """Tokens identical before the first difference (the shorter length if none)."""
@@ -123,7 +124,6 @@ def table(result: dict) -> str:
 
     def greedy_cell(r: dict | None) -> str:
         return "" if r is None else f"{r['first_divergence']} / {r['equal']} of {r['total']}"
-
     lines = [row("", LABELS.get), "|---|" + "---:|" * len(sides),
              row(f"perplexity ({len(result['texts'])} texts, {result['tokens_scored']} tokens)",
                  lambda s: f"{result['perplexity'][s]:.4f}"),
@@ -137,8 +137,6 @@ def table(result: dict) -> str:
                   lambda s, g=g: greedy_cell(g.get(f"{s}_vs_mlx_lm"))) for g in result["greedy"]]
     return "\n".join(lines)
 
-
-# -- the sides ---------------------------------------------------------------------------
 
 def build_texts(tokenizer, *, lengths: list[int], gen_tokens: int, docs: int, doc_tokens: int,
                 seed: int) -> list[dict]:
@@ -277,6 +275,10 @@ def evaluate(*, quick: bool = False, lengths: list[int] | None = None,
 
 def run(args) -> int:
     """Evaluate; print the table (stdout), write ``--json``."""
+    if args.peer == "llama.cpp":
+        from app.eval import llama_peer
+
+        return llama_peer.run(args)
     result = evaluate(quick=args.quick, lengths=args.lengths, gen_tokens=args.gen_tokens,
                       docs=args.docs, seed=args.seed, float32=not args.no_float32,
                       model=args.model)
