@@ -66,10 +66,22 @@ def kvchat_perplexity(engine, ids: list[int], ctx: int, chunks: int, bos: int | 
     return math.exp(sum(nll) / len(nll)), len(nll)
 
 
+def _score(loaded, ids, ctx, chunks) -> tuple[float, int]:
+    from engine import Engine, EngineConfig
+
+    add_bos = bool(getattr(loaded.tokenizer._tokenizer, "add_bos_token", False))
+    bos = loaded.config.get("bos_token_id") if add_bos else None
+    engine = Engine(loaded, EngineConfig(kv_budget_bytes=64 << 20))
+    try:
+        return kvchat_perplexity(engine, ids, ctx, chunks, bos)
+    finally:
+        engine.shutdown()
+
+
 def evaluate(model: str, *, bin_dir: str | None, text: Path, ctx: int = 512,
-             max_chunks: int = 16) -> dict:
+             max_chunks: int = 16, float32: bool = True) -> dict:
     """Both perplexities of GGUF ``model`` on ``text``; what ``--json`` writes."""
-    from engine import Engine, EngineConfig, load_model
+    from engine import load_model
 
     if not model or not model.endswith(".gguf"):
         raise KVChatError("--peer llama.cpp needs --model FILE.gguf (llama.cpp reads GGUF)")
@@ -81,17 +93,13 @@ def evaluate(model: str, *, bin_dir: str | None, text: Path, ctx: int = 512,
     if chunks < 1:
         raise KVChatError(f"{text} has {len(ids)} tokens: fewer than one {ctx}-token chunk")
     loaded = load_model(model)
-    add_bos = loaded.tokenizer._tokenizer.bos_token is not None and bool(
-        getattr(loaded.tokenizer._tokenizer, "add_bos_token", False))
-    bos = loaded.config.get("bos_token_id") if add_bos else None
-    engine = Engine(loaded, EngineConfig(kv_budget_bytes=64 << 20))
-    try:
-        ours, scored = kvchat_perplexity(engine, ids, ctx, chunks, bos)
-    finally:
-        engine.shutdown()
+    ours, scored = _score(loaded, ids, ctx, chunks)
+    # the same converted weights dequantized, computed in float32: what the conversion
+    # alone gives, apart from either engine's low-precision activations
+    f32 = _score(load_model(model, weights="float32"), ids, ctx, chunks)[0] if float32 else None
     theirs = llama_perplexity(bin_dir, model, text, ctx, chunks)
     return {"model": model, "text": str(text), "ctx": ctx, "chunks": chunks,
-            "scored_tokens": scored, "kvchat_weights": loaded.weight_format,
+            "kvchat_float32_ppl": f32, "scored_tokens": scored, "kvchat_weights": loaded.weight_format,
             "kvchat_matmul": loaded.matmul, "kvchat_ppl": ours, "llama_cpp_ppl": theirs,
             "diff_pct": 100 * (ours / theirs - 1),
             "seconds": round(time.perf_counter() - started, 1)}
@@ -102,7 +110,9 @@ def report(r: dict) -> str:
             f"{Path(r['text']).name}, {r['scored_tokens']} scored tokens\n"
             f"  kvchat ({r['kvchat_weights']}, {r['kvchat_matmul']}) perplexity "
             f"{r['kvchat_ppl']:.4f}\n"
-            f"  llama.cpp llama-perplexity          perplexity {r['llama_cpp_ppl']:.4f}\n"
+            + (f"  kvchat float32 (same weights)       perplexity "
+               f"{r['kvchat_float32_ppl']:.4f}\n" if r.get("kvchat_float32_ppl") else "")
+            + f"  llama.cpp llama-perplexity          perplexity {r['llama_cpp_ppl']:.4f}\n"
             f"  kvchat vs llama.cpp: {r['diff_pct']:+.3f} %")
 
 
@@ -124,7 +134,7 @@ def run(args) -> int:
     import json
 
     result = evaluate(args.model, bin_dir=args.llama_cpp_bin, text=args.text or DEFAULT_TEXT,
-                      ctx=args.ctx, max_chunks=args.chunks)
+                      ctx=args.ctx, max_chunks=args.chunks, float32=not args.no_float32)
     print(report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

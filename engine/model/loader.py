@@ -216,7 +216,8 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
         from engine.model.cpu_ext import linear, norm_rope
 
         tiled = tiled and linear.tiled_enabled()
-        linear.install(model, tiled=tiled)
+        with memory.no_buffer_cache():  # each re-laid layer's old buffers freed at once
+            linear.install(model, tiled=tiled)
         norm_rope.install(model)  # one op each instead of MLX's ~11 / ~34 on CPU
         # Same weights, other rounding than the float32 path: cached K/V must not mix.
         compute = CPU_EXT_TILED_COMPUTE if tiled else CPU_EXT_COMPUTE
@@ -231,6 +232,7 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     if bits:
         fmt = f"{fmt} from {source}"  # said in the chat's status line
     mx.eval(model.parameters())
+    memory.release_freed()
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     return LoadedModel(
         name=spec or DEFAULT_MODEL,

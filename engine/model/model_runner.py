@@ -24,6 +24,7 @@ from engine.model.attention import AttentionSpec, paged_attention
 from engine.model.cpu_ext.norm_rope import swiglu as cpu_swiglu
 from engine.model.fused import FusedLayer, fuse_layer
 from engine.model.layer_step import LayerStep, route_attention
+from engine.model.memory import release_freed
 from engine.model.packed_batch import PackedBatch
 
 Interrupt = Callable[[], bool]
@@ -119,11 +120,15 @@ class PagedModel:
         layers fused. The modules path keeps mlx-lm's modules as they are."""
         if self.modules:
             return False
-        self.fused = [fuse_layer(layer) for layer in self.layers]
-        mx.eval([f.w_qkv for f in self.fused if f], [f.w_gate_up for f in self.fused if f])
-        # Materialize the modules' split views too: a lazy view belongs to this thread's
-        # stream, and an engine built later on another thread would fail to evaluate it.
+        self.fused = []
+        for layer in self.layers:  # layer by layer: the unfused copies go before the next
+            f = fuse_layer(layer)
+            # Materialize the modules' split views too: a lazy view belongs to this thread's
+            # stream, and an engine built later on another thread would fail to evaluate it.
+            mx.eval([f.w_qkv, f.w_gate_up] if f else [], layer.parameters())
+            self.fused.append(f)
         mx.eval(self.model.parameters())
+        release_freed()
         return all(self.fused)
 
     def kv_layout(self, block_size: int, dtype: mx.Dtype | None = None, *,

@@ -122,18 +122,24 @@ def install(model: nn.Module, *, tiled: bool = False) -> int:
 
     With ``tiled``, the layers that fit the tiled layout become `CpuTiledLinear` /
     `CpuTiledEmbedding`."""
-    swaps = []
+    count = 0
     for name, module in model.named_modules():
         if tiled and tileable(module):
             cls = CpuTiledLinear if isinstance(module, nn.QuantizedLinear) else CpuTiledEmbedding
-            swaps.append((name, cls.from_quantized(module)))
         elif type(module) is nn.QuantizedLinear and supported(module):
-            swaps.append((name, CpuQuantizedLinear.from_quantized(module)))
+            cls = CpuQuantizedLinear
         elif type(module) is nn.QuantizedEmbedding and supported(module):
-            swaps.append((name, CpuQuantizedEmbedding.from_quantized(module)))
-    if swaps:
-        model.update_modules(tree_unflatten(swaps))
-    return len(swaps)
+            cls = CpuQuantizedEmbedding
+        else:
+            continue
+        # One layer at a time, the replaced layer's arrays dropped at once: re-laid tiles
+        # are new arrays, and the model's weights must not be held twice at the peak.
+        model.update_modules(tree_unflatten([(name, cls.from_quantized(module))]))
+        if cls.tiled:
+            for key in ("weight", "scales", "biases"):
+                module.pop(key, None)
+        count += 1
+    return count
 
 
 def fuse(layers: list[nn.Module]) -> CpuQuantizedLinear | None:
