@@ -99,7 +99,8 @@ def evaluate(model: str, *, bin_dir: str | None, text: Path, ctx: int = 512,
     f32 = _score(load_model(model, weights="float32"), ids, ctx, chunks)[0] if float32 else None
     theirs = llama_perplexity(bin_dir, model, text, ctx, chunks)
     return {"model": model, "text": str(text), "ctx": ctx, "chunks": chunks,
-            "kvchat_float32_ppl": f32, "scored_tokens": scored, "kvchat_weights": loaded.weight_format,
+            "kvchat_float32_ppl": f32, "scored_tokens": scored,
+            "kvchat_weights": loaded.weight_format,
             "kvchat_matmul": loaded.matmul, "kvchat_ppl": ours, "llama_cpp_ppl": theirs,
             "diff_pct": 100 * (ours / theirs - 1),
             "seconds": round(time.perf_counter() - started, 1)}
