@@ -146,16 +146,20 @@ def to_float32(model: nn.Module) -> nn.Module:
     return model
 
 
-def use_cpu_ext(model: nn.Module, weights: str) -> bool:
+def use_cpu_ext(model: nn.Module, weights: str, tiled: bool = True) -> bool:
     """True when the quantized CPU path applies: CPU backend, ``weights="auto"``, quantized
-    layers the extension computes, and the extension builds here (built on first use)."""
+    layers the extension computes (MoE experts: on the tiled path), and the extension builds
+    here (built on first use)."""
     if weights != "auto" or backend.backend() != "cpu" or not _quant_format(model):
         return False
-    from engine.model.cpu_ext import build, linear
+    from engine.model.cpu_ext import build, linear, switch
 
     quantized = [m for _, m in model.named_modules() if hasattr(m, "bits")]
-    if not all(linear.supported(m) for m in quantized):
+    experts = {id(m) for m in quantized if switch.switch_supported(m)}
+    if not all(linear.supported(m) or id(m) in experts for m in quantized):
         return False  # a layer left on MLX's slow quantized matmul: float32 is faster
+    if experts and not (tiled and build.available() and linear.tiled_enabled()):
+        return False
     return build.available()
 
 
@@ -205,7 +209,7 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     if weights in QUANTIZE_AT_LOAD:
         weights = "auto"
     fmt = _quant_format(model)
-    cpu_ext = use_cpu_ext(model, weights)
+    cpu_ext = use_cpu_ext(model, weights, tiled)
     if cpu_ext and quantize_floats(model, 8, heads_only=True):  # a GGUF's F16 embedding
         fingerprint = combine([("weights", fingerprint), ("quantized-at-load", "rest q8g32")])
         fmt = _quant_format(model)

@@ -1,0 +1,71 @@
+"""MoE expert matmuls on the extension's tiled `qmm` (mlx-lm's `QuantizedSwitchLinear`).
+
+mlx-lm computes routed experts with `mx.gather_qmm`, MLX's slow CPU quantized kernel. Here
+each expert's weights are tiled once at load (`ops.tile`, stacked as (experts, rows, ...)),
+and a call groups the token rows by expert (the routing read on the host: one sync per
+layer, cheap beside the matmuls) and runs one `qmm` per expert in use, in the same float
+order as a dense linear: each output row is the tiled `qmm` of its expert.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from engine.model.cpu_ext import ops
+
+
+def switch_supported(layer: nn.Module) -> bool:
+    """An mlx-lm `QuantizedSwitchLinear` the tiled `qmm` computes per expert."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    return (type(layer) is QuantizedSwitchLinear
+            and getattr(layer, "mode", "affine") == "affine"
+            and layer.bits in ops.QMM_BITS and layer.group_size in ops.QMM_GROUP_SIZES
+            and layer.group_size % 32 == 0 and layer.get("biases") is not None
+            and layer["weight"].shape[1] % ops.TILE_ROWS == 0
+            and layer["scales"].dtype in ops.FLOAT_DTYPES)
+
+
+def _switch_base():
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    return QuantizedSwitchLinear
+
+
+class CpuTiledSwitchLinear(_switch_base()):
+    """`QuantizedSwitchLinear` with each expert in `ops.tile`'s layout; only `qmm` reads
+    them."""
+
+    @classmethod
+    def from_quantized(cls, layer) -> CpuTiledSwitchLinear:
+        from engine.model.cpu_ext.linear import rebind
+
+        new = rebind(cls, layer)
+        tiles = [ops.tile(layer["weight"][e], layer["scales"][e], layer["biases"][e],
+                          layer.group_size, layer.bits) for e in range(layer["weight"].shape[0])]
+        for i, key in enumerate(("weight", "scales", "biases")):
+            new[key] = mx.stack([t[i] for t in tiles])
+            mx.eval(new[key])
+        return new
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False):
+        # x (..., 1 or k, 1, D) against indices (..., k) -> (..., k, 1, N), as gather_qmm
+        shape = indices.shape
+        D = x.shape[-1]
+        flat_x = mx.broadcast_to(x, (*shape, 1, D)).reshape(-1, D)
+        ids = np.array(indices.reshape(-1).astype(mx.int32))
+        order = np.argsort(ids, kind="stable")
+        experts, starts = np.unique(ids[order], return_index=True)
+        ends = [*starts[1:], len(ids)]
+        xs = flat_x[mx.array(order)] if len(experts) > 1 else flat_x
+        parts = [ops.qmm(xs[int(a):int(b)], self["weight"][int(e)], self["scales"][int(e)],
+                         self["biases"][int(e)], group_size=self.group_size, bits=self.bits,
+                         tiled=True) for e, a, b in zip(experts, starts, ends, strict=True)]
+        y = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        if len(experts) > 1:
+            y = y[mx.array(np.argsort(order))]
+        if "bias" in self:
+            y = y + self["bias"][indices.reshape(-1)]
+        return y.reshape(*shape, 1, y.shape[-1])
