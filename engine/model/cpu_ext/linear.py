@@ -122,13 +122,9 @@ def install(model: nn.Module, *, tiled: bool = False) -> int:
 
     With ``tiled``, the layers that fit the tiled layout become `CpuTiledLinear` /
     `CpuTiledEmbedding`."""
-    from engine.model.cpu_ext.switch import CpuTiledSwitchLinear, switch_supported
-
     count = 0
     for name, module in model.named_modules():
-        if tiled and switch_supported(module):
-            cls = CpuTiledSwitchLinear
-        elif tiled and tileable(module):
+        if tiled and tileable(module):
             cls = CpuTiledLinear if isinstance(module, nn.QuantizedLinear) else CpuTiledEmbedding
         elif type(module) is nn.QuantizedLinear and supported(module):
             cls = CpuQuantizedLinear
@@ -139,7 +135,7 @@ def install(model: nn.Module, *, tiled: bool = False) -> int:
         # One layer at a time, the replaced layer's arrays dropped at once: re-laid tiles
         # are new arrays, and the model's weights must not be held twice at the peak.
         model.update_modules(tree_unflatten([(name, cls.from_quantized(module))]))
-        if getattr(cls, "tiled", True):
+        if cls.tiled:
             for key in ("weight", "scales", "biases"):
                 module.pop(key, None)
         count += 1

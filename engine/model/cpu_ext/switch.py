@@ -14,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.model.cpu_ext import ops
+from engine.model.cpu_ext.linear import rebind
 
 
 def switch_supported(layer: nn.Module) -> bool:
@@ -40,8 +41,6 @@ class CpuTiledSwitchLinear(_switch_base()):
 
     @classmethod
     def from_quantized(cls, layer) -> CpuTiledSwitchLinear:
-        from engine.model.cpu_ext.linear import rebind
-
         new = rebind(cls, layer)
         tiles = [ops.tile(layer["weight"][e], layer["scales"][e], layer["biases"][e],
                           layer.group_size, layer.bits) for e in range(layer["weight"].shape[0])]
@@ -69,3 +68,20 @@ class CpuTiledSwitchLinear(_switch_base()):
         if "bias" in self:
             y = y + self["bias"][indices.reshape(-1)]
         return y.reshape(*shape, 1, y.shape[-1])
+
+
+def install(model: nn.Module) -> int:
+    """Swap every supported `QuantizedSwitchLinear` of ``model`` for a
+    `CpuTiledSwitchLinear`, one at a time (the untiled experts dropped at once); returns
+    how many."""
+    from mlx.utils import tree_unflatten
+
+    count = 0
+    for name, module in model.named_modules():
+        if switch_supported(module):
+            model.update_modules(tree_unflatten([(name, CpuTiledSwitchLinear.from_quantized(
+                module))]))
+            for key in ("weight", "scales", "biases"):
+                module.pop(key, None)
+            count += 1
+    return count
