@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
+from mlx.utils import tree_flatten, tree_map
 
 from app.dev import gguf_writer
 from app.dev.make_model import make_model, random_model
@@ -188,8 +189,6 @@ def test_float16_checkpoint_quantized_at_load(tmp_path):
 
 
 def _flat(model):
-    from mlx.utils import tree_flatten
-
     return tree_flatten(model.parameters())
 
 
@@ -204,3 +203,34 @@ def test_make_model_cli_writes_a_gguf_that_loads(tmp_path, kvchat_cli):
     assert stdout.strip() == str(out) and out.read_bytes()[:4] == b"GGUF"
     status, _, err = kvchat_cli("dev", "make-model", str(out), "--preset", "llama-1b")
     assert status == 2 and "exists" in err
+
+
+def test_mlx_community_layout_runs_with_float32_norms(tmp_path):
+    """A 4-bit checkpoint as mlx-community writes it (bfloat16 scales and norms): on the
+    extension its norms become float32 (bfloat16 activations are MLX's slow CPU path) and
+    the logits follow mlx-lm's own forward of the same files."""
+    from mlx_lm.utils import load_model as mlx_load
+
+    from engine import load_model
+    from engine.model.cpu_ext import build
+
+    config = dict(ARCHS["qwen3"], hidden_size=256, intermediate_size=512)
+    path = make_model(tmp_path / "q4", config, "q4", seed=5)
+    ref, _ = mlx_load(path)
+    assert ref.model.norm.weight.dtype == mx.bfloat16
+    loaded = load_model(str(path))
+    if not build.available():
+        pytest.skip("needs the CPU extension")
+    assert loaded.cpu_ext
+    norms = [v.dtype for k, v in _flat(loaded.model) if k.endswith("norm.weight")]
+    assert norms and all(d == mx.float32 for d in norms)
+    bf16 = ref(IDS).astype(mx.float32)
+    # the oracle: mlx-lm's forward of the same files with every float in float32 (bfloat16
+    # scales and norms are exact in float32; only the activations' precision changes)
+    ref.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating)
+                        else p, ref.parameters()))
+    a, b = ref(IDS), loaded.model(IDS)
+    err = (mx.abs(a - b).max() / mx.abs(a).max()).item()
+    err_bf16 = (mx.abs(a - bf16).max() / mx.abs(a).max()).item()
+    assert err < 3e-2 and err < err_bf16, (err, err_bf16)  # closer than mlx-lm's bfloat16
+    assert (a.argmax(-1) == b.argmax(-1)).mean().item() >= 0.9

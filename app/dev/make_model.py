@@ -116,7 +116,9 @@ def make_model(out: Path, config: dict, fmt: str, *, seed: int = 0, group_size: 
     if fmt not in MLX_FORMATS:
         raise ValueError(f"format must be one of {MLX_FORMATS + GGUF_TYPES}, not {fmt!r}")
     bits = {"q4": 4, "q8": 8}.get(fmt)
-    dtype = fmt if fmt.startswith(("float", "bfloat")) else "float32"
+    # q4/q8 as mlx-community's converter writes them from a bfloat16 checkpoint: bfloat16
+    # scales, biases and norms
+    dtype = fmt if fmt.startswith(("float", "bfloat")) else "bfloat16"
     return save_random_model(out, config, resolve_model_path(None), seed=seed, bits=bits,
                              group_size=group_size, dtype=dtype)
 

@@ -44,15 +44,19 @@ def quantize_floats(model: nn.Module, bits: int, group_size: int = LOAD_GROUP_SI
     return count
 
 
-def norms_to_float32(model: nn.Module) -> None:
+def norms_to_float32(model: nn.Module) -> int:
     """Cast the float parameters outside quantized layers (norms, biases) to float32, as a
-    converted GGUF has them; scales and biases of quantized layers keep their dtype."""
+    converted GGUF has them; scales and biases of quantized layers keep their dtype.
+    Returns how many. (An mlx-community checkpoint's bfloat16 norms would make every
+    activation bfloat16, which MLX computes slowly on CPU: measured on a 1B Llama 4-bit,
+    prefill 48 vs 95 tok/s, decode 13.3 vs 16.9.)"""
     quantized = {name for name, m in model.named_modules() if hasattr(m, "bits")}
     updates = [(k, v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())
                if mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32
                and k.rsplit(".", 1)[0] not in quantized]
     if updates:
         model.load_weights(updates, strict=False)
+    return len(updates)
 
 
 def float_dtype(model: nn.Module) -> str:

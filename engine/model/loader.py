@@ -213,6 +213,8 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     if cpu_ext and quantize_floats(model, 8, heads_only=True):  # a GGUF's F16 embedding
         fingerprint = combine([("weights", fingerprint), ("quantized-at-load", "rest q8g32")])
         fmt = _quant_format(model)
+    if cpu_ext and norms_to_float32(model):  # e.g. an mlx-community model's bfloat16 norms
+        fingerprint = combine([("weights", fingerprint), ("norms", "float32")])
     auto_float = weights == "auto" and not cpu_ext and choose_float_weights(model,
                                                                              float_budget_bytes)
     matmul = "mlx"
