@@ -76,3 +76,18 @@ def test_quick_run_on_the_default_model(default_model_ext, default_model, monkey
         assert row["total"] == gen
         assert 1 <= row["first_divergence"] <= row["equal"] <= gen  # the first token agrees
         assert row == weights.greedy_row(g["tokens"]["mlx_lm"], g["tokens"][side])
+
+
+def test_llama_cpp_peer_needs_its_tools_and_a_gguf(kvchat_cli, tmp_path):
+    """``--peer llama.cpp`` says in one line what it lacks, before loading anything."""
+    from engine.model.loader import default_gguf_path
+
+    text = tmp_path / "text.txt"
+    text.write_text("Some held-out text. " * 200)
+    status, out, err = kvchat_cli("eval", "weights", "--peer", "llama.cpp", "--model",
+                                  str(default_gguf_path()), "--llama-cpp-bin", str(tmp_path),
+                                  "--text", str(text))
+    assert status == 2 and out == "" and "llama-tokenize not found" in err
+    assert err.strip().count("\n") == 0
+    status, _, err = kvchat_cli("eval", "weights", "--peer", "llama.cpp")
+    assert status == 2 and "--model FILE.gguf" in err
