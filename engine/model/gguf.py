@@ -35,23 +35,8 @@ from engine.paths import (
     write_private,
 )
 
-GGUF_GROUP_SIZE = gguf_quants.GROUP
 # Bumped when the conversion changes what it writes: a new directory, not a stale one.
 CONVERTER_VERSION = 2
-
-
-
-def model_config(meta: dict, weights: dict, extra: dict | None = None) -> dict:
-    """mlx-lm config.json from GGUF metadata and the converted tensors (bits per layer are
-    read off the packed width vs the scales)."""
-    quantization = {}
-    for name, w in weights.items():
-        if name.endswith(".scales"):
-            base = name[: -len(".scales")]
-            in_features = w.shape[-1] * GGUF_GROUP_SIZE
-            bits = weights[base + ".weight"].shape[-1] * 32 // in_features
-            quantization[base] = {"group_size": GGUF_GROUP_SIZE, "bits": int(bits)}
-    return gguf_config.model_config(meta, weights, quantization, extra or {})
 
 
 def _write_tree(out_dir: Path, files: dict[str, bytes], weights: dict) -> None:
@@ -107,9 +92,10 @@ def _matrix(t) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(t.shape.tolist()))
 
 
-def convert_tensor(t, arch: str) -> dict:
-    """One GGUF tensor as {mlx-lm name: mx.array}: quantized blocks as MLX affine
-    ``weight``/``scales``/``biases``, float tensors as they are (gemma3 norms less 1)."""
+def convert_tensor(t, arch: str) -> tuple[dict, dict]:
+    """One GGUF tensor as ({mlx-lm name: mx.array}, its config.json ``quantization`` entry):
+    quantized blocks as MLX affine ``weight``/``scales``/``biases`` ({layer: group, bits}),
+    float tensors as they are (gemma3 norms less 1; no entry)."""
     import mlx.core as mx
     import numpy as np
 
@@ -128,13 +114,14 @@ def convert_tensor(t, arch: str) -> dict:
             arr = mx.array(raw.reshape(shape))
         if gguf_config.is_norm(arch, t.name):
             arr = arr.astype(mx.float32) - 1.0
-        return {name: arr}
+        return {name: arr}, {}
     if len(shape) != 2:
         raise ModelLoadError(f"GGUF tensor {t.name}: a quantized tensor of shape {shape}")
-    w, scales, biases, _ = gguf_quants.to_affine(kind, t.data, shape)
+    w, scales, biases, bits = gguf_quants.to_affine(kind, t.data, shape)
     base = name.removesuffix(".weight")
-    return {name: mx.array(w), f"{base}.scales": mx.array(scales),
-            f"{base}.biases": mx.array(biases)}
+    return ({name: mx.array(w), f"{base}.scales": mx.array(scales),
+             f"{base}.biases": mx.array(biases)},
+            {base: {"group_size": gguf_quants.GROUP, "bits": bits}})
 
 
 def convert(gguf_path: Path, out_dir: Path) -> Path:
@@ -151,13 +138,15 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
     if "general.architecture" not in meta or "tokenizer.ggml.tokens" not in meta:
         raise ModelLoadError(f"not a valid GGUF file: {gguf_path} (no model metadata)")
     arch = gguf_config.check_architecture(meta["general.architecture"])
-    weights, extra = {}, {}
+    weights, quantization, extra = {}, {}, {}
     for t in tensors:
         if t.name in gguf_config.CONFIG_TENSORS:
             extra[t.name] = np.asarray(t.data, dtype=np.float32)
         else:
-            weights.update(convert_tensor(t, arch))
-    config = model_config(meta, weights, extra)
+            arrays, quant = convert_tensor(t, arch)
+            weights.update(arrays)
+            quantization.update(quant)
+    config = gguf_config.model_config(meta, weights, quantization, extra)
     files = {
         "config.json": json.dumps(config, indent=2),
         "tokenizer.json": build_tokenizer(meta, gguf_path).to_str(pretty=True),
