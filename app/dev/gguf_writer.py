@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.model import gguf_config
+
 QK_K = 256
 # file type -> (per-tensor type of 2-D weights, type of the tied/untied output head)
 FILE_TYPES = {
@@ -121,29 +123,16 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
             .reshape(w.shape))
 
 
-_GGUF_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.qkv_proj": "attn_qkv",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "mlp.gate_up_proj": "ffn_up", "input_layernorm": "attn_norm",
-}
-_NORMS = {"llama": {"post_attention_layernorm": "ffn_norm"},
-          "gemma3": {"post_attention_layernorm": "post_attention_norm",
-                     "pre_feedforward_layernorm": "ffn_norm",
-                     "post_feedforward_layernorm": "post_ffw_norm"}}
-
-
 def gguf_name(name: str, arch: str) -> str:
-    """mlx-lm parameter name -> llama.cpp tensor name."""
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
-           "output_norm.weight", "lm_head.weight": "output.weight"}
-    if name in top:
-        return top[name]
-    parts = name.split(".")  # model.layers.N.<module path>.weight|bias
-    module, suffix = ".".join(parts[3:-1]), parts[-1]
-    table = {**_GGUF_NAMES, **_NORMS.get(arch, _NORMS["llama"])}
-    return f"blk.{parts[2]}.{table[module]}.{suffix}"
+    """mlx-lm parameter name -> llama.cpp tensor name: `gguf_config`'s reading tables
+    inverted, so writer and reader cannot disagree."""
+    module, suffix = name.rsplit(".", 1)
+    top = {hf: g for g, hf in gguf_config.TOP_NAMES.items()}
+    if module in top:
+        return f"{top[module]}.{suffix}"
+    parts = module.split(".")  # model.layers.N.<module path>
+    layers = {hf: g for g, hf in gguf_config.LAYER_NAMES[arch].items()}
+    return f"blk.{parts[2]}.{layers['.'.join(parts[3:])]}.{suffix}"
 
 
 def _tensor_kind(gname: str, arch_kind: tuple[str, str], layer: int | None) -> str:
@@ -166,7 +155,7 @@ def write_gguf(path: Path, config: dict, params: dict, tokenizer_meta: dict, *,
     import gguf
 
     arch = {"gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
-    if arch not in ("llama", "qwen2", "qwen3", "gemma3", "phi3"):
+    if arch not in gguf_config.ARCHITECTURES:
         raise ValueError(f"no GGUF writer for {config['model_type']}")
     kinds = FILE_TYPES[file_type]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads")
@@ -198,7 +187,7 @@ def write_gguf(path: Path, config: dict, params: dict, tokenizer_meta: dict, *,
             value = _permute(value, heads)
         elif arch == "llama" and pname.endswith("k_proj.weight"):
             value = _permute(value, kv)
-        if arch == "gemma3" and gname.endswith("norm.weight"):
+        if gguf_config.is_norm(arch, gname):
             value = value + 1.0
         layer = int(gname.split(".")[1]) if gname.startswith("blk.") else None
         kind = _tensor_kind(gname, kinds, layer) if value.ndim == 2 else "F32"

@@ -42,7 +42,7 @@ ARCHITECTURES = tuple(LAYER_NAMES)
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                "phi3": "Phi3ForCausalLM"}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors that carry configuration, not weights (read into config.json, not saved).
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
@@ -69,8 +69,8 @@ def rename_tensor(name: str, arch: str = "llama") -> str:
         if part not in layers:
             raise ModelLoadError(f"unsupported GGUF tensor {name!r} for {arch}")
         return f"model.layers.{layer}.{layers[part]}.{suffix}"
-    if (m := _TOP.match(name)) and m.group(1) in _TOP_NAMES:
-        return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
+    if (m := _TOP.match(name)) and m.group(1) in TOP_NAMES:
+        return f"{TOP_NAMES[m.group(1)]}.{m.group(2)}"
     raise ModelLoadError(f"unsupported GGUF tensor {name!r}")
 
 
