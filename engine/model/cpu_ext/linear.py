@@ -132,14 +132,20 @@ def install(model: nn.Module, *, tiled: bool = False) -> int:
             cls = CpuQuantizedEmbedding
         else:
             continue
-        # One layer at a time, the replaced layer's arrays dropped at once: re-laid tiles
-        # are new arrays, and the model's weights must not be held twice at the peak.
-        model.update_modules(tree_unflatten([(name, cls.from_quantized(module))]))
-        if cls.tiled:
-            for key in ("weight", "scales", "biases"):
-                module.pop(key, None)
+        replace_layer(model, name, module, cls.from_quantized(module), drop_old=cls.tiled)
         count += 1
     return count
+
+
+def replace_layer(model: nn.Module, name: str, old: nn.Module, new: nn.Module, *,
+                  drop_old: bool) -> None:
+    """Put ``new`` at ``name`` in ``model``; with ``drop_old`` (``new`` holds re-laid copies,
+    not ``old``'s arrays) free ``old``'s weight, scales and biases at once. Swapping one
+    layer at a time this way, the model's weights are never held twice at the peak."""
+    model.update_modules(tree_unflatten([(name, new)]))
+    if drop_old:
+        for key in ("weight", "scales", "biases"):
+            old.pop(key, None)
 
 
 def fuse(layers: list[nn.Module]) -> CpuQuantizedLinear | None:

@@ -14,7 +14,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.model.cpu_ext import ops
-from engine.model.cpu_ext.linear import rebind
+from engine.model.cpu_ext.linear import rebind, replace_layer
 
 
 def switch_supported(layer: nn.Module) -> bool:
@@ -74,14 +74,10 @@ def install(model: nn.Module) -> int:
     """Swap every supported `QuantizedSwitchLinear` of ``model`` for a
     `CpuTiledSwitchLinear`, one at a time (the untiled experts dropped at once); returns
     how many."""
-    from mlx.utils import tree_unflatten
-
     count = 0
     for name, module in model.named_modules():
         if switch_supported(module):
-            model.update_modules(tree_unflatten([(name, CpuTiledSwitchLinear.from_quantized(
-                module))]))
-            for key in ("weight", "scales", "biases"):
-                module.pop(key, None)
+            replace_layer(model, name, module, CpuTiledSwitchLinear.from_quantized(module),
+                          drop_old=True)
             count += 1
     return count
