@@ -254,8 +254,7 @@ class Engine(EngineLoop):
         s.release_latency_ms = (time.perf_counter() - decided) * 1e3
         req.state, req.finish_reason, req.error = RequestState.FINISHED, reason, error
         rec = self.recorder
-        rec.release(s.release_latency_ms)
-        rec.count_finish(reason)
+        rec.finish(reason, s.release_latency_ms)
         if s.generation_tokens > 1 and s.decode_s > 0:
             rec.observe("decode_tps", s.decode_tps)
         with self._lock:

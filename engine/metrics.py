@@ -16,7 +16,8 @@ from functools import partial
 
 from engine.kvcache.window_blocks import pool_bytes
 
-LATENCY_KEYS = ("ttft_s", "prefill_tps", "itl_s", "decode_tps", "release_ms")
+LATENCY_KEYS = ("ttft_s", "prefill_tps", "itl_s", "decode_tps", "release_ms",
+                "cancel_release_ms")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,14 +149,15 @@ class MetricsRecorder:
         with self._lock:
             self.rejections += 1
 
-    def count_finish(self, reason: str) -> None:
+    def finish(self, reason: str, release_ms: float) -> None:
+        """One request ended for ``reason``; its blocks came back ``release_ms`` after the
+        end was decided. One lock, so a reader never sees the count without the latency."""
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
-
-    def release(self, latency_ms: float) -> None:
-        with self._lock:
-            self.release_latency_ms = latency_ms
-            self._windows["release_ms"].append(latency_ms)
+            self.release_latency_ms = release_ms
+            self._windows["release_ms"].append(release_ms)
+            if reason == "cancelled":
+                self._windows["cancel_release_ms"].append(release_ms)
 
     def percentiles(self) -> dict[str, Percentiles]:
         with self._lock:

@@ -13,7 +13,6 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 from app.server.state import ServerState
-from engine.metrics import Percentiles
 
 QUANTILES = {"p50": "0.5", "p95": "0.95", "p99": "0.99"}
 # engine latency window -> (metric name, help)
@@ -24,6 +23,8 @@ LATENCIES = {
     "decode_tps": ("kvchat_decode_tokens_per_second", "decode speed per request"),
     "release_ms": ("kvchat_release_latency_ms",
                    "cancel or finish decided -> blocks back in the pool"),
+    "cancel_release_ms": ("kvchat_cancel_release_latency_ms", "cancel (a client gone, the "
+                          "drain deadline) -> blocks back in the pool"),
 }
 
 
@@ -131,14 +132,6 @@ def _server(state: ServerState):
                    c.disconnects)
     yield _counter("kvchat_drain_cancels", "requests cancelled at a SIGTERM drain deadline",
                    c.drain_cancels)
-    cancels = Percentiles.of(state.pump.cancel_release_ms)
-    release = GaugeMetricFamily("kvchat_cancel_release_latency_ms", "cancel (a client gone, "
-                                "the drain deadline) -> blocks back in the pool: P50/P95/P99",
-                                labels=["quantile"])
-    for attr, q in QUANTILES.items():
-        release.add_metric([q], getattr(cancels, attr))
-    yield release
-    yield _gauge("kvchat_cancel_release_latency_ms_samples", "cancels measured", cancels.count)
     yield _gauge("kvchat_inflight_requests", "requests being answered", state.pump.num_live)
     yield _gauge("kvchat_draining", "1 while shutting down", int(state.draining))
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import Response
@@ -32,13 +31,12 @@ class EventPump:
     """Delivers engine events to asyncio consumers without blocking the event loop.
 
     A handle its consumer abandoned (the client left) is cancelled and kept until its
-    final event arrives, so the release latency of every cancel is recorded
-    (``cancel_release_ms``: cancel called -> blocks back in the pool).
+    final event arrives, so nothing it queued is left behind. (The engine records each
+    cancel's release latency itself, when it frees the blocks.)
     """
 
-    def __init__(self, interval_s: float = POLL_S, window: int = 2048):
+    def __init__(self, interval_s: float = POLL_S):
         self.interval_s = interval_s
-        self.cancel_release_ms: deque[float] = deque(maxlen=window)
         self._live: dict[int, tuple[RequestHandle, asyncio.Event]] = {}
         self._abandoned: dict[int, RequestHandle] = {}
         self._task: asyncio.Task | None = None
@@ -62,8 +60,6 @@ class EventPump:
                     if not handle.ready:  # it may have become ready since poll()
                         await wake.wait()
                     continue
-                if event.finish_reason is not None:
-                    self._finished(event)
                 yield event
                 if event.finish_reason is not None:
                     return
@@ -87,10 +83,6 @@ class EventPump:
         handles = [h for h, _ in self._live.values()]
         return sum(h.cancel() for h in handles)
 
-    def _finished(self, event: GenerationEvent) -> None:
-        if event.finish_reason == "cancelled" and event.stats is not None:
-            self.cancel_release_ms.append(event.stats.release_latency_ms)
-
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -103,7 +95,6 @@ class EventPump:
             for rid, handle in list(self._abandoned.items()):
                 while (event := handle.poll()) is not None:
                     if event.finish_reason is not None:
-                        self._finished(event)
                         del self._abandoned[rid]
                         break
             await asyncio.sleep(self.interval_s)
