@@ -104,12 +104,9 @@ def parity(args, group, parallels, config) -> dict:
 def disk(args, group, parallels, config) -> dict:
     """The same prompt on a fresh engine per parallel layout, over the same disk stores."""
     from engine.distributed.engine import DistributedEngine
-    from engine.distributed.prefix import rank_store_dir
 
-    phases = []
-    for k, parallel in enumerate(parallels):
-        if k == args.forget_rank1_at:  # rank 1 loses its store; rank 0 keeps its own
-            shutil.rmtree(rank_store_dir(args.disk_dir, 1))
+    phases = []  # rank 1 drops its own store before run --forget-rank1-at (see main)
+    for parallel in parallels:
         eng = DistributedEngine(load_model(args.model, weights=args.weights), config, group,
                                 parallel)
         ids = eng.encode_prompt(PROMPTS[2] + " Then explain why each one is prime.")
@@ -168,9 +165,14 @@ def main() -> int:
     config = EngineConfig(kv_budget_bytes=64 << 20, prefill_chunk=64,
                           disk_cache=args.disk_dir is not None, disk_cache_dir=args.disk_dir)
     if group.rank() != 0:
+        from engine.distributed.prefix import rank_store_dir
         from engine.distributed.worker import Worker
 
-        for parallel in parallels:  # one run per mode, over the same ranks
+        for k, parallel in enumerate(parallels):  # one run per mode, over the same ranks
+            if k == args.forget_rank1_at:
+                # rank 1 loses its store (rank 0 keeps its own). Rank 1 deletes it itself,
+                # between its runs: from rank 0 it raced the last run's final writes
+                shutil.rmtree(rank_store_dir(args.disk_dir, group.rank()))
             worker = Worker(load_model(args.model, weights=args.weights), config, group,
                             parallel)
             if args.stall_after is not None:
