@@ -5,12 +5,12 @@
         MODEL[=PEER.gguf] [MODEL[=PEER.gguf] ...] [--prompt-tokens 512] [--gen 32] [--repeats 2]
 
 MODEL is a .gguf file (llama-bench runs the same file) or an MLX directory with the GGUF to
-compare it with after ``=``. Per model and repeat, interleaved: llama-bench (pp N, tg G, its
-own threads = cores) and a fresh ``kvchat generate --json`` process on a prompt of ~N tokens
-(cold: ``--no-disk-cache``, a new tenant each run, so nothing is cached), timed under
-``/usr/bin/time -v`` for peak RSS. Prints medians and kvchat / llama.cpp ratios (> 1: kvchat
-faster). Random-weight models come from ``kvchat dev make-model``; GGUF K-quants from
-llama.cpp's ``llama-quantize``.
+compare it with after ``=``. Per model and repeat, interleaved: llama-bench (pp N; tg G at
+depth N, the context kvchat decodes at; threads = cores) and a fresh ``kvchat generate
+--json`` process on a prompt of ~N tokens (cold: ``--no-disk-cache``, a new tenant each
+run, so nothing is cached), timed under ``/usr/bin/time -v`` for peak RSS. Prints medians
+and kvchat / llama.cpp ratios (> 1: kvchat faster). Random-weight models come from
+``kvchat dev make-model``; GGUF K-quants from llama.cpp's ``llama-quantize``.
 """
 
 from __future__ import annotations
@@ -30,12 +30,16 @@ KVCHAT = [sys.executable, "-m", "app.cli"]
 
 
 def llama_bench(binary: str, gguf: str, n_prompt: int, n_gen: int) -> dict:
-    out = subprocess.run([binary, "-m", gguf, "-p", str(n_prompt), "-n", str(n_gen),
-                          "-t", str(os.cpu_count()), "-r", "1", "-o", "json"],
-                         capture_output=True, text=True, check=True).stdout
-    rows = json.loads(out)
-    pick = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
-    return pick
+    """Prefill of ``n_prompt`` tokens (pp, empty context), and decode of ``n_gen`` tokens
+    after ``n_prompt`` (tg at depth ``n_prompt``): where kvchat's decode runs, since a
+    decode step's attention reads the whole context."""
+    def run(*args: str) -> float:
+        out = subprocess.run([binary, "-m", gguf, *args, "-t", str(os.cpu_count()), "-r", "1",
+                              "-o", "json"], capture_output=True, text=True, check=True).stdout
+        return json.loads(out)[0]["avg_ts"]
+
+    return {"prefill": run("-p", str(n_prompt), "-n", "0"),
+            "decode": run("-p", "0", "-n", str(n_gen), "-d", str(n_prompt))}
 
 
 def kvchat_run(model: str, prompt_file: str, n_gen: int, tenant: str) -> dict:

@@ -173,3 +173,20 @@ def summary(config: dict) -> str:
     if experts:
         parts.append(f"{experts} experts")
     return ", ".join(parts)
+
+
+def describe(model) -> str:
+    """A `PagedModel` in a few words: type, layers, heads, windows, sinks, experts."""
+    n = len(model.layers)
+    windowed = [w for w in model.windows if w]
+    parts = [f"{model.arch.model_type}, {n} layers, {model.num_heads}/{model.num_kv_heads} "
+             f"heads of {model.head_dim}"]
+    if windowed:
+        parts.append(f"{len(windowed)} sliding (window {max(windowed)}) + "
+                     f"{n - len(windowed)} global")
+    if any(getattr(layer.self_attn, "sinks", None) is not None for layer in model.layers):
+        parts.append("attention sinks")
+    experts = num_experts(model.args)
+    if experts:
+        parts.append(f"{experts} experts, {model.args.num_experts_per_tok} per token")
+    return "; ".join(parts)

@@ -78,3 +78,15 @@ def fuse_layer_quantized(layer) -> FusedLayer | None:
     return FusedLayer(qkv.weight, None, (nq, nq + nk),
                       gate_up.weight if gate_up is not None else None, n_ff,
                       qkv_proj=qkv, gate_up_proj=gate_up)
+
+
+def fuse_layers(layers) -> list[FusedLayer | None]:
+    """`fuse_layer` of every layer, one at a time so the unfused copies go before the next."""
+    fused = []
+    for layer in layers:
+        f = fuse_layer(layer)
+        # Materialize the modules' split views too: a lazy view belongs to this thread's
+        # stream, and an engine built later on another thread would fail to evaluate it.
+        mx.eval([f.w_qkv, f.w_gate_up] if f else [], layer.parameters())
+        fused.append(f)
+    return fused

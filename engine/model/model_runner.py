@@ -21,8 +21,10 @@ from engine.kvcache.kv_cache import KVLayout, PagedKVCache
 from engine.kvcache.quant import QuantSpec
 from engine.model import architectures
 from engine.model.attention import AttentionSpec, paged_attention
+from engine.model.cpu_ext import layer_ops
+from engine.model.cpu_ext.layer_ops import ExtLayer
 from engine.model.cpu_ext.norm_rope import swiglu as cpu_swiglu
-from engine.model.fused import FusedLayer, fuse_layer
+from engine.model.fused import FusedLayer, fuse_layers
 from engine.model.layer_step import LayerStep, route_attention
 from engine.model.memory import release_freed
 from engine.model.packed_batch import PackedBatch
@@ -85,6 +87,7 @@ class PagedModel:
         # A quantized embedding computes in the dtype of its scales.
         self.dtype = getattr(self.embed_tokens, "scales", self.embed_tokens.weight).dtype
         self.fused: list[FusedLayer | None] = [None] * len(self.layers)
+        self.ext: list[ExtLayer | None] = [None] * len(self.layers)  # the two-op layers
         self.windows = architectures.layer_windows(self.text)
         if len(self.windows) != len(self.layers):  # a pipeline rank's slice of the layers
             if any(self.windows):
@@ -101,32 +104,16 @@ class PagedModel:
 
     def describe(self) -> str:
         """What this model uses, in a few words (the model line of the CLI and the TUI)."""
-        n = len(self.layers)
-        windowed = [w for w in self.windows if w]
-        parts = [f"{self.arch.model_type}, {n} layers, {self.num_heads}/{self.num_kv_heads} "
-                 f"heads of {self.head_dim}"]
-        if windowed:
-            parts.append(f"{len(windowed)} sliding (window {max(windowed)}) + "
-                         f"{n - len(windowed)} global")
-        if any(getattr(layer.self_attn, "sinks", None) is not None for layer in self.layers):
-            parts.append("attention sinks")
-        experts = architectures.num_experts(self.args)
-        if experts:
-            parts.append(f"{experts} experts, {self.args.num_experts_per_tok} per token")
-        return "; ".join(parts)
+        return architectures.describe(self)
 
     def fuse_projections(self) -> bool:
         """Concatenate projection weights (float llama-family models); returns whether all
         layers fused. The modules path keeps mlx-lm's modules as they are."""
         if self.modules:
             return False
-        self.fused = []
-        for layer in self.layers:  # layer by layer: the unfused copies go before the next
-            f = fuse_layer(layer)
-            # Materialize the modules' split views too: a lazy view belongs to this thread's
-            # stream, and an engine built later on another thread would fail to evaluate it.
-            mx.eval([f.w_qkv, f.w_gate_up] if f else [], layer.parameters())
-            self.fused.append(f)
+        self.fused = fuse_layers(self.layers)
+        self.ext = [layer_ops.plan(layer, f, self.num_heads, self.num_kv_heads)
+                    for layer, f in zip(self.layers, self.fused, strict=True)]
         mx.eval(self.model.parameters())
         release_freed()
         return all(self.fused)
@@ -144,16 +131,14 @@ class PagedModel:
             v_quant=v_quant,
         )
 
-    def _qkv(self, attn, x: mx.array, fused: FusedLayer | None):
-        if fused is None:
-            return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    @staticmethod
+    def _qkv(x: mx.array, fused: FusedLayer) -> mx.array:
+        """q | k | v of every token from the fused projection."""
         if fused.qkv_proj is not None:
-            qkv = fused.qkv_proj(x)
-        elif fused.b_qkv is not None:
-            qkv = mx.addmm(fused.b_qkv, x, fused.w_qkv.T)
-        else:
-            qkv = x @ fused.w_qkv.T
-        return mx.split(qkv, fused.qkv_split, axis=-1)
+            return fused.qkv_proj(x)
+        if fused.b_qkv is not None:
+            return mx.addmm(fused.b_qkv, x, fused.w_qkv.T)
+        return x @ fused.w_qkv.T
 
     def _mlp(self, mlp, x: mx.array, fused: FusedLayer | None):
         if fused is None or fused.w_gate_up is None:
@@ -182,6 +167,11 @@ class PagedModel:
         kv.write(layer, batch.slots,
                  k.transpose(1, 0, 2, 3).reshape(self.num_kv_heads, rows * L, -1),
                  v.transpose(1, 0, 2, 3).reshape(self.num_kv_heads, rows * L, -1))
+        return self._paged(q, layer, batch, kv, spec)
+
+    def _paged(self, q: mx.array, layer: int, batch: StepBatch | PackedBatch,
+               kv: PagedKVCache, spec: AttentionSpec):
+        """Attention of q (this step's K/V already in the pool) over each sequence's blocks."""
         k_pool, v_pool = kv.block_view(layer)
         # a windowed layer's store numbers blocks its own way, so no contiguous run
         windowed = kv.windowed[layer]
@@ -209,9 +199,13 @@ class PagedModel:
                    kv: PagedKVCache):
         """The fused path's attention block: projections, RoPE, pool, o_proj."""
         B, L, _ = x.shape
-        q, k, v = self._qkv(attn, x, self.fused[layer])
+        fused = self.fused[layer]
         if isinstance(batch, PackedBatch):
             B, L = L, 1  # one row per token, so RoPE takes each token's own position
+        if fused is None:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        else:
+            q, k, v = mx.split(self._qkv(x, fused), fused.qkv_split, axis=-1)
         q = q.reshape(B, L, self.num_heads, -1)
         k = k.reshape(B, L, self.num_kv_heads, -1)
         if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
@@ -231,6 +225,11 @@ class PagedModel:
 
     def _block(self, i: int, layer, h: mx.array, batch: StepBatch | PackedBatch,
                kv: PagedKVCache) -> mx.array:
+        if self.ext[i] is not None:  # the extension's two ops around attention
+            rows = h.reshape(h.shape[1], 1, -1) if isinstance(batch, PackedBatch) else h
+            q, k, v = self.ext[i].head(rows, self._offset(batch, rows.shape[1]))
+            kv.write(i, batch.slots, k, v)
+            return self.ext[i].tail(h, self._paged(q, i, batch, kv, self.attention[i]))
         if not self.modules:
             h = h + self._attention(layer.self_attn, layer.input_layernorm(h), i, batch, kv)
             return h + self._mlp(layer.mlp, layer.post_attention_layernorm(h), self.fused[i])

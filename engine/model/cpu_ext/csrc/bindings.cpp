@@ -1,17 +1,27 @@
 // Python bindings (nanobind, in MLX's nanobind domain so mx.array passes through).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
+#include "layer_ops.h"
 #include "norm_rope.h"
 #include "ops.h"
 #include "pool.h"
 #include "qmm_tiled.h"
 
 namespace nb = nanobind;
+namespace mx = mlx::core;
 using namespace nb::literals;
 
 namespace kvchat {
+
+using Spec = std::tuple<int, int, bool>;  // a quantized linear's (group, bits, tiled)
+
+LinearSpec spec_of(const Spec& s) {
+  return {std::get<0>(s), std::get<1>(s), std::get<2>(s)};
+}
 
 const char* build_info() {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -54,6 +64,30 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "stream"_a = nb::none(),
         "pool (H, S, D) with rows (H, N, D) written at slots (N,): one op, in place when\n"
         "the pool is donated.");
+  m.def(
+      "layer_head",
+      [](const mx::array& h, const mx::array& norm, const mx::array& w, const mx::array& scales,
+         const mx::array& biases, const mx::array& offsets, float eps, const kvchat::Spec& qkv,
+         int heads, int kv_heads, int dims, bool traditional, float base, float scale) {
+        return kvchat::layer_head(h, norm, w, scales, biases, offsets, eps, kvchat::spec_of(qkv),
+                                  heads, kv_heads, {dims, traditional, base, scale});
+      },
+      "h"_a, "norm"_a, "w"_a, "scales"_a, "biases"_a, "offsets"_a, nb::kw_only(), "eps"_a,
+      "qkv"_a, "heads"_a, "kv_heads"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
+      "rms_norm, the fused q/k/v qmm and qkv_rope of a layer as one op -> [q, k, v].");
+  m.def(
+      "layer_tail",
+      [](const mx::array& h, const mx::array& att, const std::vector<mx::array>& o,
+         const mx::array& norm, const std::vector<mx::array>& gate_up,
+         const std::vector<mx::array>& down, float eps, const kvchat::Spec& o_spec,
+         const kvchat::Spec& gate_up_spec, const kvchat::Spec& down_spec) {
+        return kvchat::layer_tail(h, att, o, norm, gate_up, down, eps, kvchat::spec_of(o_spec),
+                                  kvchat::spec_of(gate_up_spec), kvchat::spec_of(down_spec));
+      },
+      "h"_a, "att"_a, "o"_a, "norm"_a, "gate_up"_a, "down"_a, nb::kw_only(), "eps"_a,
+      "o_spec"_a, "gate_up_spec"_a, "down_spec"_a,
+      "h + o_proj(att), then its post-attention norm, gate/up qmm, swiglu, down qmm and\n"
+      "residual: a layer's rest after attention as one op.");
   m.def("greedy_pick", &kvchat::greedy_pick, "logits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Each row's greedy token where it provably equals argmax(logits - logsumexp(logits)),\n"
         "else -1.");

@@ -6,6 +6,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "kernels.h"
 #include "norm_rope.h"
 #include "tensor.h"
 
@@ -13,7 +14,32 @@ namespace kvchat {
 
 namespace {
 
-void rms_norm_rows(const mx::array& x, const mx::array& w, mx::array& out, float eps) {
+void rope_rows(const mx::array& x, const mx::array& offsets, mx::array& out, const RopeParams& p) {
+  std::vector<char> x_buf, o_buf;
+  const char* xs = static_cast<const char*>(row_major(x, x_buf));
+  const int32_t* offs = static_cast<const int32_t*>(row_major(offsets, o_buf));
+  const int B = x.shape(0), H = x.shape(1), L = x.shape(2), D = x.shape(3);
+  const Elem e = elem_of(x.dtype());
+  const size_t item = x.itemsize();
+  const std::vector<float> inv_freq = rope_inv_freq(p);
+  std::vector<float> row(D), cs(inv_freq.size() * 2);
+  for (int b = 0; b < B; ++b) {
+    const int32_t off = offsets.size() == 1 ? offs[0] : offs[b];
+    for (int l = 0; l < L; ++l) {
+      rope_angles(p, inv_freq, float(l) + float(off), cs.data());
+      for (int h = 0; h < H; ++h) {
+        const int64_t at = ((int64_t(b) * H + h) * L + l) * D;
+        for (int d = 0; d < D; ++d) row[d] = scalar_any(xs, e, at + d);
+        rope_rotate(p, cs.data(), row.data());
+        store_any(out.data<char>() + at * item, e, row.data(), D);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void rms_norm_into(const mx::array& x, const mx::array& w, mx::array& out, float eps) {
   std::vector<float> x_buf, w_buf;
   const float* xf = rows_as_float(x, x_buf);
   const float* wf = rows_as_float(w, w_buf);
@@ -37,52 +63,13 @@ void rms_norm_rows(const mx::array& x, const mx::array& w, mx::array& out, float
   }
 }
 
-void rope_rows(const mx::array& x, const mx::array& offsets, mx::array& out, const RopeParams& p) {
-  std::vector<char> x_buf, o_buf;
-  const char* xs = static_cast<const char*>(row_major(x, x_buf));
-  const int32_t* offs = static_cast<const int32_t*>(row_major(offsets, o_buf));
-  const int B = x.shape(0), H = x.shape(1), L = x.shape(2), D = x.shape(3);
-  const int half = p.dims / 2;
-  const Elem e = elem_of(x.dtype());
-  const size_t item = x.itemsize();
-  // The fallback's frequencies, in float32 like it: exp(-i * log(base) / half).
-  std::vector<float> inv_freq(half), row(D), cs(2 * half);
-  const float step = std::log(p.base) / float(half);
-  for (int i = 0; i < half; ++i) inv_freq[i] = std::exp(-float(i) * step);
-  for (int b = 0; b < B; ++b) {
-    const int32_t off = offsets.size() == 1 ? offs[0] : offs[b];
-    for (int l = 0; l < L; ++l) {
-      const float pos = (float(l) + float(off)) * p.scale;
-      for (int i = 0; i < half; ++i) {
-        const float theta = pos * inv_freq[i];
-        cs[2 * i] = std::cos(theta);
-        cs[2 * i + 1] = std::sin(theta);
-      }
-      for (int h = 0; h < H; ++h) {
-        const int64_t at = ((int64_t(b) * H + h) * L + l) * D;
-        for (int d = 0; d < D; ++d) row[d] = scalar_any(xs, e, at + d);
-        for (int i = 0; i < half; ++i) {
-          const int i1 = p.traditional ? 2 * i : i;
-          const int i2 = p.traditional ? 2 * i + 1 : i + half;
-          const float x1 = row[i1], x2 = row[i2], c = cs[2 * i], s = cs[2 * i + 1];
-          row[i1] = x1 * c - x2 * s;
-          row[i2] = x1 * s + x2 * c;
-        }
-        store_any(out.data<char>() + at * item, e, row.data(), D);
-      }
-    }
-  }
-}
-
-}  // namespace
-
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
   encoder.dispatch([x = inputs[0], w = inputs[1], out, eps = eps_]() mutable {
-    guarded(out, [&] { rms_norm_rows(x, w, out, eps); });
+    guarded(out, [&] { rms_norm_into(x, w, out, eps); });
   });
 }
 

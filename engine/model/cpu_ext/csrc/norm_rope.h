@@ -2,6 +2,9 @@
 // mx.fast.rope / mlx-lm's swiglu).
 #pragma once
 
+#include <cmath>
+#include <vector>
+
 #include "mlx/array.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
@@ -16,6 +19,38 @@ struct RopeParams {
   float base;
   float scale;
 };
+
+// The fallback's frequencies, in float32 like it: exp(-i * log(base) / half).
+inline std::vector<float> rope_inv_freq(const RopeParams& p) {
+  const int half = p.dims / 2;
+  std::vector<float> inv_freq(half);
+  const float step = std::log(p.base) / float(half);
+  for (int i = 0; i < half; ++i) inv_freq[i] = std::exp(-float(i) * step);
+  return inv_freq;
+}
+
+// cos, sin of every frequency at `position` (interleaved in `cs`, 2 * half floats).
+inline void rope_angles(const RopeParams& p, const std::vector<float>& inv_freq,
+                        float position, float* cs) {
+  const float pos = position * p.scale;
+  for (size_t i = 0; i < inv_freq.size(); ++i) {
+    const float theta = pos * inv_freq[i];
+    cs[2 * i] = std::cos(theta);
+    cs[2 * i + 1] = std::sin(theta);
+  }
+}
+
+// Rotate one head's row (float32, in place) by the angles of `rope_angles`.
+inline void rope_rotate(const RopeParams& p, const float* cs, float* row) {
+  const int half = p.dims / 2;
+  for (int i = 0; i < half; ++i) {
+    const int i1 = p.traditional ? 2 * i : i;
+    const int i2 = p.traditional ? 2 * i + 1 : i + half;
+    const float x1 = row[i1], x2 = row[i2], c = cs[2 * i], s = cs[2 * i + 1];
+    row[i1] = x1 * c - x2 * s;
+    row[i2] = x1 * s + x2 * c;
+  }
+}
 
 class RmsNorm : public mx::UnaryPrimitive {
  public:

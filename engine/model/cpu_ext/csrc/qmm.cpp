@@ -12,6 +12,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "kernels.h"
 #include "ops.h"
 #include "pool.h"
 #include "qmm_tiled.h"
@@ -155,7 +156,9 @@ void gemv(const QuantWeights& q, const float* x, int64_t M, float* y) {
   });
 }
 
-void run(const mx::array& x, const mx::array& w, const mx::array& scales,
+}  // namespace
+
+void qmm_into(const mx::array& x, const mx::array& w, const mx::array& scales,
          const mx::array& biases, mx::array& out, int group, int bits, bool tiled) {
   std::vector<float> x_buf;
   std::vector<char> w_buf, s_buf, b_buf;
@@ -183,8 +186,6 @@ void run(const mx::array& x, const mx::array& w, const mx::array& scales,
   if (out.dtype() != mx::float32) store_any(out.data<char>(), elem_of(out.dtype()), y, M * q.N);
 }
 
-}  // namespace
-
 void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -192,7 +193,7 @@ void QuantizedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
   encoder.set_output_array(out);
   encoder.dispatch([x = inputs[0], w = inputs[1], scales = inputs[2], biases = inputs[3], out,
                     group = group_size_, bits = bits_, tiled = tiled_]() mutable {
-    guarded(out, [&] { run(x, w, scales, biases, out, group, bits, tiled); });
+    guarded(out, [&] { qmm_into(x, w, scales, biases, out, group, bits, tiled); });
   });
 }
 
@@ -205,19 +206,18 @@ bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
   return group_size_ == o.group_size_ && bits_ == o.bits_ && tiled_ == o.tiled_;
 }
 
-mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
-              const mx::array& biases, int group_size, int bits, bool tiled,
-              mx::StreamOrDevice s) {
+void check_qmm(int K, mx::Dtype x_dtype, const mx::array& w, const mx::array& scales,
+               const mx::array& biases, int group_size, int bits, bool tiled) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("qmm: bits must be 4 or 8");
   if (group_size != 32 && group_size != 64 && group_size != 128)
     throw std::invalid_argument("qmm: group_size must be 32, 64 or 128");
-  if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2)
+  if (w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2)
     throw std::invalid_argument("qmm: x needs >= 1 dims; w, scales, biases 2");
   if (w.dtype() != mx::uint32) throw std::invalid_argument("qmm: w must be uint32 (packed)");
-  if (!is_float_dtype(x.dtype()) || !is_float_dtype(scales.dtype()) ||
+  if (!is_float_dtype(x_dtype) || !is_float_dtype(scales.dtype()) ||
       biases.dtype() != scales.dtype())
     throw std::invalid_argument("qmm: x, scales and biases must be float32/float16/bfloat16");
-  const int K = x.shape(-1), N = w.shape(0);
+  const int N = w.shape(0);
   if (tiled && (N % 16 != 0 || group_size % 32 != 0 || !tiled_supported()))
     throw std::invalid_argument("qmm: tiled weights need rows in 16s, groups of 32s and "
                                 "AVX-512 VNNI");
@@ -225,8 +225,15 @@ mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
       scales.shape(0) != N || scales.shape(1) != K / group_size || biases.shape() != scales.shape())
     throw std::invalid_argument("qmm: shapes of x " + std::to_string(K) +
                                 " and w/scales/biases do not match");
+}
+
+mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
+              const mx::array& biases, int group_size, int bits, bool tiled,
+              mx::StreamOrDevice s) {
+  if (x.ndim() < 1) throw std::invalid_argument("qmm: x needs >= 1 dims; w, scales, biases 2");
+  check_qmm(x.shape(-1), x.dtype(), w, scales, biases, group_size, bits, tiled);
   auto shape = x.shape();
-  shape.back() = N;
+  shape.back() = w.shape(0);
   const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());
   auto stream = mx::to_stream(s, mx::Device::cpu);
   return mx::array(shape, dtype, std::make_shared<QuantizedMatmul>(stream, group_size, bits, tiled),

@@ -7,6 +7,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "kernels.h"
 #include "norm_rope.h"
 #include "pool.h"
 #include "tensor.h"
@@ -46,6 +47,14 @@ void swiglu_all(const mx::array& gate, const mx::array& up, mx::array& out) {
   const bool direct = out.dtype() == mx::float32;
   std::vector<float> y_buf(direct ? 0 : out.size());
   float* y = direct ? out.data<float>() : y_buf.data();
+  swiglu_rows(g, ldg, u, ldu, rows, D, y);
+  if (!direct) store_any(out.data<char>(), elem_of(out.dtype()), y, int64_t(out.size()));
+}
+
+}  // namespace
+
+void swiglu_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows,
+                 int64_t D, float* y) {
   const int64_t rows_per_task = std::max<int64_t>(1, kChunk / std::max<int64_t>(D, 1));
   ThreadPool::instance().run(int((rows + rows_per_task - 1) / rows_per_task), [&](int t) {
     for (int64_t r = t * rows_per_task; r < std::min(rows, (t + 1) * rows_per_task); ++r) {
@@ -59,10 +68,7 @@ void swiglu_all(const mx::array& gate, const mx::array& up, mx::array& out) {
       }
     }
   });
-  if (!direct) store_any(out.data<char>(), elem_of(out.dtype()), y, int64_t(out.size()));
 }
-
-}  // namespace
 
 void Swiglu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));

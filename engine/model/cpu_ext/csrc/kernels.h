@@ -1,0 +1,44 @@
+// The computations behind the primitives, callable inside another primitive's task
+// (layer_ops.cpp runs several in one node). Inputs are evaluated arrays; each writes
+// `out` (allocated by the caller) exactly as its primitive would.
+#pragma once
+
+#include <cstdint>
+
+#include <vector>
+
+#include "mlx/array.h"
+#include "norm_rope.h"
+
+namespace kvchat {
+
+namespace mx = mlx::core;
+
+// QuantizedMatmul: out = x @ dequantize(w, scales, biases).T (qmm.cpp).
+void qmm_into(const mx::array& x, const mx::array& w, const mx::array& scales,
+              const mx::array& biases, mx::array& out, int group, int bits, bool tiled);
+
+// What `qmm` checks of its arguments, for an x of K columns (std::invalid_argument when
+// they do not fit).
+void check_qmm(int K, mx::Dtype x_dtype, const mx::array& w, const mx::array& scales,
+               const mx::array& biases, int group_size, int bits, bool tiled);
+
+// RmsNorm over the last axis (norm_rope.cpp).
+void rms_norm_into(const mx::array& x, const mx::array& w, mx::array& out, float eps);
+
+// SwiGLU of float32 rows: y (rows x D, dense) = silu(g) * u, g and u rows `ldg` / `ldu`
+// floats apart (swiglu.cpp).
+void swiglu_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows,
+                 int64_t D, float* y);
+
+// A fused projection qkv (B, L, (heads + 2 kv_heads) * D) -> out: q (B, heads, L, D),
+// k and v (kv_heads, B * L, D), q and k RoPE'd at offsets + 0..L-1 (qkv_rope.cpp).
+void qkv_rope_into(const mx::array& qkv, const mx::array& offsets, std::vector<mx::array>& out,
+                   int heads, int kv_heads, const RopeParams& p);
+
+// Heads of a token-row layout: B, L, query heads, KV heads, head dim.
+struct Heads {
+  int64_t B, L, Hq, Hkv, D;
+};
+
+}  // namespace kvchat

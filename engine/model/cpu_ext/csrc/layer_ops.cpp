@@ -1,0 +1,202 @@
+// A llama-family layer in two nodes around attention.
+//
+// A decode step of a small model is mostly dispatch: the default model's 30
+// layers were ~19 graph nodes each (norms, four matmuls, RoPE, residual adds,
+// splits, reshapes), ~3-8 us apiece against ~250 us of arithmetic per layer.
+// `layer_head` and `layer_tail` run the same computations as those ops, one after
+// another inside one task, each result rounded to the dtype its own op would have
+// given, so the outputs are bit-identical to the separate ops. Attention and the
+// K/V writes stay their own nodes (the attention route and its guard decide the
+// kernel; a pool write must be its own node to update the pool in place).
+#include <cstring>
+#include <stdexcept>
+
+#include "layer_ops.h"
+#include "kernels.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "tensor.h"
+
+namespace kvchat {
+
+namespace {
+
+// An evaluated array to compute into (allocated when the node is evaluated, on MLX's
+// thread, like an output).
+mx::array scratch(mx::Shape shape, mx::Dtype dtype) {
+  mx::array a(std::move(shape), dtype, nullptr, {});
+  a.set_data(mx::allocator::malloc(a.nbytes()));
+  return a;
+}
+
+mx::Shape rows_of(const mx::array& x, int width) {
+  return {int(x.size() / x.shape(-1)), width};
+}
+
+// out = a + b elementwise (one shape), in float32 rounded once to out's dtype: MLX's
+// add for these dtypes (two halves' sum is exact in float32).
+void add_into(const mx::array& a, const mx::array& b, mx::array& out) {
+  std::vector<float> a_buf, b_buf;
+  const float* af = rows_as_float(a, a_buf);
+  const float* bf = rows_as_float(b, b_buf);
+  const int64_t n = int64_t(out.size());
+  std::vector<float> y(n);
+  for (int64_t i = 0; i < n; ++i) y[i] = af[i] + bf[i];
+  store_any(out.data<char>(), elem_of(out.dtype()), y.data(), n);
+}
+
+// att (B, H, L, D) -> rows (B * L, H * D), as att.transpose(0, 2, 1, 3).reshape(...).
+void heads_to_rows(const mx::array& att, mx::array& rows) {
+  std::vector<char> buf;
+  const char* src = static_cast<const char*>(row_major(att, buf));
+  const int64_t B = att.shape(0), H = att.shape(1), L = att.shape(2), D = att.shape(3);
+  const size_t row = size_t(D) * att.itemsize();
+  char* dst = rows.data<char>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t h = 0; h < H; ++h)
+        std::memcpy(dst + ((b * L + l) * H + h) * row, src + ((b * H + h) * L + l) * row, row);
+}
+
+void linear(const mx::array& x, const mx::array* wsb, mx::array& out, const LinearSpec& sp) {
+  qmm_into(x, wsb[0], wsb[1], wsb[2], out, sp.group, sp.bits, sp.tiled);
+}
+
+mx::Dtype after(const mx::array& x, const mx::array& scales) {
+  return mx::promote_types(x.dtype(), scales.dtype());
+}
+
+}  // namespace
+
+void LayerHead::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+  const mx::array& h = inputs[0];
+  mx::array x = scratch(h.shape(), mx::promote_types(h.dtype(), inputs[1].dtype()));
+  auto qkv_shape = h.shape();
+  qkv_shape.back() = inputs[2].shape(0);
+  mx::array qkv = scratch(qkv_shape, after(x, inputs[3]));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) encoder.set_input_array(a);
+  for (auto& o : outputs) encoder.set_output_array(o);
+  encoder.dispatch([in = inputs, outs = outputs, x, qkv, eps = eps_, sp = qkv_, hq = heads_,
+                    hkv = kv_heads_, p = rope_]() mutable {
+    try {
+      rms_norm_into(in[0], in[1], x, eps);
+      linear(x, &in[2], qkv, sp);
+      qkv_rope_into(qkv, in[5], outs, hq, hkv, p);
+    } catch (...) {  // an exception must not leave a dispatched task
+      for (auto& o : outs) fill_nan(o);
+    }
+  });
+}
+
+void LayerHead::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("KvchatLayerHead runs on the CPU only");
+}
+
+void LayerTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const mx::array &h = inputs[0], &att = inputs[1];
+  const int F = inputs[6].shape(0) / 2;  // gate_up: the gate rows, then the up rows
+  mx::array rows = scratch(rows_of(h, att.shape(1) * att.shape(3)), att.dtype());
+  mx::array ao = scratch(rows_of(h, inputs[2].shape(0)), after(rows, inputs[3]));
+  mx::array h1 = scratch(h.shape(), mx::promote_types(h.dtype(), ao.dtype()));
+  mx::array x2 = scratch(h.shape(), mx::promote_types(h1.dtype(), inputs[5].dtype()));
+  mx::array gu = scratch(rows_of(h, 2 * F), after(x2, inputs[7]));
+  mx::array act = scratch(rows_of(h, F), gu.dtype());
+  mx::array dn = scratch(rows_of(h, inputs[9].shape(0)), after(act, inputs[10]));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([in = inputs, out, rows, ao, h1, x2, gu, act, dn, F, eps = eps_, o = o_,
+                    g = gate_up_, d = down_]() mutable {
+    guarded(out, [&] {
+      heads_to_rows(in[1], rows);
+      linear(rows, &in[2], ao, o);
+      add_into(in[0], ao, h1);
+      rms_norm_into(h1, in[5], x2, eps);
+      linear(x2, &in[6], gu, g);
+      // swiglu(gate, up) of gu's two halves, as the split + `swiglu` ops compute it
+      std::vector<float> gu_buf, y_buf;
+      const float* guf = rows_as_float(gu, gu_buf);
+      const int64_t R = int64_t(act.size()) / F;
+      const bool direct = act.dtype() == mx::float32;
+      float* y = direct ? act.data<float>() : (y_buf.resize(act.size()), y_buf.data());
+      swiglu_rows(guf, 2 * F, guf + F, 2 * F, R, F, y);
+      if (!direct) store_any(act.data<char>(), elem_of(act.dtype()), y, int64_t(act.size()));
+      linear(act, &in[9], dn, d);
+      add_into(h1, dn, out);
+    });
+  });
+}
+
+void LayerTail::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("KvchatLayerTail runs on the CPU only");
+}
+
+std::vector<mx::array> layer_head(const mx::array& h, const mx::array& norm, const mx::array& w,
+                                  const mx::array& scales, const mx::array& biases,
+                                  const mx::array& offsets, float eps, LinearSpec qkv, int heads,
+                                  int kv_heads, RopeParams rope, mx::StreamOrDevice s) {
+  if (h.ndim() != 3 || !is_float_dtype(h.dtype()) || norm.ndim() != 1 ||
+      norm.shape(0) != h.shape(2) || !is_float_dtype(norm.dtype()))
+    throw std::invalid_argument("layer_head: h (B, L, hidden) and norm (hidden,) float");
+  check_qmm(h.shape(2), h.dtype(), w, scales, biases, qkv.group, qkv.bits, qkv.tiled);
+  const int width = heads + 2 * kv_heads, N = w.shape(0);
+  if (heads <= 0 || kv_heads <= 0 || N % width != 0)
+    throw std::invalid_argument("layer_head: the projection must be (heads + 2 kv_heads) * D");
+  const int D = N / width, B = h.shape(0), L = h.shape(1);
+  if (rope.dims <= 0 || rope.dims % 2 != 0 || rope.dims > D)
+    throw std::invalid_argument("layer_head: rope dims must be even, positive and <= D");
+  if (offsets.dtype() != mx::int32 || offsets.ndim() > 1 ||
+      (offsets.size() != 1 && int(offsets.size()) != B))
+    throw std::invalid_argument("layer_head: offsets must be int32, one or one per row");
+  const mx::Dtype t =
+      mx::promote_types(mx::promote_types(h.dtype(), norm.dtype()), scales.dtype());
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  auto prim = std::make_shared<LayerHead>(stream, eps, qkv, heads, kv_heads, rope);
+  const mx::Shape kv{kv_heads, B * L, D};
+  return mx::array::make_arrays({{B, heads, L, D}, kv, kv}, {t, t, t}, prim,
+                                {h, norm, w, scales, biases, offsets});
+}
+
+mx::array layer_tail(const mx::array& h, const mx::array& att,
+                     const std::vector<mx::array>& o, const mx::array& norm,
+                     const std::vector<mx::array>& gate_up, const std::vector<mx::array>& down,
+                     float eps, LinearSpec o_spec, LinearSpec gate_up_spec, LinearSpec down_spec,
+                     mx::StreamOrDevice s) {
+  if (o.size() != 3 || gate_up.size() != 3 || down.size() != 3)
+    throw std::invalid_argument("layer_tail: each linear is (w, scales, biases)");
+  if (h.ndim() != 3 || att.ndim() != 4 || !is_float_dtype(h.dtype()) ||
+      !is_float_dtype(att.dtype()) || int64_t(att.shape(0)) * att.shape(2) != h.size() / h.shape(2))
+    throw std::invalid_argument("layer_tail: h (B0, L0, hidden), att (B, H, L, D), B L = B0 L0");
+  const int hidden = h.shape(2);
+  if (norm.ndim() != 1 || norm.shape(0) != hidden || !is_float_dtype(norm.dtype()))
+    throw std::invalid_argument("layer_tail: norm must be (hidden,) float");
+  // each linear checked as `qmm` checks it, on an input of its width
+  const mx::Dtype ht = h.dtype();
+  check_qmm(att.shape(1) * att.shape(3), att.dtype(), o[0], o[1], o[2], o_spec.group,
+            o_spec.bits, o_spec.tiled);
+  if (o[0].shape(0) != hidden) throw std::invalid_argument("layer_tail: o_proj must give hidden");
+  check_qmm(hidden, ht, gate_up[0], gate_up[1], gate_up[2], gate_up_spec.group, gate_up_spec.bits,
+            gate_up_spec.tiled);
+  const int F = gate_up[0].shape(0) / 2;
+  if (F == 0 || gate_up[0].shape(0) % 2 != 0)
+    throw std::invalid_argument("layer_tail: gate_up must be an even number of rows");
+  check_qmm(F, ht, down[0], down[1], down[2], down_spec.group,
+            down_spec.bits, down_spec.tiled);
+  if (down[0].shape(0) != hidden) throw std::invalid_argument("layer_tail: down must give hidden");
+  // the dtypes the separate ops give, step by step
+  const mx::Dtype ao = mx::promote_types(att.dtype(), o[1].dtype());
+  const mx::Dtype h1 = mx::promote_types(ht, ao);
+  const mx::Dtype x2 = mx::promote_types(h1, norm.dtype());
+  const mx::Dtype gu = mx::promote_types(x2, gate_up[1].dtype());
+  const mx::Dtype dn = mx::promote_types(gu, down[1].dtype());
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  return mx::array(h.shape(), mx::promote_types(h1, dn),
+                   std::make_shared<LayerTail>(stream, eps, o_spec, gate_up_spec, down_spec),
+                   {h, att, o[0], o[1], o[2], norm, gate_up[0], gate_up[1], gate_up[2], down[0],
+                    down[1], down[2]});
+}
+
+}  // namespace kvchat

@@ -1,0 +1,75 @@
+// A llama-family layer on the CPU in two nodes around attention (layer_ops.cpp):
+// `layer_head` (input norm, fused q/k/v projection, RoPE) and `layer_tail` (o_proj,
+// residual, post-attention norm, gate/up, SwiGLU, down, residual).
+#pragma once
+
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/primitives.h"
+#include "mlx/utils.h"
+#include "norm_rope.h"
+
+namespace kvchat {
+
+namespace mx = mlx::core;
+
+// How one quantized linear is stored (the arguments of `qmm`).
+struct LinearSpec {
+  int group, bits;
+  bool tiled;
+  bool operator==(const LinearSpec&) const = default;
+};
+
+class LayerHead : public mx::Primitive {
+ public:
+  LayerHead(mx::Stream stream, float eps, LinearSpec qkv, int heads, int kv_heads,
+            RopeParams rope)
+      : mx::Primitive(stream), eps_(eps), qkv_(qkv), heads_(heads), kv_heads_(kv_heads),
+        rope_(rope) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  const char* name() const override {
+    return "KvchatLayerHead";
+  }
+
+ private:
+  float eps_;
+  LinearSpec qkv_;
+  int heads_, kv_heads_;
+  RopeParams rope_;
+};
+
+class LayerTail : public mx::UnaryPrimitive {
+ public:
+  LayerTail(mx::Stream stream, float eps, LinearSpec o, LinearSpec gate_up, LinearSpec down)
+      : mx::UnaryPrimitive(stream), eps_(eps), o_(o), gate_up_(gate_up), down_(down) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "KvchatLayerTail";
+  }
+
+ private:
+  float eps_;
+  LinearSpec o_, gate_up_, down_;
+};
+
+// h (B, L, hidden) -> [q (B, heads, L, D), k, v (kv_heads, B * L, D)]: rms_norm(h,
+// norm, eps), then `qmm` by the fused q/k/v weights (w, scales, biases), then
+// RoPE of q and k at offsets; each step rounded to the dtype its own op would give.
+std::vector<mx::array> layer_head(const mx::array& h, const mx::array& norm, const mx::array& w,
+                                  const mx::array& scales, const mx::array& biases,
+                                  const mx::array& offsets, float eps, LinearSpec qkv, int heads,
+                                  int kv_heads, RopeParams rope, mx::StreamOrDevice s = {});
+
+// h (B0, L0, hidden) and attention's output att (B, heads, L, D), B * L == B0 * L0 rows
+// in one order -> h1 + down(swiglu(gate_up(rms_norm(h1)))), h1 = h + o(att as rows);
+// weights in `layer_head`'s (w, scales, biases) form, gate_up the gate rows then the up.
+mx::array layer_tail(const mx::array& h, const mx::array& att,
+                     const std::vector<mx::array>& o, const mx::array& norm,
+                     const std::vector<mx::array>& gate_up, const std::vector<mx::array>& down,
+                     float eps, LinearSpec o_spec, LinearSpec gate_up_spec, LinearSpec down_spec,
+                     mx::StreamOrDevice s = {});
+
+}  // namespace kvchat
