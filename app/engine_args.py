@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
                    help="K's bits alone (overrides --kv-bits for K)")
     p.add_argument("--v-bits", type=int, choices=[16, 8, 4], default=None,
                    help="V's bits alone (overrides --kv-bits for V)")
+    p.add_argument("--no-kv-rotation", action="store_true",
+                   help="store quantized K/V rows as they are (default: rotated first, "
+                        "which keeps more of their precision)")
     p.add_argument("--full-window-layers", action="store_true",
                    help="sliding-window layers keep every block, as global ones do "
                         "(default: only the blocks their window covers)")

@@ -27,6 +27,7 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
         kv_bits=getattr(args, "kv_bits", None),
         k_bits=getattr(args, "k_bits", None),
         v_bits=getattr(args, "v_bits", None),
+        kv_rotation=not getattr(args, "no_kv_rotation", False),
         window_pool=not getattr(args, "full_window_layers", False),
     )
     return dataclasses.replace(config, **overrides)

@@ -20,7 +20,7 @@ from engine.kvcache.disk.store import DiskPrefixStore
 from engine.kvcache.kv_cache import POOL_BITS, KVLayout, PagedKVCache
 from engine.kvcache.prefix_cache import PrefixCache
 from engine.kvcache.prefix_key import salt_base
-from engine.kvcache.quant import QuantSpec
+from engine.kvcache.quant import MIN_ROTATION_BLOCK, QuantSpec, rotation_block
 from engine.kvcache.swap import HostSwap
 from engine.kvcache.window_blocks import WindowBlocks, pool_bytes
 from engine.model import memory
@@ -54,8 +54,15 @@ def kv_quant(config: EngineConfig, head_dim: int) -> tuple[QuantSpec | None, Qua
         return None, None, "float16", (f"KV quantization needs a head dim divisible by the "
                                        f"group size {g} (this model: {head_dim}); "
                                        f"the KV cache uses float16 instead")
-    spec = {b: QuantSpec(b, g) for b in POOL_BITS}
-    return spec.get(k), spec.get(v), None, None
+    rotation, notice = 0, None
+    if config.kv_rotation:
+        if rotation_block(head_dim) >= MIN_ROTATION_BLOCK:
+            rotation = 1
+        else:
+            notice = (f"KV rows of {head_dim} have no power-of-two block of "
+                      f"{MIN_ROTATION_BLOCK} or more: quantized without rotation")
+    spec = {b: QuantSpec(b, g, rotation) for b in POOL_BITS}
+    return spec.get(k), spec.get(v), None, notice
 
 
 @dataclass(slots=True)

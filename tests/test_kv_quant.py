@@ -122,7 +122,7 @@ def q8_prompts(default_model):
 def test_quantized_batched_equals_quantized_alone(default_model, q8_prompts):
     cfg = dict(kv_budget_bytes=32 << 20, k_bits=8, v_bits=4, max_running=4, step_target_s=None)
     alone = Engine(default_model, EngineConfig(**cfg))
-    assert alone.layout.kv_format == "k=q8g64,v=q4g64"
+    assert alone.layout.kv_format == "k=q8g64r1,v=q4g64r1"  # rotated before quantized
     p = SamplingParams(max_tokens=12, ignore_eos=True)
     ref = [alone.generate_text(ids, p).tokens for ids in q8_prompts]
     batched = Engine(default_model, EngineConfig(**cfg))

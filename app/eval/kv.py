@@ -31,8 +31,16 @@ FORMATS: dict[str, dict] = {
     "q8": {"kv_bits": 8},
     "q4": {"kv_bits": 4},
     "k8v4": {"k_bits": 8, "v_bits": 4},
+    "k4v8": {"k_bits": 4, "v_bits": 8},
+    "q8g32": {"kv_bits": 8, "kv_group_size": 32},
+    "q4g32": {"kv_bits": 4, "kv_group_size": 32},
+    "k8v4g32": {"k_bits": 8, "v_bits": 4, "kv_group_size": 32},
+    # the same without the rotation (`kvcache.rotation`): what it buys, measured
+    "q8-plain": {"kv_bits": 8, "kv_rotation": False},
+    "q4-plain": {"kv_bits": 4, "kv_rotation": False},
+    "k8v4-plain": {"k_bits": 8, "v_bits": 4, "kv_rotation": False},
 }
-"""Format name -> `EngineConfig` keyword arguments."""
+"""Format name -> `EngineConfig` keyword arguments (quantized ones rotated unless -plain)."""
 
 BITS: dict[int, str] = {32: "f32", 16: "f16", 8: "q8", 4: "q4"}
 """``--bits`` value -> format name."""
@@ -105,6 +113,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="directory for kv_eval.md and kv_eval.png (kv-eval)")
     p.add_argument("--quick", action="store_true", help="a small run (tests, smoke checks)")
     p.add_argument("--model", default=None, help="model to evaluate (default: the embedded one)")
+    p.add_argument("--text", action="append", default=[], metavar="FILE",
+                   help="held-out natural text to score for perplexity, KL and top-1 "
+                        "(repeatable; each cut to the plan's document length) instead of "
+                        "generated documents")
     p.set_defaults(func=run)
     return p
 
@@ -130,7 +142,7 @@ def machine() -> dict:
 
 
 def evaluate(names: list[str], *, plan: Plan, model: str | None = None,
-             loaded: LoadedModel | None = None) -> dict:
+             loaded: LoadedModel | None = None, texts: list[str] = ()) -> dict:
     """Run every format and return the report (what ``--json`` writes).
 
     Args:
@@ -138,6 +150,7 @@ def evaluate(names: list[str], *, plan: Plan, model: str | None = None,
         plan: `FULL` or `QUICK` (or any `Plan`).
         model: what to load when ``loaded`` is not given (None = the default model).
         loaded: an already loaded model (tests share one).
+        texts: held-out natural text to score instead of generated documents.
     """
     from app.eval.measure import build_inputs, measure_format, with_engine
     from app.eval.summary import summarize
@@ -154,7 +167,7 @@ def evaluate(names: list[str], *, plan: Plan, model: str | None = None,
         fitted = plan.fit(engine.max_context)
         if fitted != plan:
             log(f"the model's context is {engine.max_context} tokens: longer texts are left out")
-        box.extend([fitted, build_inputs(engine, fitted)])
+        box.extend([fitted, build_inputs(engine, fitted, texts)])
 
     with_engine(loaded, {}, prepare, prefix_cache=False)
     quick = plan is QUICK
@@ -164,7 +177,8 @@ def evaluate(names: list[str], *, plan: Plan, model: str | None = None,
         log(f"{label}: {FORMATS[name]}")
         t = time.perf_counter()
         raws.append(measure_format(loaded, FORMATS[name], inputs, plan,
-                                   lambda m, label=label: log(f"{label}: {m}")))
+                                   lambda m, label=label: log(f"{label}: {m}"),
+                                   reference=raws[0] if raws else None))
         log(f"{label}: done in {time.perf_counter() - t:.0f}s")
     formats = [{"label": label, "format": name, "engine_config": FORMATS[name],
                 **summarize(raw, raws[0], inputs)}
@@ -172,7 +186,8 @@ def evaluate(names: list[str], *, plan: Plan, model: str | None = None,
     return {
         "model": loaded.name or "default", "weight_format": loaded.weight_format,
         "reference": labels(names)[0], "quick": quick,
-        "plan": {"ppl_docs": plan.ppl_docs, "ppl_tokens": plan.ppl_tokens,
+        "plan": {"ppl_docs": len(inputs.ppl_docs), "ppl_tokens": plan.ppl_tokens,
+                 "ppl_source": "user texts" if texts else "generated documents",
                  "agreement_prompts": len(inputs.agreement),
                  "agreement_tokens": plan.agreement_tokens,
                  "needle": [list(row) for row in plan.needle],
@@ -203,7 +218,13 @@ def write_outputs(result: dict, out: Path, json_path: Path | None = None) -> str
 def run(args) -> int:
     """Evaluate, write the table, the plot and (``--json``) the figures; print the table."""
     names = args.formats or args.bits_formats or ["f32", "f16"]
-    result = evaluate(names, plan=QUICK if args.quick else FULL, model=args.model)
+    texts = []
+    for path in args.text:
+        try:
+            texts.append(Path(path).read_text(encoding="utf-8", errors="replace"))
+        except OSError as e:
+            raise SystemExit(f"kvchat eval kv: cannot read --text {path}: {e.strerror}") from None
+    result = evaluate(names, plan=QUICK if args.quick else FULL, model=args.model, texts=texts)
     out, json_path = Path(args.out), Path(args.json) if args.json else None
     print(write_outputs(result, out, json_path))
     log(f"wrote {out / 'kv_eval.md'} and {out / 'kv_eval.png'}"

@@ -72,8 +72,10 @@ class Inputs:
     speed: dict[int, list[int]]
 
 
-def build_inputs(engine: Engine, plan: Plan) -> Inputs:
-    """Token ids for ``plan`` (already `Plan.fit` to the engine's context)."""
+def build_inputs(engine: Engine, plan: Plan, texts: list[str] = ()) -> Inputs:
+    """Token ids for ``plan`` (already `Plan.fit` to the engine's context); ``texts`` (the
+    user's held-out files) replace the generated documents of the perplexity phase, each
+    cut to ``plan.ppl_tokens`` tokens."""
     tok = engine.tokenizer
 
     def count(text: str) -> int:
@@ -86,7 +88,8 @@ def build_inputs(engine: Engine, plan: Plan) -> Inputs:
     overhead = len(engine.encode_prompt(probes.needle_prompt("", longest))) + 2
     needle = probes.needle_probes(plan.needle, count, overhead=overhead, seed=NEEDLE_SEED)
     return Inputs(
-        ppl_docs=[raw_doc(DOC_SEED + i, plan.ppl_tokens) for i in range(plan.ppl_docs)],
+        ppl_docs=([engine.encode_prompt(t, raw=True)[: plan.ppl_tokens] for t in texts]
+                  or [raw_doc(DOC_SEED + i, plan.ppl_tokens) for i in range(plan.ppl_docs)]),
         agreement=[engine.encode_prompt(p)
                    for p in probes.AGREEMENT_PROMPTS[: plan.agreement_prompts]],
         needle=[(p, engine.encode_prompt(p.prompt)) for p in needle],
@@ -129,8 +132,10 @@ def run_batch(engine: Engine, prompts: list[list[int]], max_tokens: int, *,
 
 
 def measure_format(loaded: LoadedModel, engine_kwargs: dict, inputs: Inputs, plan: Plan,
-                   log: Callable[[str], None]) -> dict:
-    """Raw figures of one format: KV size, scores, answers, speeds, seconds per phase."""
+                   log: Callable[[str], None], reference: dict | None = None) -> dict:
+    """Raw figures of one format: KV size, scores, answers, speeds, seconds per phase.
+    Without ``reference`` this run is the reference (its next-token distributions are
+    kept); with it, the KL divergence from the reference's is scored too."""
     from app.eval.perplexity import score_text
     from engine import SamplingParams
 
@@ -158,7 +163,8 @@ def measure_format(loaded: LoadedModel, engine_kwargs: dict, inputs: Inputs, pla
         out["ppl_scores"] = []
         for i, ids in enumerate(inputs.ppl_docs):
             log(f"perplexity: document {i + 1}/{len(inputs.ppl_docs)} ({len(ids)} tokens)")
-            out["ppl_scores"].append(score_text(engine, ids))
+            ref = reference["ppl_scores"][i] if reference else None
+            out["ppl_scores"].append(score_text(engine, ids, keep=ref is None, reference=ref))
         lap("perplexity")
         # greedy agreement: fixed length (EOS ignored) so every run decodes the same steps
         log(f"agreement: {len(inputs.agreement)} prompts x {plan.agreement_tokens} tokens")

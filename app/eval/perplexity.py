@@ -31,10 +31,14 @@ def all_logits(runner: PagedModel, batch: StepBatch, kv: PagedKVCache) -> mx.arr
 
 @dataclass(slots=True)
 class TokenScores:
-    """Per predicted token: its negative log-likelihood and the model's top-1 guess."""
+    """Per predicted token: its negative log-likelihood and the model's top-1 guess; with a
+    reference, KL(reference || this) of the next-token distributions; for a run kept as
+    the reference, its log-probabilities (float16, one (n, vocab) array per chunk)."""
 
     nll: list[float] = field(default_factory=list)
     top1: list[int] = field(default_factory=list)
+    kl: list[float] = field(default_factory=list)
+    logprobs: list = field(default_factory=list, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -45,9 +49,36 @@ class TokenScores:
         return math.exp(sum(self.nll) / self.num_tokens)
 
 
-def score_text(engine: Engine, ids: list[int], *, chunk: int = 512) -> TokenScores:
+KL_TOP = 256  # reference probabilities kept per position; the rest as one tail bucket
+
+
+def top_logprobs(logp: mx.array) -> tuple[mx.array, mx.array]:
+    """(ids, log-probabilities) of each row's `KL_TOP` likeliest tokens, float32."""
+    ids = mx.argpartition(-logp, KL_TOP - 1, axis=-1)[:, :KL_TOP]
+    vals = mx.take_along_axis(logp, ids, axis=-1)
+    mx.eval(ids, vals)
+    return ids, vals
+
+
+def kl_divergence(reference: tuple[mx.array, mx.array], logp: mx.array) -> mx.array:
+    """KL(reference || p) per row over the reference's top tokens plus one bucket for the
+    rest: a lower bound of the full KL (coarser outcomes never raise it), tight when the
+    bucket's mass is small (at top-256 of a 49k vocabulary, ~1e-3 or less here)."""
+    ids, ref = reference
+    q = mx.take_along_axis(logp, ids, axis=-1)
+    p = mx.exp(ref)
+    p_tail = mx.maximum(1.0 - p.sum(axis=-1), 0.0)
+    q_tail = mx.maximum(1.0 - mx.exp(q).sum(axis=-1), 1e-30)
+    tail = mx.where(p_tail > 0, p_tail * (mx.log(mx.maximum(p_tail, 1e-30)) - mx.log(q_tail)), 0.0)
+    return (p * (ref - q)).sum(axis=-1) + tail
+
+
+def score_text(engine: Engine, ids: list[int], *, chunk: int = 512,
+               reference: TokenScores | None = None, keep: bool = False) -> TokenScores:
     """Teacher-forced scores of ``ids[1:]``, prefilled ``chunk`` tokens at a time.
 
+    ``keep`` keeps the log-probabilities (the reference run); ``reference``, a kept run of
+    the same text and chunking, adds KL(reference || this run) at every position.
     The sequence's blocks are taken from the engine's pool and given back at the end;
     call it with no request running (the engine's steps would not know of it).
     """
@@ -71,9 +102,16 @@ def score_text(engine: Engine, ids: list[int], *, chunk: int = 512) -> TokenScor
             logz = mx.logsumexp(logits, axis=-1)
             picked = mx.take_along_axis(logits, mx.array(targets)[:, None], axis=-1)[:, 0]
             nll, top1 = logz - picked, mx.argmax(logits, axis=-1)
-            mx.eval(nll, top1, engine.kv.keys, engine.kv.values)
+            logp = logits - logz[:, None]
+            kl = None if reference is None else kl_divergence(reference.logprobs[start // chunk],
+                                                              logp)
+            mx.eval(nll, top1, engine.kv.keys, engine.kv.values, *([kl] if kl is not None else []))
             out.nll += nll.tolist()
             out.top1 += top1.tolist()
+            if kl is not None:
+                out.kl += kl.tolist()
+            if keep:
+                out.logprobs.append(top_logprobs(logp))
     finally:
         blocks.free(SEQ_ID)
     return out
@@ -85,4 +123,7 @@ def compare(reference: TokenScores, other: TokenScores) -> dict:
     n = reference.num_tokens
     same = sum(a == b for a, b in zip(reference.top1, other.top1, strict=True))
     diff = sum(abs(a - b) for a, b in zip(reference.nll, other.nll, strict=True))
-    return {"top1_agreement": same / n, "mean_abs_nll_diff": diff / n}
+    out = {"top1_agreement": same / n, "mean_abs_nll_diff": diff / n}
+    if other.kl:
+        out["kl_mean"] = sum(other.kl) / n
+    return out

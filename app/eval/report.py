@@ -37,10 +37,13 @@ def rows(result: dict) -> list[tuple[str, list[str]]]:
     row(f"max {ctx(fs[0]['kv']['capacity_tokens'])}-token sequences in "
         f"{budget / 2**30:g} GiB", lambda f: str(f["kv"]["max_sequences"]))
     docs = "doc" if plan["ppl_docs"] == 1 else "docs"
-    row(f"perplexity ({plan['ppl_docs']} {docs} x {plan['ppl_tokens']:,} tokens)",
+    source = "" if plan.get("ppl_source") != "user texts" else ", your texts"
+    row(f"perplexity ({plan['ppl_docs']} {docs} x {plan['ppl_tokens']:,} tokens{source})",
         lambda f: vs_ref(f, f"{f['perplexity']['value']:.4f}", f["perplexity"]["ratio"], 4))
     row(f"next-token top-1 agreement vs {ref} (same docs)",
         lambda f: f"{100 * f['perplexity']['top1_agreement']:.2f} %")
+    row(f"mean KL divergence from {ref}'s next-token distribution (nats)",
+        lambda f: f"{f['perplexity'].get('kl_mean', 0.0):.5f}")
     row(f"mean abs. change of token log-likelihood vs {ref}",
         lambda f: f"{_mean_nll_diff(f):.5f}")
     row(f"greedy agreement vs {ref} ({plan['agreement_prompts']} prompts x "

@@ -41,8 +41,9 @@ def _perplexity(scores: list[TokenScores], ref_scores: list[TokenScores]) -> dic
     ppl = math.exp(nll / n)
     ref_ppl = math.exp(sum(sum(s.nll) for s in ref_scores) / n)
     tf = [compare(r, s) for r, s in zip(ref_scores, scores, strict=True)]
+    kl = sum(sum(s.kl) for s in scores) / n if all(s.kl for s in scores) else 0.0
     return {
-        "value": ppl, "ratio": ppl / ref_ppl, "tokens": n,
+        "value": ppl, "ratio": ppl / ref_ppl, "tokens": n, "kl_mean": kl,
         "docs": [{"tokens": s.num_tokens, "perplexity": s.perplexity, **t}
                  for s, t in zip(scores, tf, strict=True)],
         "top1_agreement": sum(t["top1_agreement"] * s.num_tokens

@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kvcache import quant as quant_format
+from engine.kvcache import rotation
 from engine.kvcache.quant import QuantSpec
 from engine.kvcache.window_blocks import WindowBlocks, pool_bytes
 
@@ -125,6 +126,8 @@ class QuantizedBlocks:
 
 
 def _quantize(rows: mx.array, q: QuantSpec) -> tuple[mx.array, mx.array, mx.array]:
+    if q.rotation:  # attention rotates queries and outputs to match (`kvcache.rotation`)
+        rows = rotation.rotate(rows)
     data, scales, biases = mx.quantize(rows, group_size=q.group_size, bits=q.bits)
     return data, scales.astype(SCALE_DTYPE), biases.astype(SCALE_DTYPE)
 

@@ -138,7 +138,10 @@ class EntrySpec:
     def to_dict(self) -> dict:
         """Plain JSON-able fields (what entry headers hold)."""
         def quant(q):
-            return None if q is None else {"bits": q.bits, "group_size": q.group_size}
+            if q is None:
+                return None
+            doc = {"bits": q.bits, "group_size": q.group_size}
+            return doc | ({"rotation": q.rotation} if q.rotation else {})
 
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "dtype": self.dtype,
@@ -154,7 +157,8 @@ class EntrySpec:
         def quant(q) -> QuantSpec | None:
             if q is None:
                 return None
-            if not isinstance(q, dict) or sorted(q) != ["bits", "group_size"]:
+            if not isinstance(q, dict) or sorted(q) not in (
+                    ["bits", "group_size"], ["bits", "group_size", "rotation"]):
                 raise ValueError(f"quant fields {q!r}")
             return QuantSpec(**q)
 

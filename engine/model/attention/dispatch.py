@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from engine.kvcache import rotation
+from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.model import backend
 from engine.model.attention import cpu, reference, routes
 from engine.model.attention.gpu import abi, one_pass, two_pass
@@ -68,7 +70,21 @@ def paged_attention(
 ) -> mx.array:
     """Paged attention on the path `routes.ROUTES` picks for this backend (the contract is
     `engine.model.attention`'s docstring); the reference where kernels are off
-    (``use_kernels=False``, ``KVCHAT_KERNELS=0``, an earlier failure) or decline."""
+    (``use_kernels=False``, ``KVCHAT_KERNELS=0``, an earlier failure) or decline.
+
+    A quantized side stored rotated (`QuantSpec.rotation`) is met here, for every path:
+    rotated keys take queries rotated alike, rotated values give outputs rotated back.
+    """
+    k_rot, v_rot = (isinstance(p, QuantizedBlocks) and p.quant.rotation for p in (k_pool, v_pool))
+    if k_rot:
+        queries = rotation.rotate(queries)
+    out = _paged_attention(queries, k_pool, v_pool, block_tables, context_lens, scale,
+                           block_run=block_run, use_kernels=use_kernels)
+    return rotation.unrotate(out) if v_rot else out
+
+
+def _paged_attention(queries, k_pool, v_pool, block_tables, context_lens, scale, *,
+                     block_run, use_kernels) -> mx.array:
     call = PagedCall(queries, k_pool, v_pool, block_tables, tuple(map(int, context_lens)),
                      AttentionSpec.of(scale), block_run)
     if use_kernels and not GUARD.switch.tripped and backend.kernels_enabled():
