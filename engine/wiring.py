@@ -38,6 +38,15 @@ def row_writer(loaded):
     return kv_write
 
 
+def quant_writer(loaded):
+    """The CPU extension's one-op write of a quantized K/V part, else None."""
+    if not loaded.cpu_ext:
+        return None
+    from engine.model.cpu_ext.ops import kv_write_quant
+
+    return kv_write_quant
+
+
 def kv_quant(config: EngineConfig, head_dim: int) -> tuple[QuantSpec | None, QuantSpec | None,
                                                           str | None, str | None]:
     """(K format, V format, a dtype override, a notice) from the config's bits.
@@ -151,7 +160,8 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         per_seq = -(-max_context // config.block_size)
         num_blocks = min(num_blocks, config.pool_sequences * per_seq + 1)
     window, num_blocks = window_pool(runner, layout, config, num_blocks, max_context)
-    kv = PagedKVCache(layout, num_blocks, row_writer=row_writer(loaded), window=window,
+    kv = PagedKVCache(layout, num_blocks, row_writer=row_writer(loaded),
+                      quant_writer=quant_writer(loaded), window=window,
                       windowed=[w is not None for w in runner.windows])
     blocks = BlockManager(num_blocks, config.block_size, window)
     store = None

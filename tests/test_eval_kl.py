@@ -3,6 +3,8 @@ mass, a lower bound otherwise, zero for the same run, and user texts as the docu
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -50,8 +52,8 @@ def texts_engines(default_model_ext):
 
 def test_scoring_against_a_reference_run(texts_engines):
     f16, q4 = texts_engines
-    text = open("/usr/share/common-licenses/GPL-3").read() if __import__("os").path.exists(
-        "/usr/share/common-licenses/GPL-3") else "the quick brown fox " * 200
+    gpl = Path("/usr/share/common-licenses/GPL-3")
+    text = gpl.read_text() if gpl.exists() else "the quick brown fox jumps " * 200
     plan = measure.Plan(ppl_docs=1, ppl_tokens=300, agreement_prompts=0, agreement_tokens=0,
                         needle=(), json_prompts=0, json_tokens=0, speed_contexts=(),
                         speed_tokens=0)

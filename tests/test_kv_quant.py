@@ -119,22 +119,23 @@ def q8_prompts(default_model):
                                      "List three colors:")]
 
 
-def test_quantized_batched_equals_quantized_alone(default_model, q8_prompts):
-    cfg = dict(kv_budget_bytes=32 << 20, k_bits=8, v_bits=4, max_running=4, step_target_s=None)
-    alone = Engine(default_model, EngineConfig(**cfg))
-    assert alone.layout.kv_format == "k=q8g64r1,v=q4g64r1"  # rotated before quantized
+@pytest.mark.parametrize("rotation", [True, False])
+def test_quantized_batched_equals_quantized_alone(default_model_ext, q8_prompts, rotation):
+    # On the extension's path every kernel computes a row alike in any batch (the int16
+    # matmuls, paged attention, the K/V quantization and its rotation, row by row), so a
+    # batch gives each prompt exactly its tokens alone. (On `--weights float32` the BLAS
+    # GEMM of a packed prefill rounds K/V differently in the last bit, and a 4-bit V can
+    # flip a greedy step on it: measured, one of these prompts diverged at token 5.)
+    cfg = dict(kv_budget_bytes=32 << 20, k_bits=8, v_bits=4, max_running=4, step_target_s=None,
+               kv_rotation=rotation)
+    alone = Engine(default_model_ext, EngineConfig(**cfg))
+    assert alone.layout.kv_format == ("k=q8g64r1,v=q4g64r1" if rotation else "k=q8g64,v=q4g64")
     p = SamplingParams(max_tokens=12, ignore_eos=True)
     ref = [alone.generate_text(ids, p).tokens for ids in q8_prompts]
-    batched = Engine(default_model, EngineConfig(**cfg))
+    batched = Engine(default_model_ext, EngineConfig(**cfg))
     handles = [batched.submit(ids, p) for ids in q8_prompts]
     out = [[e.token for e in h if e.token is not None] for h in handles]
-    # The three prompts prefill in one packed forward: a GEMM over more rows rounds K/V
-    # differently in the last bit, and a 4-bit V can flip a step on it (a float pool is
-    # exact: tests/test_scheduler.py). Measured: equal for the first 10 tokens, one of
-    # three drifting after that.
-    for o, r in zip(out, ref, strict=True):
-        same = next((i for i, (a, b) in enumerate(zip(o, r, strict=True)) if a != b), len(o))
-        assert same >= 8, (o, r)
+    assert out == ref  # the three prompts prefilled in one packed forward
     # a warm run on the cached prefix gives the cold run's tokens too
     assert batched.generate_text(q8_prompts[0], p).tokens == ref[0]
     assert batched.metrics().cached_tokens_total > 0

@@ -133,6 +133,8 @@ def _quantize(rows: mx.array, q: QuantSpec) -> tuple[mx.array, mx.array, mx.arra
 
 
 RowWriter = Callable[[mx.array, mx.array, mx.array], mx.array]
+# (quantized store, slots, rows, format) -> the store with the rows written
+QuantWriter = Callable[[tuple, mx.array, mx.array, QuantSpec], tuple]
 
 
 class PagedKVCache:
@@ -140,16 +142,19 @@ class PagedKVCache:
 
     ``row_writer(pool, slots, rows)``, when given, returns ``pool`` with ``rows`` written at
     ``slots`` for plain (unquantized) stores: the CPU extension's one-op `kv_write`, where
-    MLX's indexing builds ~12 nodes per write.
+    MLX's indexing builds ~12 nodes per write. ``quant_writer`` does the same for a
+    quantized store (the extension's `kv_write_quant`, bit for bit `_quantize`).
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, row_writer: RowWriter | None = None,
-                 *, window: WindowBlocks | None = None, windowed: Sequence[bool] = ()):
+                 *, window: WindowBlocks | None = None, windowed: Sequence[bool] = (),
+                 quant_writer: QuantWriter | None = None):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.layout = layout
         self.num_blocks = num_blocks
         self.row_writer = row_writer
+        self.quant_writer = quant_writer
         # sliding-window layers keep rows only for the blocks a window covers
         self.window = window
         self.windowed = [bool(w) and window is not None for w in windowed] or \
@@ -245,7 +250,9 @@ class PagedKVCache:
         slots = self.slots_for(layer, slots)
         for stores, rows, quant in ((self.keys, keys, L.k_quant),
                                     (self.values, values, L.v_quant)):
-            if quant:
+            if quant and self.quant_writer is not None:
+                stores[layer] = self.quant_writer(stores[layer], slots, rows, quant)
+            elif quant:
                 self._put(stores[layer], slots, _quantize(rows, quant))
             elif self.row_writer is not None:
                 stores[layer] = self.row_writer(stores[layer], slots, rows)

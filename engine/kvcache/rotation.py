@@ -49,6 +49,16 @@ def _matrix(head_dim: int) -> mx.array:
     return m
 
 
+@lru_cache(maxsize=8)
+def signs(head_dim: int) -> mx.array:
+    """The sign of each row of R's blocks, (head_dim,) float32: with the blocks' width
+    (`rotation_block`), all a fast Walsh-Hadamard transform needs to apply R."""
+    n = rotation_block(head_dim)
+    s = mx.array(np.tile(_signs(n), head_dim // n).astype(np.float32))
+    mx.eval(s)
+    return s
+
+
 def matrix(head_dim: int) -> mx.array:
     """R (head_dim, head_dim), float32, orthonormal."""
     return _matrix(head_dim)

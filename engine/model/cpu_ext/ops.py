@@ -40,6 +40,23 @@ def kv_write(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
     return build.require().kv_write(pool, slots, rows)
 
 
+def kv_write_quant(store: tuple[mx.array, mx.array, mx.array], slots: mx.array,
+                   rows: mx.array, quant) -> tuple[mx.array, mx.array, mx.array]:
+    """A quantized pool's (packed rows, scales, biases), each (H, S, ·), with ``rows``
+    (H, N, D) written at ``slots``: what `PagedKVCache.write` stores through `mx.quantize`,
+    as one op per part, each in place when donated. Rotated rows (``quant.rotation``) go
+    through a fast Walsh-Hadamard transform of each row alone, so a row's bytes never
+    depend on the rows written with it (`rotation.rotate`'s GEMM may round them
+    differently in the last bit)."""
+    from engine.kvcache import rotation
+
+    slots = slots.astype(mx.int32) if slots.dtype != mx.int32 else slots
+    signs = rotation.signs(rows.shape[-1]) if quant.rotation else None
+    ext = build.require()
+    return tuple(ext.kv_write_quant(part, slots, rows, signs, part=i, bits=quant.bits,
+                                    group=quant.group_size) for i, part in enumerate(store))
+
+
 def greedy_pick(logits: mx.array) -> mx.array:
     """(rows, vocab) float logits -> (rows,) int32: each row's greedy token where it provably
     equals mlx-lm's ``argmax(logits - logsumexp(logits))`` (see csrc/greedy.cpp), else -1."""

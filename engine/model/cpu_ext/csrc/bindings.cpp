@@ -5,6 +5,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "kv_write_quant.h"
 #include "layer_ops.h"
 #include "norm_rope.h"
 #include "ops.h"
@@ -88,6 +89,11 @@ NB_MODULE(_kvchat_cpu_ext, m) {
       "o_spec"_a, "gate_up_spec"_a, "down_spec"_a,
       "h + o_proj(att), then its post-attention norm, gate/up qmm, swiglu, down qmm and\n"
       "residual: a layer's rest after attention as one op.");
+  m.def("kv_write_quant", &kvchat::kv_write_quant, "pool"_a, "slots"_a, "rows"_a,
+        "rotation"_a = nb::none(), nb::kw_only(), "part"_a, "bits"_a, "group"_a,
+        "stream"_a = nb::none(),
+        "One part (0 packed rows, 1 scales, 2 biases) of a quantized pool (H, S, W) with rows\n"
+        "(H, N, D) (rotated by `rotation` first) quantized and written at slots (N,): one op.");
   m.def("greedy_pick", &kvchat::greedy_pick, "logits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Each row's greedy token where it provably equals argmax(logits - logsumexp(logits)),\n"
         "else -1.");

@@ -1,0 +1,171 @@
+// Writing new K or V rows into a quantized pool: one node per stored part.
+//
+// A quantized side is three arrays (packed rows, scales, biases). Through MLX the
+// write was the rotation, `mx.quantize`, casts and three scatters of ~12 nodes each:
+// ~45 nodes per side and layer, which made decode on a quantized pool half as fast as
+// on a float16 one although attention reads a half or a quarter of the bytes. Here
+// each part is one `kv_write`-like node (in place when donated) that rotates (a fast
+// Walsh-Hadamard transform: the same R as `kvcache.rotation`, O(D log D)) and quantizes
+// the new rows itself; the three recompute the same rows, a few hundred operations
+// each, so that each can own its pool array.
+//
+// The quantization is MLX's affine `quantize` step for step (min/max per group, the
+// scale's sign and edge rule, rint, clamp), scales and biases rounded to the rows'
+// dtype and then to float16, as `kv_cache._quantize` stores them.
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "kv_write_quant.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "tensor.h"
+
+namespace kvchat {
+
+namespace {
+
+// One row (D floats) quantized: packed words, and per group scale and bias (float, already
+// rounded through the rows' dtype `e`).
+void quantize_row(const float* x, int D, int bits, int group, Elem e, uint32_t* words,
+                  float* scales, float* biases) {
+  const float n_bins = float((1 << bits) - 1), eps = 1e-7f;
+  const int per_word = 32 / bits;
+  for (int g = 0; g < D / group; ++g) {
+    const float* w = x + g * group;
+    float w_min = INFINITY, w_max = -INFINITY;
+    for (int j = 0; j < group; ++j) {
+      w_max = std::max(w_max, w[j]);
+      w_min = std::min(w_min, w[j]);
+    }
+    const bool mask = std::abs(w_min) > std::abs(w_max);
+    float scale = std::max((w_max - w_min) / n_bins, eps);
+    scale = mask ? scale : -scale;
+    const float edge = mask ? w_min : w_max;
+    const float q0 = std::rint(edge / scale);
+    float bias = 0;
+    if (q0 != 0) {
+      scale = edge / q0;
+      bias = edge;
+    }
+    for (int j = 0; j < group / per_word; ++j) {
+      uint32_t word = 0;
+      for (int k = 0; k < per_word; ++k) {
+        float q = std::rint((w[j * per_word + k] - bias) / scale);
+        q = std::min(std::max(q, 0.0f), n_bins);
+        word |= uint32_t(q) << (k * bits);
+      }
+      words[(g * group) / per_word + j] = word;
+    }
+    float sb[2] = {scale, bias};
+    if (e != Elem::f32) {  // MLX's quantize stores them in the rows' dtype first
+      uint16_t h[2];
+      store_any(h, e, sb, 2);
+      sb[0] = scalar_any(h, e, 0);
+      sb[1] = scalar_any(h, e, 1);
+    }
+    scales[g] = sb[0];
+    biases[g] = sb[1];
+  }
+}
+
+void write_part(const mx::array& pool, const mx::array& slots, const mx::array& rows,
+                const mx::array* rotation, mx::array& out, bool donated, const QuantWrite& q) {
+  // rotation: the (D,) signs of kvchat's rotation; its Hadamard blocks are D's largest
+  // power-of-two divisor wide (`quant.rotation_block`)
+  const int64_t H = pool.shape(0), S = pool.shape(1), W = pool.shape(2), N = rows.shape(1);
+  const int D = rows.shape(2), G = D / q.group;
+  char* dst = out.data<char>();
+  std::vector<char> pool_buf, slot_buf;
+  if (!donated) std::memcpy(dst, row_major(pool, pool_buf), out.nbytes());
+  std::vector<float> r_buf, m_buf, rot(D), scales(G), biases(G);
+  const float* rf = rows_as_float(rows, r_buf);
+  const float* signs = rotation ? rows_as_float(*rotation, m_buf) : nullptr;
+  const int n = D & -D;
+  const float norm = 1.0f / std::sqrt(float(n));
+  const int32_t* s = static_cast<const int32_t*>(row_major(slots, slot_buf));
+  const Elem re = elem_of(rows.dtype());
+  std::vector<uint32_t> words(D * q.bits / 32);
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < N; ++i) {
+      if (s[i] < 0 || s[i] >= S) continue;  // never outside the pool
+      const float* x = rf + (h * N + i) * D;
+      if (signs) {  // x R: the signs, then each block's Walsh-Hadamard butterflies
+        for (int c = 0; c < D; ++c) rot[c] = x[c] * signs[c];
+        for (int b0 = 0; b0 < D; b0 += n)
+          for (int len = 1; len < n; len <<= 1)
+            for (int i = b0; i < b0 + n; i += 2 * len)
+              for (int j = i; j < i + len; ++j) {
+                const float a = rot[j], c = rot[j + len];
+                rot[j] = a + c;
+                rot[j + len] = a - c;
+              }
+        for (int c = 0; c < D; ++c) rot[c] *= norm;
+        if (re != Elem::f32) {  // rounded back to the rows' dtype, as `rotation.rotate` does
+          std::vector<uint16_t> tmp(D);
+          store_any(tmp.data(), re, rot.data(), D);
+          for (int c = 0; c < D; ++c) rot[c] = scalar_any(tmp.data(), re, c);
+        }
+        x = rot.data();
+      }
+      quantize_row(x, D, q.bits, q.group, re, words.data(), scales.data(), biases.data());
+      char* row = dst + (h * S + s[i]) * W * out.itemsize();
+      if (q.part == 0)
+        std::memcpy(row, words.data(), words.size() * sizeof(uint32_t));
+      else
+        store_any(row, elem_of(out.dtype()), q.part == 1 ? scales.data() : biases.data(), G);
+    }
+}
+
+}  // namespace
+
+void KvWriteQuant::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const mx::array& pool = inputs[0];
+  const bool donated = pool.flags().row_contiguous && pool.is_donatable();
+  if (donated)
+    out.copy_shared_buffer(pool);
+  else
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([in = inputs, out, donated, q = q_]() mutable {
+    try {
+      write_part(in[0], in[1], in[2], in.size() > 3 ? &in[3] : nullptr, out, donated, q);
+    } catch (...) {  // an exception must not leave a dispatched task; the rows stay unwritten
+    }
+  });
+}
+
+void KvWriteQuant::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("KvchatKvWriteQuant runs on the CPU only");
+}
+
+mx::array kv_write_quant(const mx::array& pool, const mx::array& slots, const mx::array& rows,
+                         const std::optional<mx::array>& rotation, int part, int bits, int group,
+                         mx::StreamOrDevice s) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("kv_write_quant: bits must be 4 or 8");
+  if (part < 0 || part > 2) throw std::invalid_argument("kv_write_quant: part is 0, 1 or 2");
+  if (rows.ndim() != 3 || pool.ndim() != 3 || slots.ndim() != 1 || slots.dtype() != mx::int32 ||
+      !is_float_dtype(rows.dtype()) || rows.shape(0) != pool.shape(0) ||
+      rows.shape(1) != slots.shape(0))
+    throw std::invalid_argument("kv_write_quant: pool (H, S, W), rows (H, N, D), slots (N,)");
+  const int D = rows.shape(2);
+  if (group <= 0 || D % group != 0 || group % (32 / bits) != 0)
+    throw std::invalid_argument("kv_write_quant: the group must divide D into whole words");
+  const int width = part == 0 ? D * bits / 32 : D / group;
+  if (pool.shape(2) != width || (part == 0) != (pool.dtype() == mx::uint32) ||
+      (part != 0 && !is_float_dtype(pool.dtype())))
+    throw std::invalid_argument("kv_write_quant: the pool part does not fit the rows");
+  if (rotation && (rotation->ndim() != 1 || rotation->shape(0) != D ||
+                   rotation->dtype() != mx::float32))
+    throw std::invalid_argument("kv_write_quant: rotation must be D float32 signs");
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  std::vector<mx::array> inputs{pool, slots, rows};
+  if (rotation) inputs.push_back(*rotation);
+  return mx::array(pool.shape(), pool.dtype(),
+                   std::make_shared<KvWriteQuant>(stream, QuantWrite{part, bits, group}),
+                   inputs);
+}
+
+}  // namespace kvchat
