@@ -27,6 +27,12 @@ KV_CACHE_FORMATS: dict[str, tuple[int | None, int | None]] = {
 engine's 8/4-bit affine formats, K and V chosen apart for "k8v4" (K is the more sensitive).
 """
 
+KV_MEASURED_COST: dict[str, float] = {"q8": 0.09, "k8v4": 0.44, "q4": 6.60}
+"""Perplexity change against float16 in %, measured for the default model on held-out text
+(the README's "KV cache formats, measured"): what the settings say of each format."""
+KV_COSTLY_PCT = 1.0
+"""A format whose measured cost exceeds this many % is marked costly."""
+
 
 @dataclass(slots=True)
 class GenerationSettings:

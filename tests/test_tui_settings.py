@@ -171,9 +171,11 @@ def test_cache_panel_shows_the_quantized_format_and_the_saving():
 
 
 def test_option_labels_come_from_the_pools_accounting():
-    assert describe("q8") == "q8 — 8-bit K and V · 53% of fp16's bytes"
-    assert describe("q4") == "q4 — 4-bit K and V · 28% of fp16's bytes"
-    assert describe("k8v4") == "k8v4 — 8-bit K, 4-bit V · 41% of fp16's bytes"
+    assert describe("q8") == "q8 — 8-bit K and V · 53% of fp16's bytes · +0.1% perplexity"
+    assert describe("q4") == ("q4 — 4-bit K and V · 28% of fp16's bytes · +6.6% perplexity: "
+                              "costly")  # the measured cost over KV_COSTLY_PCT says so
+    assert describe("k8v4") == ("k8v4 — 8-bit K, 4-bit V · 41% of fp16's bytes · +0.4% "
+                                "perplexity")
     assert "default" in describe("float")
 
 

@@ -14,7 +14,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, RadioButton, RadioSet, Static
 
-from app.settings import KV_CACHE_FORMATS, GenerationSettings
+from app.settings import KV_CACHE_FORMATS, KV_COSTLY_PCT, KV_MEASURED_COST, GenerationSettings
 from app.tui.widgets.cache_panel import short_format
 from app.tui.widgets.generation_form import GenerationForm
 from engine import EngineConfig
@@ -42,7 +42,11 @@ def describe(name: str) -> str:
     if k is None and v is None:
         return f"{name} — unquantized, in the model's float dtype (default)"
     sides = f"{k}-bit K and V" if k == v else f"{k or 16}-bit K, {v or 16}-bit V"
-    return f"{name} — {sides} · {100 * share_of_fp16(k, v):.0f}% of fp16's bytes"
+    label = f"{name} — {sides} · {100 * share_of_fp16(k, v):.0f}% of fp16's bytes"
+    cost = KV_MEASURED_COST.get(name)
+    if cost is None:
+        return label
+    return label + f" · {cost:+.1f}% perplexity" + (": costly" if cost > KV_COSTLY_PCT else "")
 
 
 @dataclass(frozen=True, slots=True)
