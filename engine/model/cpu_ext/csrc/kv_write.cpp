@@ -52,11 +52,7 @@ void write_rows(const mx::array& pool, const mx::array& slots, const mx::array& 
 
 void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const mx::array& pool = inputs[0];
-  const bool donated = pool.flags().row_contiguous && pool.is_donatable();
-  if (donated)
-    out.copy_shared_buffer(pool);
-  else
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+  const bool donated = share_if_donated(pool, out);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <limits>
 
+#include "mlx/allocator.h"
+
 namespace kvchat {
 
 namespace {
@@ -60,6 +62,15 @@ const float* rows_as_float(const mx::array& a, std::vector<float>& scratch) {
   for (; i + W <= n; i += W) store(scratch.data() + i, load_any(src, e, i));
   for (; i < n; ++i) scratch[i] = scalar_any(src, e, i);
   return scratch.data();
+}
+
+bool share_if_donated(const mx::array& pool, mx::array& out) {
+  const bool donated = pool.flags().row_contiguous && pool.is_donatable();
+  if (donated)
+    out.copy_shared_buffer(pool);
+  else
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+  return donated;
 }
 
 void fill_nan(mx::array& out) {

@@ -28,6 +28,11 @@ inline bool is_float_dtype(mx::Dtype t) {
 // row-contiguous, else a copy in `scratch`.
 const void* row_major(const mx::array& a, std::vector<char>& scratch);
 
+// Give `out` (a pool's updated copy) the pool's own buffer when the pool can be
+// updated in place (row-contiguous, donated: its caller holds no other reference),
+// else a new one; returns whether it is the pool's (the caller copies the pool if not).
+bool share_if_donated(const mx::array& pool, mx::array& out);
+
 // Fill `out` (a float array) with NaN: what a task that cannot compute reports.
 void fill_nan(mx::array& out);
 
