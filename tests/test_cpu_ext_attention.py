@@ -108,6 +108,18 @@ def test_quantized_pools(k_quant, v_quant):
     check(*make_case(lens, 9, 3, 64, 16, seed=11, k_quant=k_quant, v_quant=v_quant), lens)
 
 
+# quantized rows dequantized in registers: other head dims, groups and GQA chunks, and a
+# context long enough to be split over both threads
+@pytest.mark.parametrize("lens,Hq,Hkv,D,k_quant,v_quant", [
+    ([40, 130], 4, 2, 128, (8, 128), (4, 64)),
+    ([600, 900], 32, 2, 64, (4, 64), (8, 32)),
+    ([5000], 9, 3, 64, (8, 64), (8, 64)),
+    ([77], 2, 2, 32, (4, 32), None),
+])
+def test_quantized_pools_of_other_shapes(lens, Hq, Hkv, D, k_quant, v_quant):
+    check(*make_case(lens, Hq, Hkv, D, 16, seed=D + Hq, k_quant=k_quant, v_quant=v_quant), lens)
+
+
 def test_padding_blocks_are_never_read():
     lens = [9, 2]
     q, k, v, tables = make_case(lens, 4, 2, 16, 4, seed=3)

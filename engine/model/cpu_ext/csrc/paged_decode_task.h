@@ -58,18 +58,41 @@ inline float softmax_block(float* pg, int r0, int r1, float& m, float& l) {
   return alpha;
 }
 
-// K row j (D / W vectors) of a plain pool, as floats.
+// Row `row` of one pool side (D = NV * W floats) in registers: float rows converted as
+// loaded, quantized rows dequantized exactly as `Side::row` does (4-bit rows in its
+// (evens, odds) order of each 32-chunk), without the round trip through memory.
 template <int NV>
 inline void load_row(const Side& side, int64_t row, vf* out) {
-  const int64_t base = row * NV * W;
-  for (int j = 0; j < NV; ++j) out[j] = load_any(side.data, side.elem, base + j * W);
+  if (side.bits == 0) {
+    const int64_t base = row * NV * W;
+    for (int j = 0; j < NV; ++j) out[j] = load_any(side.data, side.elem, base + j * W);
+    return;
+  }
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(side.data) + row * side.row_bytes;
+  const int groups = NV * W / side.group;
+  for (int g = 0; g < groups; ++g) {
+    const vf S = splat(scalar_any(side.scales, side.scale_elem, row * groups + g));
+    const vf B = splat(scalar_any(side.biases, side.scale_elem, row * groups + g));
+    for (int d = g * side.group; d < (g + 1) * side.group; d += 32) {
+      vb raw0, raw1;
+      if (side.bits == 4) {
+        std::memcpy(&raw1, p + d / 2, 16);
+        nibbles(raw1, raw0, raw1);
+      } else {
+        std::memcpy(&raw0, p + d, 16);
+        std::memcpy(&raw1, p + d + 16, 16);
+      }
+      out[d / W] = bytes_to_float(raw0) * S + B;
+      out[d / W + 1] = bytes_to_float(raw1) * S + B;
+    }
+  }
 }
 
-// `attend` for plain (float) pools with D = NV * W and G query heads per task,
-// fixed at compile time: the scaled queries and the output accumulators live
-// in registers (the general loop keeps them in memory, and each V row then
-// costs a load and a store per accumulator), and rows are converted as loaded.
-// Same operations in the same order as `attend`, so the same results.
+// `attend` with D = NV * W and G query heads per task fixed at compile time, for
+// float and quantized pools alike: the scaled queries and the output accumulators
+// live in registers (the general loop keeps them in memory, and each V row then
+// costs a load and a store per accumulator), and rows are converted or dequantized
+// as loaded. Same operations in the same order as `attend`, so the same results.
 template <int NV, int G>
 void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st) {
   constexpr int D = NV * W;
@@ -83,8 +106,13 @@ void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st)
   float* p = scratch.data();
   vf q[G][NV], acc[G][NV];
   float m[G], l[G];
+  float permuted[D];
   for (int g = 0; g < G; ++g) {
     const float* src = pb.q + (int64_t(b) * pb.Hq + q_head0 + g) * D;
+    if (pb.k.bits == 4) {  // in the order 4-bit K rows come out of `load_row`
+      permute4(src, permuted, D);
+      src = permuted;
+    }
     for (int j = 0; j < NV; ++j) {
       q[g][j] = load(src + j * W) * pb.scale;
       acc[g][j] = vf{};
@@ -149,7 +177,6 @@ AttendFn plain_for_heads(int G) {
 
 // The specialized `attend` for this task's shape, or nullptr for the general one.
 inline AttendFn plain_attend(const Problem& pb, int G) {
-  if (pb.k.bits != 0 || pb.v.bits != 0) return nullptr;
   if (pb.D == 4 * W) return plain_for_heads<4>(G);
   if (pb.D == 8 * W) return plain_for_heads<8>(G);
   return nullptr;
