@@ -69,6 +69,13 @@ def rotate(rows: mx.array) -> mx.array:
     return (rows.astype(mx.float32) @ matrix(rows.shape[-1])).astype(rows.dtype)
 
 
+@lru_cache(maxsize=8)
+def _transposed(head_dim: int) -> mx.array:
+    t = mx.array(np.array(_matrix(head_dim)).T)  # materialized: no transpose node per call
+    mx.eval(t)
+    return t
+
+
 def unrotate(rows: mx.array) -> mx.array:
     """``rows @ R^T``: undoes `rotate`."""
-    return (rows.astype(mx.float32) @ matrix(rows.shape[-1]).T).astype(rows.dtype)
+    return (rows.astype(mx.float32) @ _transposed(rows.shape[-1])).astype(rows.dtype)
