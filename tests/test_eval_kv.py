@@ -283,3 +283,12 @@ def test_quick_run_end_to_end(session_models, monkeypatch, tmp_path, capsys):
                    "| max 4k-token sequences in 1 GiB | 5 | 11 | 5 |",
                    "needle recall @256 (2 probes)", "decode tok/s @64", "valid JSON (2 prompts)"):
         assert needle in table
+
+
+def test_an_unreadable_text_is_one_line_and_exit_2(tmp_path, capsys):
+    args = argparse.Namespace(formats=None, bits_formats=None, text=[str(tmp_path / "none.txt")],
+                              quick=True, model=None, out=str(tmp_path / "out"), json=None)
+    assert kv.run(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot read --text" in err[0]
+    assert not (tmp_path / "out").exists()  # nothing was run or written

@@ -223,7 +223,8 @@ def run(args) -> int:
         try:
             texts.append(Path(path).read_text(encoding="utf-8", errors="replace"))
         except OSError as e:
-            raise SystemExit(f"kvchat eval kv: cannot read --text {path}: {e.strerror}") from None
+            print(f"kvchat eval kv: cannot read --text {path}: {e.strerror}", file=sys.stderr)
+            return 2
     result = evaluate(names, plan=QUICK if args.quick else FULL, model=args.model, texts=texts)
     out, json_path = Path(args.out), Path(args.json) if args.json else None
     print(write_outputs(result, out, json_path))
