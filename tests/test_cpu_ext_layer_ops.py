@@ -101,3 +101,35 @@ def test_bad_arguments_are_refused(default_model_ext, engines):
         ext.tail(mx.zeros((1, 2, 576)), mx.zeros((1, 9, 1, 64)))  # 1 attention row for 2
     with pytest.raises(ValueError, match="layer_head"):
         ext.head(mx.zeros((1, 2, 100)), 0)  # not the hidden size
+
+
+def test_llama3_scaled_rope_runs_on_the_extension(default_model, tmp_path):
+    """Llama 3.x's scaled RoPE (mlx-lm's `Llama3RoPE`, its frequencies given to the op)
+    is the extension's too: close to mx.fast.rope, and the layer takes the two ops."""
+    from arch_zoo import build
+    from mlx_lm.models.rope_utils import Llama3RoPE
+    from test_engine_parity import mlx_lm_greedy
+
+    from engine import SamplingParams, load_model
+    from engine.model.cpu_ext.linear import rebind
+    from engine.model.cpu_ext.norm_rope import CpuLlama3RoPE
+
+    ref = Llama3RoPE(64, 131072, False, 500000.0, {
+        "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192, "rope_type": "llama3"})
+    ours = rebind(CpuLlama3RoPE, ref)
+    x = mx.random.normal((2, 4, 5, 64))
+    for offset in (0, 1000, mx.array([70000, 3], dtype=mx.int32)):
+        err = mx.abs(ours(x, offset=offset) - ref(x, offset=offset)).max().item()
+        assert err < 1e-5, (offset, err)  # float32 rounding of the same angles
+    build(tmp_path / "l3", "llama3", default_model.path, eos=[0], bits=4, seed=6)
+    loaded = load_model(str(tmp_path / "l3"))
+    eng = Engine(loaded, EngineConfig(kv_budget_bytes=16 << 20))
+    try:
+        assert type(eng.runner.layers[0].self_attn.rope) is CpuLlama3RoPE
+        assert all(x is not None for x in eng.runner.ext)
+        ids = [int(t) for t in np.random.default_rng(3).integers(3, 500, 40)]
+        got = eng.generate_text(ids, SamplingParams(max_tokens=16, ignore_eos=True)).tokens
+        assert got == mlx_lm_greedy(loaded.model, ids, 16, 64, set())
+    finally:
+        eng.shutdown()

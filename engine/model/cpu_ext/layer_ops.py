@@ -17,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from engine.model.cpu_ext import build
 from engine.model.cpu_ext.linear import CpuQuantizedLinear
-from engine.model.cpu_ext.norm_rope import CpuRMSNorm, CpuRoPE
+from engine.model.cpu_ext.norm_rope import EXT_ROPES, CpuRMSNorm, offsets_array
 
 Linear = tuple[list[mx.array], tuple[int, int, bool]]  # (w, scales, biases), (group, bits, tiled)
 
@@ -44,7 +45,7 @@ class ExtLayer:
     qkv: Linear
     heads: int
     kv_heads: int
-    rope: CpuRoPE
+    rope: nn.Module  # one of `EXT_ROPES`
     o: Linear
     post_norm: tuple[mx.array, float]
     gate_up: Linear
@@ -53,14 +54,11 @@ class ExtLayer:
     def head(self, h: mx.array, offsets: int | mx.array):
         """(q (B, heads, L, D), k, v (kv_heads, B * L, D)) of h (B, L, hidden): what
         rms_norm, the fused projection and `qkv_rope.qkv_rope` give."""
-        if not isinstance(offsets, mx.array):
-            offsets = mx.array([int(offsets)], dtype=mx.int32)
-        elif offsets.dtype != mx.int32 or offsets.ndim == 0:
-            offsets = offsets.astype(mx.int32).reshape(-1)
         (w, eps), (wsb, spec), r = self.input_norm, self.qkv, self.rope
         q, k, v = build.require().layer_head(
-            h, w, *wsb, offsets, eps=eps, qkv=spec, heads=self.heads, kv_heads=self.kv_heads,
-            dims=r.dims, traditional=r.traditional, base=r.base, scale=r.scale)
+            h, w, *wsb, offsets_array(offsets), eps=eps, qkv=spec, heads=self.heads,
+            kv_heads=self.kv_heads, dims=r.dims, traditional=r.traditional, base=r.base,
+            scale=r.scale, freqs=getattr(r, "freqs", None))
         return q, k, v
 
     def tail(self, h: mx.array, att: mx.array) -> mx.array:
@@ -80,7 +78,7 @@ def plan(layer, fused, heads: int, kv_heads: int) -> ExtLayer | None:
     if fused is None or fused.qkv_proj is None or fused.gate_up_proj is None:
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    if type(getattr(attn, "rope", None)) is not CpuRoPE or hasattr(attn, "q_norm"):
+    if type(getattr(attn, "rope", None)) not in EXT_ROPES or hasattr(attn, "q_norm"):
         return None  # other RoPE variants, or Qwen3's per-head norm before RoPE
     parts = dict(input_norm=_norm(layer.input_layernorm), qkv=_linear(fused.qkv_proj),
                  o=_linear(attn.o_proj), post_norm=_norm(layer.post_attention_layernorm),

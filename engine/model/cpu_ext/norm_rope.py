@@ -4,8 +4,9 @@ On the CPU backend MLX builds `mx.fast.rms_norm` and `mx.fast.rope` from their
 fallbacks: about 11 and 34 dispatched ops. With two norms and two rotary embeddings
 per layer that was over half of a decode step's graph (~2,000 of ~3,750 ops for the
 default model) at ~5 us of dispatch each. `install(model)` swaps plain `nn.RMSNorm`
-and `nn.RoPE` modules for subclasses that call the extension; other RoPE variants
-(scaled, YaRN, Llama 3) keep MLX's own.
+and `nn.RoPE` modules, and mlx-lm's `Llama3RoPE` (its scaled frequencies go in as
+mx.fast.rope's ``freqs``), for subclasses that call the extension; other RoPE variants
+(YaRN, long-RoPE) keep MLX's own.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
+from mlx_lm.models.rope_utils import Llama3RoPE
 
 from engine.model.cpu_ext import build
 from engine.model.cpu_ext.linear import rebind
@@ -30,14 +32,21 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return _ext().rms_norm(x, weight, eps=eps)
 
 
-def rope(x: mx.array, *, dims: int, traditional: bool, base: float, scale: float,
-         offset: int | mx.array) -> mx.array:
-    """`mx.fast.rope` of (B, H, L, D) as one op; ``offset`` an int or one per batch row."""
+def offsets_array(offset: int | mx.array) -> mx.array:
+    """A RoPE offset (an int, or one per batch row) as the extension's int32 (n,) array."""
     if not isinstance(offset, mx.array):
-        offset = mx.array([int(offset)], dtype=mx.int32)
-    elif offset.dtype != mx.int32 or offset.ndim == 0:
-        offset = offset.astype(mx.int32).reshape(-1)
-    return _ext().rope(x, offset, dims=dims, traditional=traditional, base=base, scale=scale)
+        return mx.array([int(offset)], dtype=mx.int32)
+    if offset.dtype != mx.int32 or offset.ndim == 0:
+        return offset.astype(mx.int32).reshape(-1)
+    return offset
+
+
+def rope(x: mx.array, *, dims: int, traditional: bool, base: float, scale: float,
+         offset: int | mx.array, freqs: mx.array | None = None) -> mx.array:
+    """`mx.fast.rope` of (B, H, L, D) as one op; ``offset`` an int or one per batch row;
+    ``freqs`` (dims / 2,) replace the base's, as `mx.fast.rope` takes them."""
+    return _ext().rope(x, offsets_array(offset), dims=dims, traditional=traditional,
+                       base=base, scale=scale, freqs=freqs)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
@@ -67,14 +76,37 @@ class CpuRoPE(nn.RoPE):
                     scale=self.scale, offset=offset)
 
 
+class CpuLlama3RoPE(Llama3RoPE):
+    """mlx-lm's `Llama3RoPE` (Llama 3.x's scaled frequencies) computed by the extension."""
+
+    base, scale = 1.0, 1.0  # what mx.fast.rope gets beside the frequencies (unused)
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        if x.ndim != 4:
+            return super().__call__(x, offset)
+        return rope(x, dims=self.dims, traditional=self.traditional, base=1.0, scale=1.0,
+                    offset=offset, freqs=self.freqs)
+
+    @property
+    def freqs(self) -> mx.array:
+        return self._freqs.astype(mx.float32)
+
+
+EXT_ROPES = (CpuRoPE, CpuLlama3RoPE)
+"""RoPE modules the extension computes (the two-op layers take them too)."""
+
+
 def install(model: nn.Module) -> int:
-    """Swap plain `nn.RMSNorm` / `nn.RoPE` modules of `model` in place; returns how many."""
+    """Swap plain `nn.RMSNorm`, `nn.RoPE` and Llama 3 RoPE modules of `model` in place;
+    returns how many."""
     swaps = []
     for name, module in model.named_modules():
         if type(module) is nn.RMSNorm:
             swaps.append((name, rebind(CpuRMSNorm, module)))
         elif type(module) is nn.RoPE and module.base is not None:
             swaps.append((name, rebind(CpuRoPE, module)))
+        elif type(module) is Llama3RoPE:
+            swaps.append((name, rebind(CpuLlama3RoPE, module)))
     if swaps:
         model.update_modules(tree_unflatten(swaps))
     return len(swaps)

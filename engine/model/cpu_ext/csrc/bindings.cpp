@@ -57,7 +57,7 @@ NB_MODULE(_kvchat_cpu_ext, m) {
   m.def("rms_norm", &kvchat::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
         "stream"_a = nb::none(), "RMSNorm over the last axis (mx.fast.rms_norm), one op.");
   m.def("rope", &kvchat::rope, "x"_a, "offsets"_a, nb::kw_only(), "dims"_a, "traditional"_a,
-        "base"_a, "scale"_a, "stream"_a = nb::none(),
+        "base"_a, "scale"_a, "freqs"_a = nb::none(), "stream"_a = nb::none(),
         "Rotary embedding of (B, H, L, D) (mx.fast.rope), one op.");
   m.def("swiglu", &kvchat::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up (mlx-lm's swiglu), one op.");
@@ -69,12 +69,14 @@ NB_MODULE(_kvchat_cpu_ext, m) {
       "layer_head",
       [](const mx::array& h, const mx::array& norm, const mx::array& w, const mx::array& scales,
          const mx::array& biases, const mx::array& offsets, float eps, const kvchat::Spec& qkv,
-         int heads, int kv_heads, int dims, bool traditional, float base, float scale) {
+         int heads, int kv_heads, int dims, bool traditional, float base, float scale,
+         const std::optional<mx::array>& freqs) {
         return kvchat::layer_head(h, norm, w, scales, biases, offsets, eps, kvchat::spec_of(qkv),
-                                  heads, kv_heads, {dims, traditional, base, scale});
+                                  heads, kv_heads, {dims, traditional, base, scale}, freqs);
       },
       "h"_a, "norm"_a, "w"_a, "scales"_a, "biases"_a, "offsets"_a, nb::kw_only(), "eps"_a,
       "qkv"_a, "heads"_a, "kv_heads"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
+      "freqs"_a = nb::none(),
       "rms_norm, the fused q/k/v qmm and qkv_rope of a layer as one op -> [q, k, v].");
   m.def(
       "layer_tail",

@@ -32,9 +32,10 @@ void swiglu_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64
                  int64_t D, float* y);
 
 // A fused projection qkv (B, L, (heads + 2 kv_heads) * D) -> out: q (B, heads, L, D),
-// k and v (kv_heads, B * L, D), q and k RoPE'd at offsets + 0..L-1 (qkv_rope.cpp).
+// k and v (kv_heads, B * L, D), q and k RoPE'd at offsets + 0..L-1 (`freqs`, when given,
+// as `rope`'s) (qkv_rope.cpp).
 void qkv_rope_into(const mx::array& qkv, const mx::array& offsets, std::vector<mx::array>& out,
-                   int heads, int kv_heads, const RopeParams& p);
+                   int heads, int kv_heads, const RopeParams& p, const float* freqs = nullptr);
 
 // Heads of a token-row layout: B, L, query heads, KV heads, head dim.
 struct Heads {

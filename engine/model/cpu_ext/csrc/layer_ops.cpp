@@ -83,7 +83,8 @@ void LayerHead::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::a
     try {
       rms_norm_into(in[0], in[1], x, eps);
       linear(x, &in[2], qkv, sp);
-      qkv_rope_into(qkv, in[5], outs, hq, hkv, p);
+      std::vector<float> f_buf;
+      qkv_rope_into(qkv, in[5], outs, hq, hkv, p, freqs_of(in.size() > 6 ? &in[6] : nullptr, f_buf));
     } catch (...) {  // an exception must not leave a dispatched task
       for (auto& o : outs) fill_nan(o);
     }
@@ -137,7 +138,8 @@ void LayerTail::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 std::vector<mx::array> layer_head(const mx::array& h, const mx::array& norm, const mx::array& w,
                                   const mx::array& scales, const mx::array& biases,
                                   const mx::array& offsets, float eps, LinearSpec qkv, int heads,
-                                  int kv_heads, RopeParams rope, mx::StreamOrDevice s) {
+                                  int kv_heads, RopeParams rope,
+                                  const std::optional<mx::array>& freqs, mx::StreamOrDevice s) {
   if (h.ndim() != 3 || !is_float_dtype(h.dtype()) || norm.ndim() != 1 ||
       norm.shape(0) != h.shape(2) || !is_float_dtype(norm.dtype()))
     throw std::invalid_argument("layer_head: h (B, L, hidden) and norm (hidden,) float");
@@ -151,13 +153,15 @@ std::vector<mx::array> layer_head(const mx::array& h, const mx::array& norm, con
   if (offsets.dtype() != mx::int32 || offsets.ndim() > 1 ||
       (offsets.size() != 1 && int(offsets.size()) != B))
     throw std::invalid_argument("layer_head: offsets must be int32, one or one per row");
+  check_freqs(freqs, rope.dims, "layer_head");
   const mx::Dtype t =
       mx::promote_types(mx::promote_types(h.dtype(), norm.dtype()), scales.dtype());
   auto stream = mx::to_stream(s, mx::Device::cpu);
   auto prim = std::make_shared<LayerHead>(stream, eps, qkv, heads, kv_heads, rope);
   const mx::Shape kv{kv_heads, B * L, D};
-  return mx::array::make_arrays({{B, heads, L, D}, kv, kv}, {t, t, t}, prim,
-                                {h, norm, w, scales, biases, offsets});
+  std::vector<mx::array> inputs{h, norm, w, scales, biases, offsets};
+  if (freqs) inputs.push_back(*freqs);
+  return mx::array::make_arrays({{B, heads, L, D}, kv, kv}, {t, t, t}, prim, inputs);
 }
 
 mx::array layer_tail(const mx::array& h, const mx::array& att,

@@ -57,11 +57,14 @@ class LayerTail : public mx::UnaryPrimitive {
 
 // h (B, L, hidden) -> [q (B, heads, L, D), k, v (kv_heads, B * L, D)]: rms_norm(h,
 // norm, eps), then `qmm` by the fused q/k/v weights (w, scales, biases), then
-// RoPE of q and k at offsets; each step rounded to the dtype its own op would give.
+// RoPE of q and k at offsets (`freqs` as `rope` takes them); each step rounded to the
+// dtype its own op would give.
 std::vector<mx::array> layer_head(const mx::array& h, const mx::array& norm, const mx::array& w,
                                   const mx::array& scales, const mx::array& biases,
                                   const mx::array& offsets, float eps, LinearSpec qkv, int heads,
-                                  int kv_heads, RopeParams rope, mx::StreamOrDevice s = {});
+                                  int kv_heads, RopeParams rope,
+                                  const std::optional<mx::array>& freqs = std::nullopt,
+                                  mx::StreamOrDevice s = {});
 
 // h (B0, L0, hidden) and attention's output att (B, heads, L, D), B * L == B0 * L0 rows
 // in one order -> h1 + down(swiglu(gate_up(rms_norm(h1)))), h1 = h + o(att as rows);

@@ -3,6 +3,7 @@
 // ~5 us of dispatch each were over half of a decode step's graph.
 #include <cmath>
 #include <stdexcept>
+#include <string>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -14,14 +15,16 @@ namespace kvchat {
 
 namespace {
 
-void rope_rows(const mx::array& x, const mx::array& offsets, mx::array& out, const RopeParams& p) {
+void rope_rows(const mx::array& x, const mx::array& offsets, const mx::array* freqs,
+               mx::array& out, const RopeParams& p) {
   std::vector<char> x_buf, o_buf;
   const char* xs = static_cast<const char*>(row_major(x, x_buf));
   const int32_t* offs = static_cast<const int32_t*>(row_major(offsets, o_buf));
   const int B = x.shape(0), H = x.shape(1), L = x.shape(2), D = x.shape(3);
   const Elem e = elem_of(x.dtype());
   const size_t item = x.itemsize();
-  const std::vector<float> inv_freq = rope_inv_freq(p);
+  std::vector<float> f_buf;
+  const std::vector<float> inv_freq = rope_inv_freq(p, freqs_of(freqs, f_buf));
   std::vector<float> row(D), cs(inv_freq.size() * 2);
   for (int b = 0; b < B; ++b) {
     const int32_t off = offsets.size() == 1 ? offs[0] : offs[b];
@@ -86,8 +89,8 @@ void Rope::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
-  encoder.dispatch([x = inputs[0], offsets = inputs[1], out, p = params_]() mutable {
-    guarded(out, [&] { rope_rows(x, offsets, out, p); });
+  encoder.dispatch([in = inputs, out, p = params_]() mutable {
+    guarded(out, [&] { rope_rows(in[0], in[1], in.size() > 2 ? &in[2] : nullptr, out, p); });
   });
 }
 
@@ -111,8 +114,19 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
                    std::make_shared<RmsNorm>(stream, eps), {x, weight});
 }
 
+const float* freqs_of(const mx::array* freqs, std::vector<float>& buf) {
+  return freqs ? rows_as_float(*freqs, buf) : nullptr;
+}
+
+void check_freqs(const std::optional<mx::array>& freqs, int dims, const char* op) {
+  if (freqs && (freqs->dtype() != mx::float32 || freqs->ndim() != 1 ||
+                freqs->shape(0) != dims / 2))
+    throw std::invalid_argument(std::string(op) + ": freqs must be float32 (dims / 2,)");
+}
+
 mx::array rope(const mx::array& x, const mx::array& offsets, int dims, bool traditional,
-               float base, float scale, mx::StreamOrDevice s) {
+               float base, float scale, const std::optional<mx::array>& freqs,
+               mx::StreamOrDevice s) {
   if (x.ndim() != 4 || !is_float_dtype(x.dtype()))
     throw std::invalid_argument("rope: x must be a float (B, H, L, D) array");
   if (dims <= 0 || dims % 2 != 0 || dims > x.shape(3))
@@ -120,10 +134,13 @@ mx::array rope(const mx::array& x, const mx::array& offsets, int dims, bool trad
   if (offsets.dtype() != mx::int32 || offsets.ndim() > 1 ||
       (offsets.size() != 1 && int(offsets.size()) != x.shape(0)))
     throw std::invalid_argument("rope: offset must be int32, a scalar or one per batch row");
+  check_freqs(freqs, dims, "rope");
   auto stream = mx::to_stream(s, mx::Device::cpu);
+  std::vector<mx::array> inputs{x, offsets};
+  if (freqs) inputs.push_back(*freqs);
   return mx::array(x.shape(), x.dtype(),
                    std::make_shared<Rope>(stream, RopeParams{dims, traditional, base, scale}),
-                   {x, offsets});
+                   inputs);
 }
 
 }  // namespace kvchat

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "mlx/array.h"
@@ -20,14 +21,19 @@ struct RopeParams {
   float scale;
 };
 
-// The fallback's frequencies, in float32 like it: exp(-i * log(base) / half).
-inline std::vector<float> rope_inv_freq(const RopeParams& p) {
+// The fallback's frequencies, in float32 like it: exp(-i * log(base) / half), or, for
+// given frequencies (Llama 3's scaled ones), their reciprocals as mx.fast.rope takes them.
+inline std::vector<float> rope_inv_freq(const RopeParams& p, const float* freqs = nullptr) {
   const int half = p.dims / 2;
   std::vector<float> inv_freq(half);
   const float step = std::log(p.base) / float(half);
-  for (int i = 0; i < half; ++i) inv_freq[i] = std::exp(-float(i) * step);
+  for (int i = 0; i < half; ++i)
+    inv_freq[i] = freqs ? 1.0f / freqs[i] : std::exp(-float(i) * step);
   return inv_freq;
 }
+
+// The float32 frequencies of an optional (dims / 2,) input, or nullptr.
+const float* freqs_of(const mx::array* freqs, std::vector<float>& buf);
 
 // cos, sin of every frequency at `position` (interleaved in `cs`, 2 * half floats).
 inline void rope_angles(const RopeParams& p, const std::vector<float>& inv_freq,
@@ -98,9 +104,15 @@ mx::array rms_norm(const mx::array& x, const mx::array& weight, float eps,
                    mx::StreamOrDevice s = {});
 
 // Rotary embedding of x (B, H, L, D) at positions offset + 0..L-1 (offsets: int32,
-// one, or one per batch row), as mx.fast.rope computes it.
+// one, or one per batch row), as mx.fast.rope computes it; `freqs` (dims / 2,) float32
+// replace the base's (as mx.fast.rope's freqs, e.g. mlx-lm's Llama3RoPE).
 mx::array rope(const mx::array& x, const mx::array& offsets, int dims, bool traditional,
-               float base, float scale, mx::StreamOrDevice s = {});
+               float base, float scale, const std::optional<mx::array>& freqs = std::nullopt,
+               mx::StreamOrDevice s = {});
+
+// Checks an optional freqs argument against dims (std::invalid_argument when it does not
+// fit): float32, (dims / 2,).
+void check_freqs(const std::optional<mx::array>& freqs, int dims, const char* op);
 
 // silu(gate) * up elementwise (swiglu.cpp), in float32; gate and up of one shape.
 mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});

@@ -11,7 +11,7 @@
 namespace kvchat {
 
 void qkv_rope_into(const mx::array& qkv, const mx::array& offsets, std::vector<mx::array>& out,
-                   int heads, int kv_heads, const RopeParams& p) {
+                   int heads, int kv_heads, const RopeParams& p, const float* freqs) {
   const Heads n{qkv.shape(0), qkv.shape(1), heads, kv_heads, out[0].shape(3)};
   std::vector<char> x_buf, o_buf;
   const char* xs = static_cast<const char*>(row_major(qkv, x_buf));
@@ -22,7 +22,7 @@ void qkv_rope_into(const mx::array& qkv, const mx::array& offsets, std::vector<m
   char* q = out[0].data<char>();
   char* k = out[1].data<char>();
   char* v = out[2].data<char>();
-  const std::vector<float> inv_freq = rope_inv_freq(p);
+  const std::vector<float> inv_freq = rope_inv_freq(p, freqs);
   std::vector<float> row(n.D), cs(inv_freq.size() * 2);
   for (int64_t b = 0; b < n.B; ++b) {
     const int32_t off = offsets.size() == 1 ? offs[0] : offs[b];
