@@ -103,3 +103,19 @@ def attend_float(q, k, v, T):
     kv.write(0, mx.arange(T), k, v)
     k_pool, v_pool = kv.block_view(0)
     return paged_attention(q, k_pool, v_pool, mx.arange(T // 16)[None], [T], 64 ** -0.5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 80])
+@pytest.mark.parametrize("path", ["extension", "gemm"])
+def test_rotate_is_the_matrix_product_on_either_path(head_dim, path, monkeypatch):
+    if path == "gemm":  # MLX's own route (no extension, or a GPU)
+        monkeypatch.setattr(rotation, "_extension", lambda: None)
+    elif rotation._extension() is None:
+        pytest.skip("CPU extension unavailable")
+    x = mx.random.normal((2, 5, head_dim))
+    want = np.array(x) @ np.array(rotation.matrix(head_dim))
+    np.testing.assert_allclose(np.array(rotation.rotate(x)), want, atol=1e-5)
+    np.testing.assert_allclose(np.array(rotation.unrotate(mx.array(want))), np.array(x),
+                               atol=1e-5)
+    half = x.astype(mx.float16)
+    assert rotation.rotate(half).dtype == mx.float16  # rounded back to the rows' dtype

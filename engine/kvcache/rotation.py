@@ -64,8 +64,21 @@ def matrix(head_dim: int) -> mx.array:
     return _matrix(head_dim)
 
 
+def _extension():
+    """The CPU extension's one-op rotation when MLX computes on the CPU and it is built."""
+    if mx.default_device() != mx.cpu:
+        return None
+    from engine.model.cpu_ext import build  # lazily: the extension sits above the pool
+
+    return build.load()
+
+
 def rotate(rows: mx.array) -> mx.array:
-    """``rows @ R`` over the last axis, in float32, returned in the rows' dtype."""
+    """``rows @ R`` over the last axis, in float32, returned in the rows' dtype: one op of
+    the CPU extension where it runs (a fast Walsh-Hadamard transform), else a GEMM."""
+    ext = _extension()
+    if ext is not None:
+        return ext.hadamard(rows, signs(rows.shape[-1]))
     return (rows.astype(mx.float32) @ matrix(rows.shape[-1])).astype(rows.dtype)
 
 
@@ -78,4 +91,7 @@ def _transposed(head_dim: int) -> mx.array:
 
 def unrotate(rows: mx.array) -> mx.array:
     """``rows @ R^T``: undoes `rotate`."""
+    ext = _extension()
+    if ext is not None:
+        return ext.hadamard(rows, signs(rows.shape[-1]), inverse=True)
     return (rows.astype(mx.float32) @ _transposed(rows.shape[-1])).astype(rows.dtype)

@@ -26,7 +26,8 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("qmm.cpp", "qmm_tiled.cpp", "qmm_tiled_lanes.cpp", "kv_write.cpp",
            "kv_write_quant.cpp", "qgemm.cpp", "paged_attention.cpp", "paged_decode_kernel.cpp",
            "paged_prefill_kernel.cpp", "norm_rope.cpp", "qkv_rope.cpp", "layer_ops.cpp",
-           "swiglu.cpp", "greedy.cpp", "tensor.cpp", "pool.cpp", "bindings.cpp")
+           "swiglu.cpp", "greedy.cpp", "hadamard.cpp", "tensor.cpp", "pool.cpp",
+           "bindings.cpp")
 
 
 class BuildError(RuntimeError):

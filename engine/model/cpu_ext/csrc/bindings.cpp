@@ -5,6 +5,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "kernels.h"
 #include "kv_write_quant.h"
 #include "layer_ops.h"
 #include "norm_rope.h"
@@ -96,6 +97,9 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "stream"_a = nb::none(),
         "One part (0 packed rows, 1 scales, 2 biases) of a quantized pool (H, S, W) with rows\n"
         "(H, N, D) (rotated by `rotation` first) quantized and written at slots (N,): one op.");
+  m.def("hadamard", &kvchat::hadamard, "x"_a, "signs"_a, nb::kw_only(), "inverse"_a = false,
+        "stream"_a = nb::none(),
+        "x (..., D) times kvchat's K/V rotation R (inverse: R^T), given R's (D,) signs: one op.");
   m.def("greedy_pick", &kvchat::greedy_pick, "logits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Each row's greedy token where it provably equals argmax(logits - logsumexp(logits)),\n"
         "else -1.");

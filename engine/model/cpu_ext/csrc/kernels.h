@@ -37,6 +37,14 @@ void swiglu_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64
 void qkv_rope_into(const mx::array& qkv, const mx::array& offsets, std::vector<mx::array>& out,
                    int heads, int kv_heads, const RopeParams& p, const float* freqs = nullptr);
 
+// One row of D floats times kvchat's rotation R (`inverse`: times R^T): `signs` (D,) of
+// R's blocks, which are D's largest power-of-two divisor wide (hadamard.cpp).
+void hadamard_row(const float* x, float* y, int D, const float* signs, bool inverse);
+
+// x (..., D) times R (or R^T), float32 math rounded to x's dtype: one node.
+mx::array hadamard(const mx::array& x, const mx::array& signs, bool inverse,
+                   mx::StreamOrDevice s = {});
+
 // Heads of a token-row layout: B, L, query heads, KV heads, head dim.
 struct Heads {
   int64_t B, L, Hq, Hkv, D;

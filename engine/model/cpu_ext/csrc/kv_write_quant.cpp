@@ -16,6 +16,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "kernels.h"
 #include "kv_write_quant.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -81,8 +82,6 @@ void write_part(const mx::array& pool, const mx::array& slots, const mx::array& 
   std::vector<float> r_buf, m_buf, rot(D), scales(G), biases(G);
   const float* rf = rows_as_float(rows, r_buf);
   const float* signs = rotation ? rows_as_float(*rotation, m_buf) : nullptr;
-  const int n = D & -D;
-  const float norm = 1.0f / std::sqrt(float(n));
   const int32_t* s = static_cast<const int32_t*>(row_major(slots, slot_buf));
   const Elem re = elem_of(rows.dtype());
   std::vector<uint32_t> words(D * q.bits / 32);
@@ -90,17 +89,8 @@ void write_part(const mx::array& pool, const mx::array& slots, const mx::array& 
     for (int64_t i = 0; i < N; ++i) {
       if (s[i] < 0 || s[i] >= S) continue;  // never outside the pool
       const float* x = rf + (h * N + i) * D;
-      if (signs) {  // x R: the signs, then each block's Walsh-Hadamard butterflies
-        for (int c = 0; c < D; ++c) rot[c] = x[c] * signs[c];
-        for (int b0 = 0; b0 < D; b0 += n)
-          for (int len = 1; len < n; len <<= 1)
-            for (int i = b0; i < b0 + n; i += 2 * len)
-              for (int j = i; j < i + len; ++j) {
-                const float a = rot[j], c = rot[j + len];
-                rot[j] = a + c;
-                rot[j + len] = a - c;
-              }
-        for (int c = 0; c < D; ++c) rot[c] *= norm;
+      if (signs) {  // x R, by a fast Walsh-Hadamard transform
+        hadamard_row(x, rot.data(), D, signs, false);
         if (re != Elem::f32) {  // rounded back to the rows' dtype, as `rotation.rotate` does
           std::vector<uint16_t> tmp(D);
           store_any(tmp.data(), re, rot.data(), D);
