@@ -29,22 +29,14 @@ from engine.model.model_runner import PagedModel
 from engine.scheduler import SchedulerConfig
 
 
-def row_writer(loaded):
-    """The CPU extension's one-op K/V write when the model runs on it, else None."""
+def kv_writers(loaded) -> dict:
+    """`PagedKVCache`'s writers: the CPU extension's one-op K/V writes (plain and quantized
+    stores) when the model runs on it, else none (MLX's indexing and `mx.quantize`)."""
     if not loaded.cpu_ext:
-        return None
-    from engine.model.cpu_ext.ops import kv_write
+        return {"row_writer": None, "quant_writer": None}
+    from engine.model.cpu_ext.ops import kv_write, kv_write_quant
 
-    return kv_write
-
-
-def quant_writer(loaded):
-    """The CPU extension's one-op write of a quantized K/V part, else None."""
-    if not loaded.cpu_ext:
-        return None
-    from engine.model.cpu_ext.ops import kv_write_quant
-
-    return kv_write_quant
+    return {"row_writer": kv_write, "quant_writer": kv_write_quant}
 
 
 def kv_quant(config: EngineConfig, head_dim: int) -> tuple[QuantSpec | None, QuantSpec | None,
@@ -160,8 +152,7 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         per_seq = -(-max_context // config.block_size)
         num_blocks = min(num_blocks, config.pool_sequences * per_seq + 1)
     window, num_blocks = window_pool(runner, layout, config, num_blocks, max_context)
-    kv = PagedKVCache(layout, num_blocks, row_writer=row_writer(loaded),
-                      quant_writer=quant_writer(loaded), window=window,
+    kv = PagedKVCache(layout, num_blocks, **kv_writers(loaded), window=window,
                       windowed=[w is not None for w in runner.windows])
     blocks = BlockManager(num_blocks, config.block_size, window)
     store = None

@@ -31,7 +31,7 @@ from engine.kvcache.kv_cache import PagedKVCache
 from engine.kvcache.prefix_key import salt_base
 from engine.model.loader import LoadedModel
 from engine.model.model_runner import PagedModel
-from engine.wiring import check_kv_budget, quant_writer, row_writer
+from engine.wiring import check_kv_budget, kv_writers
 
 
 class Worker:
@@ -78,8 +78,7 @@ class Worker:
         layout = dataclasses.replace(hello.layout, num_layers=len(self.paged.layers),
                                      num_kv_heads=self.paged.num_kv_heads)
         check_kv_budget(hello.num_blocks * layout.bytes_per_block, self.weight_bytes)
-        self.kv = PagedKVCache(layout, hello.num_blocks, row_writer=row_writer(self.loaded),
-                               quant_writer=quant_writer(self.loaded))
+        self.kv = PagedKVCache(layout, hello.num_blocks, **kv_writers(self.loaded))
         self.ledger = BlockLedger(hello.num_blocks, layout.block_size)
         self.paged.use_kernels = hello.use_kernels
         if hello.disk:

@@ -84,12 +84,15 @@ class CpuLlama3RoPE(Llama3RoPE):
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
         if x.ndim != 4:
             return super().__call__(x, offset)
-        return rope(x, dims=self.dims, traditional=self.traditional, base=1.0, scale=1.0,
-                    offset=offset, freqs=self.freqs)
+        return rope(x, dims=self.dims, traditional=self.traditional, base=self.base,
+                    scale=self.scale, offset=offset, freqs=self.freqs)
 
     @property
     def freqs(self) -> mx.array:
-        return self._freqs.astype(mx.float32)
+        """The scaled frequencies mlx-lm computed, float32 as the op takes them (already so:
+        no cast node per call)."""
+        f = self._freqs
+        return f if f.dtype == mx.float32 else f.astype(mx.float32)
 
 
 EXT_ROPES = (CpuRoPE, CpuLlama3RoPE)

@@ -12,6 +12,7 @@
 // The quantization is MLX's affine `quantize` step for step (min/max per group, the
 // scale's sign and edge rule, rint, clamp), scales and biases rounded to the rows'
 // dtype and then to float16, as `kv_cache._quantize` stores them.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -25,6 +26,18 @@
 namespace kvchat {
 
 namespace {
+
+// v rounded to the dtype `e` and read back (MLX rounds the rotated rows, and the scales and
+// biases, to the rows' dtype before they go on); a no-op for float32.
+void round_through(Elem e, float* v, int n) {
+  if (e == Elem::f32) return;
+  uint16_t h[W];
+  for (int i = 0; i < n; i += W) {
+    const int m = std::min(W, n - i);
+    store_any(h, e, v + i, m);
+    for (int j = 0; j < m; ++j) v[i + j] = scalar_any(h, e, j);
+  }
+}
 
 // One row (D floats) quantized: packed words, and per group scale and bias (float, already
 // rounded through the rows' dtype `e`).
@@ -59,12 +72,7 @@ void quantize_row(const float* x, int D, int bits, int group, Elem e, uint32_t* 
       words[(g * group) / per_word + j] = word;
     }
     float sb[2] = {scale, bias};
-    if (e != Elem::f32) {  // MLX's quantize stores them in the rows' dtype first
-      uint16_t h[2];
-      store_any(h, e, sb, 2);
-      sb[0] = scalar_any(h, e, 0);
-      sb[1] = scalar_any(h, e, 1);
-    }
+    round_through(e, sb, 2);  // MLX's quantize stores them in the rows' dtype first
     scales[g] = sb[0];
     biases[g] = sb[1];
   }
@@ -91,11 +99,7 @@ void write_part(const mx::array& pool, const mx::array& slots, const mx::array& 
       const float* x = rf + (h * N + i) * D;
       if (signs) {  // x R, by a fast Walsh-Hadamard transform
         hadamard_row(x, rot.data(), D, signs, false);
-        if (re != Elem::f32) {  // rounded back to the rows' dtype, as `rotation.rotate` does
-          std::vector<uint16_t> tmp(D);
-          store_any(tmp.data(), re, rot.data(), D);
-          for (int c = 0; c < D; ++c) rot[c] = scalar_any(tmp.data(), re, c);
-        }
+        round_through(re, rot.data(), D);  // as `rotation.rotate` returns the rows' dtype
         x = rot.data();
       }
       quantize_row(x, D, q.bits, q.group, re, words.data(), scales.data(), biases.data());

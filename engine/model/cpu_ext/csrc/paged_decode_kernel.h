@@ -32,8 +32,16 @@ struct Side {
       for (int d = 0; d < D; d += W) store(buf + d, load_any(data, elem, row * D + d));
       return buf;
     }
+    dequantize(row, D, [buf](int d, vf v) { store(buf + d, v); });
+    return buf;
+  }
+
+  // A quantized row of `dims` elements, W at a time: put(d, values of d..d+W), in
+  // `row`'s order. The register-resident kernel puts them in registers, `row` in memory.
+  template <class Put>
+  void dequantize(int64_t row, int dims, Put put) const {
     const uint8_t* p = reinterpret_cast<const uint8_t*>(data) + row * row_bytes;
-    const int groups = D / group;
+    const int groups = dims / group;
     for (int g = 0; g < groups; ++g) {
       const vf S = splat(scalar_any(scales, scale_elem, row * groups + g));
       const vf B = splat(scalar_any(biases, scale_elem, row * groups + g));
@@ -46,11 +54,10 @@ struct Side {
           std::memcpy(&raw0, p + d, 16);
           std::memcpy(&raw1, p + d + 16, 16);
         }
-        store(buf + d, bytes_to_float(raw0) * S + B);
-        store(buf + d + 16, bytes_to_float(raw1) * S + B);
+        put(d, bytes_to_float(raw0) * S + B);
+        put(d + W, bytes_to_float(raw1) * S + B);
       }
     }
-    return buf;
   }
 };
 

@@ -68,24 +68,7 @@ inline void load_row(const Side& side, int64_t row, vf* out) {
     for (int j = 0; j < NV; ++j) out[j] = load_any(side.data, side.elem, base + j * W);
     return;
   }
-  const uint8_t* p = reinterpret_cast<const uint8_t*>(side.data) + row * side.row_bytes;
-  const int groups = NV * W / side.group;
-  for (int g = 0; g < groups; ++g) {
-    const vf S = splat(scalar_any(side.scales, side.scale_elem, row * groups + g));
-    const vf B = splat(scalar_any(side.biases, side.scale_elem, row * groups + g));
-    for (int d = g * side.group; d < (g + 1) * side.group; d += 32) {
-      vb raw0, raw1;
-      if (side.bits == 4) {
-        std::memcpy(&raw1, p + d / 2, 16);
-        nibbles(raw1, raw0, raw1);
-      } else {
-        std::memcpy(&raw0, p + d, 16);
-        std::memcpy(&raw1, p + d + 16, 16);
-      }
-      out[d / W] = bytes_to_float(raw0) * S + B;
-      out[d / W + 1] = bytes_to_float(raw1) * S + B;
-    }
-  }
+  side.dequantize(row, NV * W, [out](int d, vf v) { out[d / W] = v; });
 }
 
 // `attend` with D = NV * W and G query heads per task fixed at compile time, for
