@@ -117,6 +117,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="held-out natural text to score for perplexity, KL and top-1 "
                         "(repeatable; each cut to the plan's document length) instead of "
                         "generated documents")
+    from app.eval import kv_peer
+
+    kv_peer.add_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -217,6 +220,10 @@ def write_outputs(result: dict, out: Path, json_path: Path | None = None) -> str
 
 def run(args) -> int:
     """Evaluate, write the table, the plot and (``--json``) the figures; print the table."""
+    if getattr(args, "peer", None) == "llama.cpp":
+        from app.eval import kv_peer
+
+        return kv_peer.run(args, args.formats or args.bits_formats)
     names = args.formats or args.bits_formats or ["f32", "f16"]
     texts = []
     for path in args.text:

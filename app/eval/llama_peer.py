@@ -41,11 +41,12 @@ def llama_tokens(bin_dir: str | None, gguf: str, text: Path) -> list[int]:
     return [int(t) for t in re.findall(r"-?\d+", out.strip().splitlines()[-1])]
 
 
-def llama_perplexity(bin_dir: str | None, gguf: str, text: Path, ctx: int, chunks: int
-                     ) -> float:
+def llama_perplexity(bin_dir: str | None, gguf: str, text: Path, ctx: int, chunks: int,
+                     extra: list[str] = ()) -> float:
+    """llama-perplexity's final estimate; ``extra``: more of its options (KV cache types)."""
     proc = subprocess.run([tool("llama-perplexity", bin_dir), "-m", gguf, "-f", str(text),
                            "-c", str(ctx), "-b", str(ctx), "--chunks", str(chunks),
-                           "-t", str(os.cpu_count())], capture_output=True, text=True)
+                           "-t", str(os.cpu_count()), *extra], capture_output=True, text=True)
     found = re.search(r"Final estimate: PPL = ([\d.]+)", proc.stdout + proc.stderr)
     if proc.returncode or not found:
         raise KVChatError(f"llama-perplexity failed: {(proc.stderr or proc.stdout)[-300:]}")
