@@ -53,6 +53,33 @@ def read_prompt(args, max_context: int) -> str:
         raise KVChatError(f"cannot read prompt file: {e}") from None
 
 
+CONSTRAINT_FILE_BYTES = 256_000
+
+
+def read_constraint(args):
+    """--json-schema / --json-object / --regex / --grammar as an `engine.Constraint`."""
+    from engine import Constraint
+    from engine.errors import RequestError
+
+    try:
+        if args.json_object:
+            return Constraint("json_object")
+        if args.regex is not None:
+            return Constraint("regex", args.regex)
+        for flag, path in (("--json-schema", args.json_schema), ("--grammar", args.grammar)):
+            if path is None:
+                continue
+            try:
+                text = arg_types.read_text_file(path, CONSTRAINT_FILE_BYTES)
+            except ValueError as e:
+                raise KVChatError(f"cannot read {flag} file: {e}") from None
+            return Constraint.json_schema(text) if flag == "--json-schema" \
+                else Constraint("grammar", text)
+    except RequestError as e:
+        raise KVChatError(str(e)) from None
+    return None
+
+
 def cmd_generate(args) -> int:
     from engine import SamplingParams
     from engine.generation import collect
@@ -64,7 +91,7 @@ def cmd_generate(args) -> int:
         return worker_status
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temp, seed=args.seed,
                             top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            stop=args.stop or [])
+                            stop=args.stop or [], constraint=read_constraint(args))
     # one request: a pool of one full context is all it can use (the rest of the budget
     # would be allocated and zero-filled for nothing)
     eng = build_engine(args, pool_sequences=1, max_running=1)
@@ -212,6 +239,13 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=arg_types.seed, default=None, help="in [0, 2^64)")
     g.add_argument("--stop", type=arg_types.non_empty, action="append",
                    help="stop string (repeatable)")
+    out = g.add_mutually_exclusive_group()  # constrained decoding (engine/constraint.py)
+    out.add_argument("--json-schema", metavar="FILE",
+                     help="the answer is JSON valid under this JSON schema file")
+    out.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    out.add_argument("--regex", type=arg_types.non_empty, help="the answer matches this regex")
+    out.add_argument("--grammar", metavar="FILE",
+                     help="the answer follows this Lark (or llama.cpp GBNF) grammar file")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     add_scope_args(g)
     add_engine_args(g)

@@ -10,6 +10,7 @@ from engine.model import blas
 blas.preload()
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.constraint import Constraint  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.errors import KVChatError, ModelLoadError, RequestError  # noqa: E402
 from engine.model.loader import LoadedModel, load_model  # noqa: E402
@@ -17,6 +18,7 @@ from engine.request import Priority  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 __all__ = [
+    "Constraint",
     "Engine",
     "EngineConfig",
     "KVChatError",

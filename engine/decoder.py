@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from engine.constraint import GrammarMatcher
 from engine.sampling import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
@@ -56,8 +57,9 @@ class Decoder:
     """Samples a request's tokens and turns them into text; decides when it ends."""
 
     def __init__(self, params: SamplingParams, detokenizer, eos_ids: Collection[int],
-                 max_new: int):
+                 max_new: int, grammar: GrammarMatcher | None = None):
         self.params = params
+        self.grammar = grammar  # the output's constraint (`engine.constraint`), if any
         self.max_new = max_new
         self.sampler: Sampler = params.make_sampler()
         self.processors: list[LogitsProcessor] = params.make_logits_processors()
@@ -68,8 +70,8 @@ class Decoder:
 
     @property
     def greedy(self) -> bool:
-        """Argmax of the logits suffices: no temperature, no processors."""
-        return self.params.temperature == 0 and not self.processors
+        """Argmax of the logits suffices: no temperature, no processors, no grammar."""
+        return self.params.temperature == 0 and not self.processors and self.grammar is None
 
     def sample(self, logits: mx.array, history: list[int]) -> int:
         """One token from a (1, vocab) row of logits."""
@@ -80,22 +82,28 @@ class Decoder:
             ids = mx.array(history, dtype=mx.int32)
             for proc in self.processors:
                 logits = proc(ids, logits)
+        if self.grammar is not None:
+            logits = self.grammar.apply(logits)
         logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return int(self.sampler(logits).item())
 
     def accept(self, token: int, generated: int) -> Accepted:
         """The text ``token`` releases; ``generated`` counts it (1 for the first token)."""
+        if self.grammar is not None:
+            self.grammar.consume(token)
         if token in self.eos:
             return self._final("", "stop", eos=True)
         self.detok.add_token(token)
         text, hit = self.stop.feed(self.detok.last_segment)
-        if hit:
+        if hit or (self.grammar is not None and self.grammar.stopped):
             return self._final(text, "stop")
         if generated >= self.max_new:
             return self._final(text, "length")
         return Accepted(text)
 
     def _final(self, text: str, finish: str, *, eos: bool = False) -> Accepted:
+        if self.grammar is not None:
+            self.grammar.close()
         self.detok.finalize()
         if finish == "length" or eos:
             # bytes the detokenizer held back may still complete a stop string

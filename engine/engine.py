@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from engine import prompts
 from engine.config import EngineConfig
+from engine.constraint import Constraint, Grammars
 from engine.decoder import Decoder
 from engine.errors import RequestError
 from engine.executor import Outcome, StepExecutor
@@ -65,6 +66,8 @@ class Engine(EngineLoop):
                                      pipeline=pipeline, fast_greedy=loaded.cpu_ext,
                                      unwanted=self._unwanted)
         self._ids = itertools.count()
+        self.grammars = Grammars(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids,
+                                 self.vocab_size)  # constrained decoding, built on first use
 
     @property
     def tokenizer(self):
@@ -121,8 +124,11 @@ class Engine(EngineLoop):
             ids = check_ids(prompt_ids, self.vocab_size)
             check_params(params)
             max_new, notice = self.scheduler.check(len(ids), params.max_tokens)
-            decoder = Decoder(params, self.tokenizer.detokenizer,
-                              self.tokenizer.eos_token_ids, max_new)
+            c = params.constraint
+            if c is not None and not isinstance(c, Constraint):
+                raise RequestError("constraint must be an engine.Constraint")
+            decoder = Decoder(params, self.tokenizer.detokenizer, self.tokenizer.eos_token_ids,
+                              max_new, self.grammars.matcher(c) if c is not None else None)
             prefix = self.prefix.new_sequence(tenant, permission_version, ttl_s=cache_ttl_s)
         except RequestError:
             self.recorder.count_rejection()

@@ -257,11 +257,16 @@ class StepExecutor:
 
     def _pick(self, reqs: list[Request], logits: mx.array) -> list[Outcome]:
         """Each request's next token from its row of ``logits`` (the pool is evaluated)."""
-        if all(r.decoder.greedy for r in reqs):
-            tokens = greedy.tokens(logits, fast=self.fast_greedy,
+        rows = [i for i, r in enumerate(reqs) if r.decoder.greedy]
+        out: list[Outcome | None] = [None] * len(reqs)
+        if rows:  # one batched pick for the greedy rows, whatever their neighbours need
+            some = logits if len(rows) == len(reqs) else logits[mx.array(rows)]
+            tokens = greedy.tokens(some, fast=self.fast_greedy,
                                    wait=(self.kv.keys, self.kv.values))
-            return [Outcome(r, 1, tok) for r, tok in zip(reqs, tokens, strict=True)]
-        return [self._sample(r, logits[i:i + 1]) for i, r in enumerate(reqs)]
+            for i, tok in zip(rows, tokens, strict=True):
+                out[i] = Outcome(reqs[i], 1, tok)
+        return [o if o is not None else self._sample(r, logits[i:i + 1])
+                for i, (r, o) in enumerate(zip(reqs, out, strict=True))]
 
     def _sample(self, req: Request, row: mx.array) -> Outcome:
         """Per-request samplers and logits processors (temperature, top-p, penalties)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.constraint import Constraint
 from engine.validation import check_params
 
 
@@ -20,6 +21,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # JSON schema, JSON, regex or grammar the output keeps
 
     def __post_init__(self):
         check_params(self)  # and again at submit: the fields may change after construction

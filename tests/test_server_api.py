@@ -308,3 +308,28 @@ def test_metrics_and_health(server):
     assert m['kvchat_ttft_seconds{quantile="0.95"}'] > 0
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and health["blocks_used"] == 0
+
+
+def test_response_format_json_schema_validates_and_bad_schemas_are_400(server):
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {
+        "capital": {"type": "string", "maxLength": 20},
+        "population_millions": {"type": "number", "minimum": 0, "maximum": 50}},
+        "required": ["capital", "population_millions"], "additionalProperties": False}
+    c = client(server)
+    r = c.chat.completions.create(model="kvchat", messages=FRANCE, max_tokens=60, temperature=0,
+                                  response_format={"type": "json_schema", "json_schema": {
+                                      "name": "city", "strict": True, "schema": schema}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    stream = c.chat.completions.create(model="kvchat", messages=FRANCE, max_tokens=60,
+                                       stream=True, response_format={"type": "json_object"})
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text.startswith("{")
+    with pytest.raises(openai.BadRequestError) as info:  # compiles only at submit
+        c.chat.completions.create(model="kvchat", messages=FRANCE, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+    assert info.value.param == "response_format" and "invalid json_schema" in info.value.message
+    assert ask(server, "Still there?").choices[0].finish_reason in ("stop", "length")

@@ -68,7 +68,17 @@ def test_messages_are_normalized():
     ({"n": True}, "n", "unsupported_value"),
     ({"logprobs": True}, "logprobs", "unsupported_value"),
     ({"tools": [{"type": "function"}]}, "tools", "unsupported_value"),
-    ({"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
+    ({"response_format": {"type": "xml"}}, "response_format", None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": "{"}}},
+     "response_format.json_schema.schema", None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},
+     "response_format.json_schema.schema", None),
+    ({"response_format": {"type": "json_schema", "json_schema": []}},
+     "response_format.json_schema", None),
+    ({"response_format": {"type": "json_object"}, "regex": "a+"}, "regex", None),
+    ({"grammar": 7}, "grammar", None),
+    ({"regex": ""}, "regex", None),
+    ({"regex": "a" * 300_000}, "regex", None),
     ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_value"),
     ({"bogus": 1}, "bogus", "unknown_parameter"),
     ({"temperature": 3}, "temperature", None),
@@ -85,6 +95,27 @@ def test_messages_are_normalized():
 def test_chat_refusals_name_the_field(fields, param, code):
     err = refused("chat", {"messages": USER, **fields})
     assert (err.param, err.code) == (param, code)
+
+
+def test_response_formats_become_constraints():
+    from engine import Constraint
+
+    def constraint(**fields):
+        return parse_request("chat", {"messages": USER, **fields}).constraint
+
+    assert constraint() is None and constraint(response_format={"type": "text"}) is None
+    assert constraint(response_format={"type": "json_object"}) == Constraint("json_object")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    got = constraint(response_format={"type": "json_schema", "json_schema": {
+        "name": "thing", "strict": True, "schema": schema}})
+    assert got == Constraint.json_schema(schema) and got.kind == "json_schema"
+    assert constraint(response_format={"type": "json_schema", "json_schema": {"name": "x"}}) \
+        == Constraint("json_object")  # no schema: any JSON object
+    assert constraint(json_schema=schema) == Constraint.json_schema(schema)  # llama.cpp's
+    assert constraint(grammar='root ::= "yes" | "no"').kind == "grammar"
+    assert constraint(regex="[0-9]+") == Constraint("regex", "[0-9]+")
+    text = parse_request("text", {"prompt": "x", "regex": "[ab]"})
+    assert text.constraint == Constraint("regex", "[ab]")
 
 
 @pytest.mark.parametrize("messages,param", [

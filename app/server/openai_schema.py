@@ -2,10 +2,11 @@
 
 Only what kvchat implements is accepted: messages / prompt, max_tokens (and
 max_completion_tokens), temperature, top_p, stop, seed, stream and stream_options,
-plus fields that change nothing (``model``, ``user``, ``metadata``...) and three local
-extensions that mlx-lm's and llama.cpp's servers also take (top_k, min_p,
-repetition_penalty). A real OpenAI field with a value we do not implement (n > 1,
-logprobs, tools, a JSON response format, penalties...) is a 400 that names it; a field
+response_format (text, json_object, json_schema: constrained decoding), plus fields that
+change nothing (``model``, ``user``, ``metadata``...) and local extensions that mlx-lm's
+and llama.cpp's servers also take (top_k, min_p, repetition_penalty; llama.cpp's
+``json_schema`` and ``grammar``, and ``regex``). A real OpenAI field with a value we do not
+implement (n > 1, logprobs, tools, penalties...) is a 400 that names it; a field
 OpenAI does not have is a 400 too ("Unrecognized request argument supplied"), so a typo
 is never silently ignored. Nothing here touches the engine or the web framework.
 """
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from app.server.errors import APIError, invalid, unsupported
+from engine.constraint import Constraint
+from engine.errors import RequestError
 
 MAX_MESSAGES = 4096
 MAX_STOP = 16  # the engine's bound (OpenAI's is 4)
@@ -43,6 +46,7 @@ class ParsedRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    constraint: Constraint | None = None  # response_format / json_schema / grammar / regex
 
     @property
     def text_chars(self) -> int:
@@ -102,6 +106,42 @@ def _only(allowed: tuple, what: str) -> Callable:
         if not any(value == a and isinstance(value, bool) == isinstance(a, bool)
                    for a in allowed):
             raise unsupported(name, what)
+    return check
+
+
+def _constraint(make: Callable[[], Constraint | None], name: str) -> Constraint | None:
+    try:
+        return make()
+    except RequestError as e:
+        raise invalid(str(e), name) from None
+
+
+def _response_format(name: str, value) -> Constraint | None:
+    """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text" and set(value) == {"type"}:
+        return None
+    if kind == "json_object" and set(value) == {"type"}:
+        return Constraint("json_object")
+    if kind == "json_schema" and set(value) <= {"type", "json_schema"}:
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or set(spec) - {"name", "schema", "strict", "description"}:
+            raise invalid("response_format.json_schema must be an object with name, schema, "
+                          "strict and description", f"{name}.json_schema")
+        if spec.get("schema") is None:  # no schema: any JSON object
+            return Constraint("json_object")
+        return _constraint(lambda: Constraint.json_schema(spec["schema"]),
+                           f"{name}.json_schema.schema")
+    raise invalid('response_format must be {"type": "text"}, {"type": "json_object"} or '
+                  '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}', name)
+
+
+def _local_constraint(kind: str) -> _Check:
+    """llama.cpp's top-level ``json_schema`` and ``grammar`` (GBNF or Lark), and ``regex``."""
+    def check(name: str, value) -> Constraint:
+        if kind == "json_schema":
+            return _constraint(lambda: Constraint.json_schema(value), name)
+        return _constraint(lambda: Constraint(kind, _string(name, value)), name)
     return check
 
 
@@ -188,14 +228,18 @@ COMMON: dict[str, tuple[_Check, str | None]] = {
     "top_k": (lambda n, v: _int(n, v, 0, 1 << 31), "top_k"),
     "min_p": (lambda n, v: _number(n, v, 0.0, 1.0), "min_p"),
     "repetition_penalty": (lambda n, v: _number(n, v, 1e-3, 100.0), "repetition_penalty"),
+    "json_schema": (lambda n, v: _local_constraint("json_schema")(n, v), "constraint"),
+    "grammar": (lambda n, v: _local_constraint("grammar")(n, v), "constraint"),
+    "regex": (lambda n, v: _local_constraint("regex")(n, v), "constraint"),
 }
+CONSTRAINTS = ("response_format", "json_schema", "grammar", "regex")
 CHAT = {
     **COMMON,
     "messages": (_messages, "messages"),
     "max_completion_tokens": (lambda n, v: _int(n, v, 1, 1 << 31), "max_tokens"),
     "logprobs": (_only((False,), "logprobs"), None),
     "top_logprobs": (_only((0,), "top_logprobs"), None),
-    "response_format": (_only(({"type": "text"},), "a response_format other than text"), None),
+    "response_format": (_response_format, "constraint"),
     "tools": (_only(([],), "tools (no tool calling)"), None),
     "tool_choice": (_only(("none",), "tool_choice (no tool calling)"), None),
     "parallel_tool_calls": (_bool, None),
@@ -229,6 +273,10 @@ def parse_request(kind: str, body) -> ParsedRequest:
             and body["max_tokens"] != body["max_completion_tokens"]:
         raise invalid("give max_tokens or max_completion_tokens, not both",
                       "max_completion_tokens")
+    given = [n for n in CONSTRAINTS if body.get(n) is not None
+             and not (n == "response_format" and body[n] == {"type": "text"})]
+    if len(given) > 1:
+        raise invalid(f"give one of {', '.join(given)}, not several", given[1])
     parsed = ParsedRequest(kind)
     for name, value in body.items():
         if value is None:  # null means "the default", as in OpenAI's API

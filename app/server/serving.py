@@ -43,7 +43,8 @@ def sampling_params(parsed: ParsedRequest, default_max_tokens: int) -> SamplingP
     return SamplingParams(
         max_tokens=parsed.max_tokens or default_max_tokens, temperature=parsed.temperature,
         top_p=parsed.top_p, top_k=parsed.top_k, min_p=parsed.min_p,
-        repetition_penalty=parsed.repetition_penalty, seed=parsed.seed, stop=parsed.stop)
+        repetition_penalty=parsed.repetition_penalty, seed=parsed.seed, stop=parsed.stop,
+        constraint=parsed.constraint)
 
 
 async def complete(state: ServerState, request: Request, parsed: ParsedRequest,
@@ -85,7 +86,9 @@ def submit(state: ServerState, ids: list[int], params: SamplingParams, parsed: P
     except RequestTooLargeError as e:
         raise errors.context_length(str(e), parsed.prompt_param) from None
     except RequestError as e:
-        raise errors.invalid(str(e)) from None
+        param = "response_format" if params.constraint is not None and str(e).startswith(
+            "invalid ") else None  # a schema or grammar that does not compile
+        raise errors.invalid(str(e), param) from None
     except EngineStoppedError:
         raise errors.shutting_down() from None
     reply = Reply(parsed.kind, model=state.model_id, fingerprint=state.fingerprint,
