@@ -152,6 +152,29 @@ class Grammars:
         return GrammarMatcher(m, self.vocab_size)
 
 
+def mask_rows(logits: mx.array, grammars: list[GrammarMatcher | None]
+              ) -> tuple[mx.array, dict[int, Exception]]:
+    """(rows, vocab) logits with each row's forbidden tokens at -inf (a None grammar
+    forbids nothing), as one op; and the rows whose matcher failed, by index."""
+    allowed = np.ones((len(grammars), logits.shape[-1]), dtype=bool)
+    failed: dict[int, Exception] = {}
+    for j, g in enumerate(grammars):
+        if g is not None:
+            try:
+                allowed[j] = g.allowed()[: logits.shape[-1]]
+            except Exception as e:  # noqa: BLE001 - that request fails, alone
+                failed[j] = e
+    return mx.where(mx.array(allowed), logits, forbidden(logits.dtype)), failed
+
+
+def forbidden(dtype: mx.Dtype) -> mx.array:
+    """A forbidden token's logit: the dtype's lowest finite value, not -inf, so a masked
+    row stays finite and keeps the CPU extension's fast greedy pick (`engine.greedy`);
+    no real logit comes near it, so the argmax and the sampled distribution are as with
+    -inf."""
+    return mx.array(mx.finfo(dtype).min, dtype=dtype)
+
+
 class GrammarMatcher:
     """One request's place in its grammar: the mask of allowed next tokens, and the
     tokens it has accepted."""
@@ -181,7 +204,7 @@ class GrammarMatcher:
     def apply(self, logits: mx.array) -> mx.array:
         """``logits`` (1, vocab) with every token the grammar forbids at -inf."""
         allowed = mx.array(self.allowed()[: logits.shape[-1]])
-        return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+        return mx.where(allowed, logits, forbidden(logits.dtype))
 
     def consume(self, token: int) -> None:
         """Advance by the sampled token and start computing the next mask."""

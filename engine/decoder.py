@@ -71,7 +71,12 @@ class Decoder:
     @property
     def greedy(self) -> bool:
         """Argmax of the logits suffices: no temperature, no processors, no grammar."""
-        return self.params.temperature == 0 and not self.processors and self.grammar is None
+        return self.argmax and self.grammar is None
+
+    @property
+    def argmax(self) -> bool:
+        """The token is the argmax of the logits (after the grammar's mask, if any)."""
+        return self.params.temperature == 0 and not self.processors
 
     def sample(self, logits: mx.array, history: list[int]) -> int:
         """One token from a (1, vocab) row of logits."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine import greedy
+from engine.constraint import mask_rows
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.metrics import MetricsRecorder
@@ -257,14 +258,19 @@ class StepExecutor:
 
     def _pick(self, reqs: list[Request], logits: mx.array) -> list[Outcome]:
         """Each request's next token from its row of ``logits`` (the pool is evaluated)."""
-        rows = [i for i, r in enumerate(reqs) if r.decoder.greedy]
+        rows = [i for i, r in enumerate(reqs) if r.decoder.argmax]
         out: list[Outcome | None] = [None] * len(reqs)
-        if rows:  # one batched pick for the greedy rows, whatever their neighbours need
+        if rows:  # one batched pick for the argmax rows, whatever their neighbours need
             some = logits if len(rows) == len(reqs) else logits[mx.array(rows)]
+            grammars = [reqs[i].decoder.grammar for i in rows]
+            if any(g is not None for g in grammars):  # constrained greedy: masked, batched
+                some, failed = mask_rows(some, grammars)
+                for j, e in failed.items():
+                    out[rows[j]] = Outcome(reqs[rows[j]], error=_error(e))
             tokens = greedy.tokens(some, fast=self.fast_greedy,
                                    wait=(self.kv.keys, self.kv.values))
             for i, tok in zip(rows, tokens, strict=True):
-                out[i] = Outcome(reqs[i], 1, tok)
+                out[i] = out[i] or Outcome(reqs[i], 1, tok)
         return [o if o is not None else self._sample(r, logits[i:i + 1])
                 for i, (r, o) in enumerate(zip(reqs, out, strict=True))]
 

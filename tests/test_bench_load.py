@@ -81,9 +81,13 @@ def test_bench_load_end_to_end(tiny_model, tmp_path, capsys):
 
 
 @needs_model
-def test_bench_decode_end_to_end(tiny_model, capsys):
+def test_bench_decode_end_to_end(tiny_model, capsys, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "array", "items": {"type": "integer"}}')
     rc = main(["bench", "decode", "--model", str(tiny_model.path), "--kv-budget", "4M",
-               "--batch", "3", "--gen", "4", "--rounds", "1"])
+               "--batch", "3", "--gen", "4", "--rounds", "1", "--json-schema", str(schema)])
     assert rc == 0
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("1 stream: ") and "3 streams: " in line and "mean batch" in line
+    free, held, ratio = capsys.readouterr().out.strip().splitlines()[-3:]
+    assert free.startswith("free: 1 stream: ") and "3 streams: " in free and "mean batch" in free
+    assert held.startswith("json-schema: 1 stream: ")
+    assert ratio.startswith("json-schema vs free: ") and ratio.endswith("at 3 streams")
