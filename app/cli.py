@@ -19,6 +19,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import engine  # noqa: F401  (preloads OpenBLAS before anything imports mlx.core)
 from app import arg_types
+from app.constraint_args import read_constraint
 from app.distributed import add_distributed_args, print_rank_lines, run_if_worker
 from app.echo import echo_events
 from app.engine_args import add_engine_args, add_scope_args, build_engine, check_kv_budget
@@ -51,33 +52,6 @@ def read_prompt(args, max_context: int) -> str:
         return arg_types.read_text_file(args.prompt_file, max_context * PROMPT_BYTES_PER_TOKEN)
     except ValueError as e:
         raise KVChatError(f"cannot read prompt file: {e}") from None
-
-
-CONSTRAINT_FILE_BYTES = 256_000
-
-
-def read_constraint(args):
-    """--json-schema / --json-object / --regex / --grammar as an `engine.Constraint`."""
-    from engine import Constraint
-    from engine.errors import RequestError
-
-    try:
-        if args.json_object:
-            return Constraint("json_object")
-        if args.regex is not None:
-            return Constraint("regex", args.regex)
-        for flag, path in (("--json-schema", args.json_schema), ("--grammar", args.grammar)):
-            if path is None:
-                continue
-            try:
-                text = arg_types.read_text_file(path, CONSTRAINT_FILE_BYTES)
-            except ValueError as e:
-                raise KVChatError(f"cannot read {flag} file: {e}") from None
-            return Constraint.json_schema(text) if flag == "--json-schema" \
-                else Constraint("grammar", text)
-    except RequestError as e:
-        raise KVChatError(str(e)) from None
-    return None
 
 
 def cmd_generate(args) -> int:

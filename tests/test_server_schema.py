@@ -125,6 +125,13 @@ def test_response_formats_become_constraints():
     ([{"role": "assistant", "content": "x"}], "messages[0]"),
     ([{"role": "tool", "content": "x"}], "messages[0].role"),
     ([{"role": "wizard", "content": "x"}], "messages[0].role"),
+    ([{"role": ["user"], "content": "x"}], "messages[0].role"),
+    ([{"role": {"user": 1}, "content": "x"}], "messages[0].role"),
+    ([{"role": "user", "content": "a\ud800b"}], "messages[0].content"),
+    ([{"role": "system", "content": "\udc00"}, {"role": "user", "content": "x"}],
+     "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}],
+     "messages[0].content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
      "messages[0].content"),
     ([{"role": "user", "content": "  "}], "messages[0].content"),
@@ -132,6 +139,16 @@ def test_response_formats_become_constraints():
 ])
 def test_bad_messages(messages, param):
     assert refused("chat", {"messages": messages}).param == param
+
+
+@pytest.mark.parametrize("kind,fields,param", [
+    ("text", {"prompt": "\ud800 then \udfff"}, "prompt"),
+    ("text", {"prompt": "x", "stop": ["\ud800"]}, "stop"),
+    ("chat", {"messages": USER, "user": "\ud800"}, "user"),
+    ("chat", {"messages": USER, "regex": "\udfff+"}, "regex"),
+])
+def test_lone_surrogates_are_400_naming_the_field(kind, fields, param):
+    assert refused(kind, fields).param == param
 
 
 def test_completion_prompts():

@@ -57,7 +57,7 @@ def run(args) -> int:
     """Print one line: 1 stream vs B streams, tok/s and ms per step (best of the rounds)."""
     constraint = None
     if args.json_schema:
-        from app.cli import read_constraint
+        from app.constraint_args import read_constraint
 
         constraint = read_constraint(argparse.Namespace(
             json_object=False, regex=None, json_schema=args.json_schema, grammar=None))

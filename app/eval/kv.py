@@ -223,7 +223,7 @@ def run(args) -> int:
     if getattr(args, "peer", None) == "llama.cpp":
         from app.eval import kv_peer
 
-        return kv_peer.run(args, args.formats or args.bits_formats)
+        return kv_peer.run(args, args.formats or args.bits_formats, FORMATS)
     names = args.formats or args.bits_formats or ["f32", "f16"]
     texts = []
     for path in args.text:

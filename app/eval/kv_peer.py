@@ -43,10 +43,14 @@ def kvchat_ppl(loaded, kv_config: dict, ids: list[int], ctx: int, chunks: int,
         engine.shutdown()
 
 
-def evaluate(model: str, names: list[str], *, bin_dir: str | None, text: Path,
-             ctx: int = 512, max_chunks: int = 16) -> dict:
-    """Every format's perplexity in both engines; what ``--json`` writes."""
-    from app.eval.kv import FORMATS, log
+def log(message: str) -> None:
+    print(f"[eval kv] {message}", file=sys.stderr, flush=True)
+
+
+def evaluate(model: str, names: list[str], formats: dict[str, dict], *, bin_dir: str | None,
+             text: Path, ctx: int = 512, max_chunks: int = 16) -> dict:
+    """Every format's perplexity in both engines; what ``--json`` writes. ``formats``:
+    format name -> `EngineConfig` keyword arguments (`app.eval.kv.FORMATS`)."""
     from engine import load_model
     from engine.model.loader import DEFAULT_MODEL, default_gguf_path
 
@@ -70,7 +74,7 @@ def evaluate(model: str, names: list[str], *, bin_dir: str | None, text: Path,
     for name in names:
         ctk, ctv = LLAMA_TYPES[name]
         log(f"{name}: kvchat")
-        ours = kvchat_ppl(loaded, FORMATS[name], ids, ctx, chunks, bos)
+        ours = kvchat_ppl(loaded, formats[name], ids, ctx, chunks, bos)
         log(f"{name}: llama-perplexity -ctk {ctk} -ctv {ctv}")
         theirs = llama_peer.llama_perplexity(bin_dir, gguf, text, ctx, chunks,
                                              ["-fa", "on", "-ctk", ctk, "-ctv", ctv])
@@ -116,10 +120,11 @@ def add_args(p) -> None:
                    help="with --peer: at most this many chunks")
 
 
-def run(args, names: list[str] | None) -> int:
+def run(args, names: list[str] | None, formats: dict[str, dict]) -> int:
     text = Path(args.text[0]) if args.text else llama_peer.DEFAULT_TEXT
-    result = evaluate(args.model, names or DEFAULT_FORMATS, bin_dir=args.llama_cpp_bin,
-                      text=text, ctx=args.ctx, max_chunks=args.chunks)
+    result = evaluate(args.model, names or DEFAULT_FORMATS, formats,
+                      bin_dir=args.llama_cpp_bin, text=text, ctx=args.ctx,
+                      max_chunks=args.chunks)
     print(report(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

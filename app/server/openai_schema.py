@@ -87,6 +87,17 @@ def _bool(name: str, value) -> bool:
 def _string(name: str, value) -> str:
     if not isinstance(value, str):
         raise invalid(f"{name} must be a string", name)
+    return _unicode(name, value)
+
+
+def _unicode(name: str, value: str) -> str:
+    """A string that UTF-8 can encode: JSON's ``"\\ud800"`` escapes decode to lone
+    surrogates, which the tokenizer cannot take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise invalid(f"{name} is not valid Unicode text (a lone UTF-16 surrogate)",
+                      name) from None
     return value
 
 
@@ -96,7 +107,7 @@ def _stop(name: str, value) -> list[str]:
             or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
         raise invalid(f"stop must be a string or a list of at most {MAX_STOP} non-empty "
                       f"strings of at most {MAX_STOP_CHARS} characters", name)
-    return stops
+    return [_unicode(name, s) for s in stops]
 
 
 def _only(allowed: tuple, what: str) -> Callable:
@@ -154,7 +165,7 @@ def _stream_options(name: str, value) -> bool:
 def _text_parts(role: str, content, i: int) -> str:
     param = f"messages[{i}].content"
     if isinstance(content, str):
-        return content
+        return _unicode(param, content)
     if content is None and role == "assistant":
         return ""
     if not isinstance(content, list):
@@ -177,6 +188,8 @@ def _messages(name: str, value) -> list[dict]:
         if not isinstance(m, dict):
             raise invalid(f"{param} must be an object with a role and content", param)
         role = m.get("role")
+        if not isinstance(role, str):  # a list or an object is unhashable: no lookup
+            raise invalid(f"{param}.role must be one of {sorted(ROLES)}", f"{param}.role")
         if role in ("tool", "function"):
             raise unsupported(f"{param}.role", f"the {role!r} role (no tool calling)")
         if role not in ROLES:
@@ -200,7 +213,7 @@ def _prompt(name: str, value) -> str | list[int]:
     if isinstance(value, str):
         if not value.strip():
             raise invalid("prompt is empty", name)
-        return value
+        return _unicode(name, value)
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool)
                                                  for t in value):
         return value  # token ids; the engine checks their range
