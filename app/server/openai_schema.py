@@ -13,13 +13,18 @@ is never silently ignored. Nothing here touches the engine or the web framework.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from app.server import output_schema
 from app.server.errors import APIError, invalid, unsupported
+from app.server.values import boolean as _bool
+from app.server.values import integer as _int
+from app.server.values import number as _number
+from app.server.values import only as _only
+from app.server.values import string as _string
+from app.server.values import unicode_text as _unicode
 from engine.constraint import Constraint
-from engine.errors import RequestError
 
 MAX_MESSAGES = 4096
 MAX_STOP = 16  # the engine's bound (OpenAI's is 4)
@@ -62,45 +67,6 @@ class ParsedRequest:
 
 # -- value checks: each returns the value to store, or raises a 400 naming the field -----
 
-def _number(name: str, value, lo: float, hi: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid(f"{name} must be a number, got {value!r:.40}", name)
-    if not lo <= value <= hi:
-        raise invalid(f"{name} must be in [{lo:g}, {hi:g}], got {value!r}", name)
-    return float(value)
-
-
-def _int(name: str, value, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(f"{name} must be an integer, got {value!r:.40}", name)
-    if not lo <= value < hi:
-        raise invalid(f"{name} must be an integer in [{lo}, {hi}), got {value}", name)
-    return value
-
-
-def _bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise invalid(f"{name} must be true or false, got {value!r:.40}", name)
-    return value
-
-
-def _string(name: str, value) -> str:
-    if not isinstance(value, str):
-        raise invalid(f"{name} must be a string", name)
-    return _unicode(name, value)
-
-
-def _unicode(name: str, value: str) -> str:
-    """A string that UTF-8 can encode: JSON's ``"\\ud800"`` escapes decode to lone
-    surrogates, which the tokenizer cannot take."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise invalid(f"{name} is not valid Unicode text (a lone UTF-16 surrogate)",
-                      name) from None
-    return value
-
-
 def _stop(name: str, value) -> list[str]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or len(stops) > MAX_STOP \
@@ -108,52 +74,6 @@ def _stop(name: str, value) -> list[str]:
         raise invalid(f"stop must be a string or a list of at most {MAX_STOP} non-empty "
                       f"strings of at most {MAX_STOP_CHARS} characters", name)
     return [_unicode(name, s) for s in stops]
-
-
-def _only(allowed: tuple, what: str) -> Callable:
-    """A field accepted only at values that change nothing (e.g. n = 1, logprobs = false)."""
-    def check(name: str, value):
-        # == alone would let True pass for 1 and False for 0
-        if not any(value == a and isinstance(value, bool) == isinstance(a, bool)
-                   for a in allowed):
-            raise unsupported(name, what)
-    return check
-
-
-def _constraint(make: Callable[[], Constraint | None], name: str) -> Constraint | None:
-    try:
-        return make()
-    except RequestError as e:
-        raise invalid(str(e), name) from None
-
-
-def _response_format(name: str, value) -> Constraint | None:
-    """OpenAI's ``{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}``."""
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text" and set(value) == {"type"}:
-        return None
-    if kind == "json_object" and set(value) == {"type"}:
-        return Constraint("json_object")
-    if kind == "json_schema" and set(value) <= {"type", "json_schema"}:
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or set(spec) - {"name", "schema", "strict", "description"}:
-            raise invalid("response_format.json_schema must be an object with name, schema, "
-                          "strict and description", f"{name}.json_schema")
-        if spec.get("schema") is None:  # no schema: any JSON object
-            return Constraint("json_object")
-        return _constraint(lambda: Constraint.json_schema(spec["schema"]),
-                           f"{name}.json_schema.schema")
-    raise invalid('response_format must be {"type": "text"}, {"type": "json_object"} or '
-                  '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}', name)
-
-
-def _local_constraint(kind: str) -> _Check:
-    """llama.cpp's top-level ``json_schema`` and ``grammar`` (GBNF or Lark), and ``regex``."""
-    def check(name: str, value) -> Constraint:
-        if kind == "json_schema":
-            return _constraint(lambda: Constraint.json_schema(value), name)
-        return _constraint(lambda: Constraint(kind, _string(name, value)), name)
-    return check
 
 
 def _stream_options(name: str, value) -> bool:
@@ -241,18 +161,17 @@ COMMON: dict[str, tuple[_Check, str | None]] = {
     "top_k": (lambda n, v: _int(n, v, 0, 1 << 31), "top_k"),
     "min_p": (lambda n, v: _number(n, v, 0.0, 1.0), "min_p"),
     "repetition_penalty": (lambda n, v: _number(n, v, 1e-3, 100.0), "repetition_penalty"),
-    "json_schema": (lambda n, v: _local_constraint("json_schema")(n, v), "constraint"),
-    "grammar": (lambda n, v: _local_constraint("grammar")(n, v), "constraint"),
-    "regex": (lambda n, v: _local_constraint("regex")(n, v), "constraint"),
+    "json_schema": (output_schema.local_constraint("json_schema"), "constraint"),
+    "grammar": (output_schema.local_constraint("grammar"), "constraint"),
+    "regex": (output_schema.local_constraint("regex"), "constraint"),
 }
-CONSTRAINTS = ("response_format", "json_schema", "grammar", "regex")
 CHAT = {
     **COMMON,
     "messages": (_messages, "messages"),
     "max_completion_tokens": (lambda n, v: _int(n, v, 1, 1 << 31), "max_tokens"),
     "logprobs": (_only((False,), "logprobs"), None),
     "top_logprobs": (_only((0,), "top_logprobs"), None),
-    "response_format": (_response_format, "constraint"),
+    "response_format": (output_schema.response_format, "constraint"),
     "tools": (_only(([],), "tools (no tool calling)"), None),
     "tool_choice": (_only(("none",), "tool_choice (no tool calling)"), None),
     "parallel_tool_calls": (_bool, None),
@@ -286,7 +205,7 @@ def parse_request(kind: str, body) -> ParsedRequest:
             and body["max_tokens"] != body["max_completion_tokens"]:
         raise invalid("give max_tokens or max_completion_tokens, not both",
                       "max_completion_tokens")
-    given = [n for n in CONSTRAINTS if body.get(n) is not None
+    given = [n for n in output_schema.CONSTRAINTS if body.get(n) is not None
              and not (n == "response_format" and body[n] == {"type": "text"})]
     if len(given) > 1:
         raise invalid(f"give one of {', '.join(given)}, not several", given[1])
