@@ -206,6 +206,17 @@ class GrammarMatcher:
         allowed = mx.array(self.allowed()[: logits.shape[-1]])
         return mx.where(allowed, logits, forbidden(logits.dtype))
 
+    def accepts(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in order, the grammar admits from here (a draft's
+        check; the state does not move)."""
+        self._settle()
+        return self._m.validate_tokens(tokens)
+
+    def _settle(self) -> None:
+        # the matcher is not shared with the worker: wait for the mask it computes
+        if self._next is not None:
+            self._next.result()
+
     def consume(self, token: int) -> None:
         """Advance by the sampled token and start computing the next mask."""
         if not self._m.consume_token(token):
@@ -215,6 +226,6 @@ class GrammarMatcher:
 
     def close(self) -> None:
         """Drop the pending mask (the matcher goes with the request)."""
-        if self._next is not None:
-            self._next.cancel()
-            self._next = None
+        if self._next is not None and not self._next.cancel():
+            self._next.result()  # running: let it finish with the matcher
+        self._next = None

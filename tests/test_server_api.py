@@ -333,3 +333,54 @@ def test_response_format_json_schema_validates_and_bad_schemas_are_400(server):
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
     assert info.value.param == "response_format" and "invalid json_schema" in info.value.message
     assert ask(server, "Still there?").choices[0].finish_reason in ("stop", "length")
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                   "required": ["city"], "additionalProperties": False}}}
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tool_calls_required_streamed_and_an_agent_loop(server):
+    import json
+
+    import jsonschema
+
+    c = client(server)
+    params = WEATHER_TOOL["function"]["parameters"]
+    r = c.chat.completions.create(model="kvchat", messages=WEATHER_Q, tools=[WEATHER_TOOL],
+                                  tool_choice="required", max_tokens=60, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    # streamed: the call comes as tool_calls deltas, never as content
+    stream = c.chat.completions.create(model="kvchat", messages=WEATHER_Q, tools=[WEATHER_TOOL],
+                                       tool_choice={"type": "function",
+                                                    "function": {"name": "get_weather"}},
+                                       max_tokens=60, temperature=0.7, seed=3, stream=True)
+    deltas, content, finish = [], "", None
+    for chunk in stream:
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        deltas += d.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and "<tool_call>" not in content
+    assert deltas[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(deltas[0].function.arguments), params)
+    # the loop: the tool's result goes back, the model answers (tools still offered)
+    history = WEATHER_Q + [choice.message.model_dump(exclude_none=True),
+                           {"role": "tool", "tool_call_id": call.id,
+                            "content": '{"temp_c": 18, "sky": "sunny"}'}]
+    final = c.chat.completions.create(model="kvchat", messages=history, tools=[WEATHER_TOOL],
+                                      max_tokens=40, temperature=0)
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert final.usage.prompt_tokens > r.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="kvchat", messages=WEATHER_Q, tools=[WEATHER_TOOL],
+                                  tool_choice={"type": "function",
+                                               "function": {"name": "launch"}})
+    assert info.value.param == "tool_choice"
+    assert ask(server, "Still there?").choices[0].finish_reason in ("stop", "length")

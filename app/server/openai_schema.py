@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.server import output_schema
+from app.server import output_schema, tool_calls
 from app.server.errors import APIError, invalid, unsupported
 from app.server.values import boolean as _bool
 from app.server.values import integer as _int
@@ -30,7 +30,8 @@ MAX_MESSAGES = 4096
 MAX_STOP = 16  # the engine's bound (OpenAI's is 4)
 MAX_STOP_CHARS = 256
 SEED_LIMIT = 1 << 64
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+         "tool": "tool"}
 
 
 @dataclass(slots=True)
@@ -52,6 +53,14 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False
     constraint: Constraint | None = None  # response_format / json_schema / grammar / regex
+    tools: list[tool_calls.Tool] = field(default_factory=list)
+    tool_choice: str = "auto"  # "auto", "none", "required" or a function's name
+    parallel_tool_calls: bool = True
+
+    @property
+    def uses_tools(self) -> bool:
+        """Tools are rendered into the prompt and calls parsed out of the answer."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def text_chars(self) -> int:
@@ -110,18 +119,25 @@ def _messages(name: str, value) -> list[dict]:
         role = m.get("role")
         if not isinstance(role, str):  # a list or an object is unhashable: no lookup
             raise invalid(f"{param}.role must be one of {sorted(ROLES)}", f"{param}.role")
-        if role in ("tool", "function"):
-            raise unsupported(f"{param}.role", f"the {role!r} role (no tool calling)")
+        if role == "function":
+            raise unsupported(f"{param}.role", "the deprecated 'function' role (use 'tool')")
         if role not in ROLES:
             raise invalid(f"{param}.role must be one of {sorted(ROLES)}, got {role!r:.40}",
                           f"{param}.role")
+        msg = {"role": ROLES[role], "content": _text_parts(role, m.get("content"), i)}
         for key in set(m) - {"role", "content", "name"}:
             if key in ("refusal", "tool_calls", "function_call") and m[key] in (None, []):
                 continue
-            raise unsupported(f"{param}.{key}", f"{key!r} in a message")
-        out.append({"role": ROLES[role], "content": _text_parts(role, m.get("content"), i)})
-    if out[-1]["role"] != "user":
-        raise invalid("the last message must be from the user", f"messages[{len(out) - 1}]")
+            if key == "tool_calls" and role == "assistant":
+                msg["tool_calls"] = tool_calls.check_history_calls(f"{param}.tool_calls", m[key])
+            elif key == "tool_call_id" and role == "tool":
+                msg["tool_call_id"] = _string(f"{param}.tool_call_id", m[key])
+            else:
+                raise unsupported(f"{param}.{key}", f"{key!r} in a message")
+        out.append(msg)
+    if out[-1]["role"] not in ("user", "tool"):
+        raise invalid("the last message must be from the user or a tool",
+                      f"messages[{len(out) - 1}]")
     if not out[-1]["content"].strip():
         raise invalid("the last message is empty", f"messages[{len(out) - 1}].content")
     return out
@@ -172,9 +188,9 @@ CHAT = {
     "logprobs": (_only((False,), "logprobs"), None),
     "top_logprobs": (_only((0,), "top_logprobs"), None),
     "response_format": (output_schema.response_format, "constraint"),
-    "tools": (_only(([],), "tools (no tool calling)"), None),
-    "tool_choice": (_only(("none",), "tool_choice (no tool calling)"), None),
-    "parallel_tool_calls": (_bool, None),
+    "tools": (tool_calls.check_tools, "tools"),
+    "tool_choice": (tool_calls.check_tool_choice, "tool_choice"),
+    "parallel_tool_calls": (_bool, "parallel_tool_calls"),
     "store": (_only((False,), "store"), None),
     "metadata": (lambda n, v: None, None),
     "service_tier": (_only(("auto", "default"), "a service_tier"), None),
@@ -219,7 +235,21 @@ def parse_request(kind: str, body) -> ParsedRequest:
             setattr(parsed, attr, result)
     if "stream_options" in body and body["stream_options"] is not None and not parsed.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if kind == "chat":
+        _check_tool_use(parsed)
     return parsed
+
+
+def _check_tool_use(p: ParsedRequest) -> None:
+    names = {t.name for t in p.tools}
+    if p.tool_choice not in ("auto", "none") and not p.tools:
+        raise invalid("tool_choice needs tools", "tool_choice")
+    if p.tool_choice not in ("auto", "none", "required") and p.tool_choice not in names:
+        raise invalid(f"tool_choice names {p.tool_choice!r:.70}, which is not in tools",
+                      "tool_choice")
+    if p.uses_tools and p.constraint is not None and p.tool_choice != "auto":
+        raise invalid("a required tool call and a response_format cannot both hold",
+                      "response_format")
 
 
 __all__ = ["APIError", "ParsedRequest", "parse_request"]

@@ -44,6 +44,7 @@ class Reply:
     fingerprint: str
     max_tokens: int  # what the engine granted
     notice: str | None = None  # e.g. "max_tokens reduced from 4096 to 812 to fit"
+    tools: list = field(default_factory=list)  # `tool_calls.Tool`s the answer may call
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -63,12 +64,15 @@ class Reply:
                 "system_fingerprint": self.fingerprint}
 
     def _choice(self, text: str | None, finish: str | None, *, role: bool = False,
-                whole: bool = False) -> dict:
+                whole: bool = False, calls: list | None = None) -> dict:
         if self.kind == "text":
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         if whole:
-            return {"index": 0, "message": {"role": "assistant", "content": text},
-                    "logprobs": None, "finish_reason": finish}
+            message = {"role": "assistant", "content": text}
+            if calls:
+                message.update(content=text or None,
+                               tool_calls=[c.to_dict() for c in calls])
+            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
@@ -83,6 +87,12 @@ class Reply:
             out["usage"] = None  # as OpenAI: null on every chunk but the usage one
         return out
 
+    def calls_chunk(self, calls: list, include_usage: bool = False) -> dict:
+        """A stream chunk carrying whole tool calls (``delta.tool_calls``)."""
+        out = self.chunk(include_usage=include_usage)
+        out["choices"][0]["delta"]["tool_calls"] = [c.to_dict(i) for i, c in enumerate(calls)]
+        return out
+
     def usage_chunk(self, stats: RequestStats) -> dict:
         """The last chunk of a stream with ``include_usage``: no choices, the usage."""
         out = self._head(OBJECTS[self.kind][1])
@@ -91,8 +101,16 @@ class Reply:
 
     def completion(self, text: str, finish: str, stats: RequestStats) -> dict:
         """A whole (non-streamed) answer."""
+        calls = None
+        if self.tools:
+            from app.server.tool_calls import parse
+
+            content, calls = parse(text, self.tools)
+            if calls:
+                text, finish = content, "tool_calls"
         out = self._head(OBJECTS[self.kind][0])
-        out.update(choices=[self._choice(text, finish, whole=True)], usage=usage(stats),
+        out.update(choices=[self._choice(text, finish, whole=True, calls=calls)],
+                   usage=usage(stats),
                    kvchat=self.extras(stats))
         return out
 

@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from app.server import errors
+from app.server import errors, tool_calls
 from app.server.errors import APIError
 from app.server.keys import Principal
 from app.server.openai_schema import ParsedRequest
 from app.server.responses import Reply, sse
 from app.server.state import ServerState
 from app.server.streaming import EventStreamResponse, cancel_on_disconnect
+from engine import prompts
 from engine.errors import EngineStoppedError, RequestError, RequestTooLargeError
 from engine.request import RequestHandle
 from engine.sampling import SamplingParams
@@ -29,8 +30,19 @@ RETRY_AFTER_S = 1
 ANSWERED = ("stop", "length")
 
 
+def native_tools(engine) -> bool:
+    """Whether the model's chat template renders ``tools`` itself."""
+    return "tools" in (getattr(engine.tokenizer, "chat_template", None) or "")
+
+
 def encode(engine, parsed: ParsedRequest) -> list[int]:
     """Prompt token ids: chat messages through the chat template, or a raw prompt."""
+    if parsed.kind == "chat" and (parsed.uses_tools or any(
+            m["role"] == "tool" or m.get("tool_calls") for m in parsed.messages)):
+        native = native_tools(engine)
+        messages, tools = tool_calls.render(parsed.messages,
+                                            parsed.tools if parsed.uses_tools else [], native)
+        return prompts.messages_ids(engine.tokenizer, messages, tools)
     if parsed.kind == "chat":
         *history, last = parsed.messages
         return engine.encode_prompt(last["content"], history=history)
@@ -39,12 +51,18 @@ def encode(engine, parsed: ParsedRequest) -> list[int]:
     return engine.encode_prompt(parsed.prompt, raw=True)
 
 
-def sampling_params(parsed: ParsedRequest, default_max_tokens: int) -> SamplingParams:
+def sampling_params(parsed: ParsedRequest, default_max_tokens: int,
+                    template: str | None = None) -> SamplingParams:
+    constraint = parsed.constraint
+    if parsed.uses_tools and parsed.tool_choice != "auto":  # required, or a named function
+        style = tool_calls.style_of(template) if "tools" in (template or "") else "hermes"
+        constraint = tool_calls.grammar(parsed.tools, parsed.tool_choice,
+                                        parsed.parallel_tool_calls, style)
     return SamplingParams(
         max_tokens=parsed.max_tokens or default_max_tokens, temperature=parsed.temperature,
         top_p=parsed.top_p, top_k=parsed.top_k, min_p=parsed.min_p,
         repetition_penalty=parsed.repetition_penalty, seed=parsed.seed, stop=parsed.stop,
-        constraint=parsed.constraint)
+        constraint=constraint)
 
 
 async def complete(state: ServerState, request: Request, parsed: ParsedRequest,
@@ -60,7 +78,8 @@ async def complete(state: ServerState, request: Request, parsed: ParsedRequest,
             f"{engine.max_context} tokens", parsed.prompt_param)
     try:
         ids = await state.run_tokenizer(encode, engine, parsed)
-        params = sampling_params(parsed, state.default_max_tokens)
+        params = sampling_params(parsed, state.default_max_tokens,
+                                 getattr(engine.tokenizer, "chat_template", None))
     except RequestError as e:
         raise errors.invalid(str(e), parsed.prompt_param) from None
     handle, reply = submit(state, ids, params, parsed, principal)
@@ -92,7 +111,8 @@ def submit(state: ServerState, ids: list[int], params: SamplingParams, parsed: P
     except EngineStoppedError:
         raise errors.shutting_down() from None
     reply = Reply(parsed.kind, model=state.model_id, fingerprint=state.fingerprint,
-                  max_tokens=handle.max_tokens, notice=handle.notice)
+                  max_tokens=handle.max_tokens, notice=handle.notice,
+                  tools=parsed.tools if parsed.uses_tools else [])
     return handle, reply
 
 
@@ -123,16 +143,28 @@ async def stream(state: ServerState, handle: RequestHandle, reply: Reply,
     """The SSE chunks of one answer, ``data: [DONE]`` last."""
     if reply.kind == "chat":  # as OpenAI: the role first, before any text
         yield sse(reply.chunk("", role=True, include_usage=include_usage))
+    held = tool_calls.ToolStream() if reply.tools else None  # calls go out as tool_calls
+    answer = []
     async for event in state.pump.events(handle):
-        if event.text:
-            yield sse(reply.chunk(event.text, include_usage=include_usage))
+        answer.append(event.text)
+        text = held.feed(event.text) if held is not None else event.text
+        if text:
+            yield sse(reply.chunk(text, include_usage=include_usage))
         if event.finish_reason is None:
             continue
         if event.finish_reason not in ANSWERED:
             yield sse(unfinished(event.finish_reason, event.error).body())
             return
+        finish = event.finish_reason
+        if held is not None:
+            _, calls = tool_calls.parse("".join(answer), reply.tools)
+            if calls:
+                yield sse(reply.calls_chunk(calls, include_usage))
+                finish = "tool_calls"
+            elif held.held:
+                yield sse(reply.chunk(held.held, include_usage=include_usage))
         yield sse(reply.chunk(None if reply.kind == "chat" else "",
-                              finish=event.finish_reason, include_usage=include_usage))
+                              finish=finish, include_usage=include_usage))
         if include_usage:
             yield sse(reply.usage_chunk(event.stats))
     yield sse("[DONE]")

@@ -1,0 +1,260 @@
+"""Tool calling on /v1/chat/completions: tools into the prompt, calls out of the answer.
+
+Rendering: a chat template that takes ``tools`` (its source names them) gets them through
+``apply_chat_template(tools=...)``, with the conversation's calls and results as
+structured messages. One that does not (the default SmolLM2's plain ChatML) gets kvchat's
+documented default, the Hermes format Qwen 2.5's own template writes: the tools' JSON in
+the system message, each call as ``<tool_call>{"name", "arguments"}</tool_call>`` and each
+result as a user turn in ``<tool_response>`` tags.
+
+Parsing, by model family: Hermes/Qwen ``<tool_call>`` JSON, Mistral ``[TOOL_CALLS][...]``,
+and Llama 3.x's bare ``{"name", "parameters"}`` object. ``tool_choice`` ``required`` or a
+named function decodes under a grammar (`engine.constraint`), so the call is valid JSON for
+the function's schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+
+from app.server.errors import invalid
+from engine.constraint import Constraint
+
+MAX_TOOLS = 128
+NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+HERMES_SYSTEM = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    "{tools}\n</tools>\n\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+MARKERS = ("<tool_call>", "[TOOL_CALLS]")
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict
+
+    def spec(self) -> dict:
+        return {"type": "function", "function": {"name": self.name,
+                                                 "description": self.description,
+                                                 "parameters": self.parameters}}
+
+
+@dataclass(slots=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = ""
+
+    def __post_init__(self):
+        self.id = self.id or "call_" + secrets.token_hex(12)
+
+    def to_dict(self, index: int | None = None) -> dict:
+        out = {"id": self.id, "type": "function",
+               "function": {"name": self.name, "arguments": self.arguments}}
+        return out if index is None else {"index": index, **out}
+
+
+# -- request checks --------------------------------------------------------------------
+
+def check_tools(name: str, value) -> list[Tool]:
+    """OpenAI's ``tools``: ``[{"type": "function", "function": {"name", ...}}]``."""
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise invalid(f"tools must be a list of at most {MAX_TOOLS} tools", name)
+    tools: list[Tool] = []
+    for i, t in enumerate(value):
+        param = f"{name}[{i}]"
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or set(t) - {"type", "function"}:
+            raise invalid(f'{param} must be {{"type": "function", "function": {{...}}}}', param)
+        fname, params = f.get("name"), f.get("parameters", {"type": "object"})
+        if not isinstance(fname, str) or not NAME.fullmatch(fname):
+            raise invalid(f"{param}.function.name must be 1-64 letters, digits, _ . or -",
+                          f"{param}.function.name")
+        if any(tool.name == fname for tool in tools):
+            raise invalid(f"two tools are named {fname!r}", f"{param}.function.name")
+        if not isinstance(params, dict):
+            raise invalid(f"{param}.function.parameters must be a JSON schema object",
+                          f"{param}.function.parameters")
+        description = f.get("description") or ""
+        if not isinstance(description, str) or set(f) - {"name", "description", "parameters",
+                                                         "strict"}:
+            raise invalid(f"{param}.function has a bad or unknown field", f"{param}.function")
+        tools.append(Tool(fname, description, params))
+    return tools
+
+
+def check_tool_choice(name: str, value) -> str:
+    """"auto", "none", "required", or the name of one function."""
+    if value in ("auto", "none", "required"):
+        return value
+    f = value.get("function") if isinstance(value, dict) and value.get("type") == "function" \
+        else None
+    if isinstance(f, dict) and isinstance(f.get("name"), str):
+        return f["name"]
+    raise invalid('tool_choice must be "auto", "none", "required" or {"type": "function", '
+                  '"function": {"name": ...}}', name)
+
+
+def check_history_calls(param: str, value) -> list[dict]:
+    """An assistant message's earlier ``tool_calls``: ``[{"id", "type", "function"}]``."""
+    if not isinstance(value, list):
+        raise invalid(f"{param} must be a list", param)
+    out = []
+    for i, c in enumerate(value):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) \
+                or not isinstance(f.get("arguments", ""), str):
+            raise invalid(f"{param}[{i}] must be a function call with a name and arguments",
+                          f"{param}[{i}]")
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": f["name"], "arguments": f.get("arguments") or "{}"}})
+    return out
+
+
+# -- prompt ----------------------------------------------------------------------------
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def render(messages: list[dict], tools: list[Tool], native: bool) -> tuple[list[dict], list]:
+    """(messages, tools) for ``apply_chat_template``: structured for a ``native`` template,
+    else kvchat's Hermes default written into plain messages."""
+    if native:
+        out = []
+        for m in messages:
+            m = dict(m)
+            if "tool_calls" in m:
+                m["tool_calls"] = [{**c, "function": {**c["function"], "arguments":
+                                                      _arguments(c["function"]["arguments"])}}
+                                   for c in m["tool_calls"]]
+            out.append(m)
+        return out, [t.spec() for t in tools]
+    out = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user",
+                        "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        elif m.get("tool_calls"):
+            calls = "\n".join(
+                "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments":
+                                              _arguments(c["function"]["arguments"])})
+                + "\n</tool_call>" for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (m["content"] + "\n" if m["content"]
+                                                         else "") + calls})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        listing = "\n".join(json.dumps(t.spec()) for t in tools)
+        text = HERMES_SYSTEM.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out, []
+
+
+def grammar(tools: list[Tool], choice: str, parallel: bool, style: str) -> Constraint:
+    """The grammar a ``required`` or named ``tool_choice`` decodes under."""
+    chosen = [t for t in tools if choice == "required" or t.name == choice]
+    key = "parameters" if style == "llama" else "arguments"
+    calls = [{"type": "object", "properties": {"name": {"const": t.name}, key: t.parameters},
+              "required": ["name", key], "additionalProperties": False} for t in chosen]
+    schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    if style == "mistral":
+        items = json.dumps({"type": "array", "items": json.loads(schema), "minItems": 1,
+                            **({} if parallel else {"maxItems": 1})})
+        return Constraint("grammar", f'start: "[TOOL_CALLS]" %json {items}\n')
+    if style == "llama":
+        return Constraint("grammar", f"start: %json {schema}\n")
+    # at most one call per function offered: a small model would repeat one call forever
+    more = f' ("\\n" call) ~ 0..{len(chosen) - 1}' if parallel and len(chosen) > 1 else ""
+    return Constraint("grammar", f'start: call{more}\n'
+                                 f'call: "<tool_call>\\n" %json {schema} "\\n</tool_call>"\n')
+
+
+def style_of(template: str | None) -> str:
+    """Which family's call format a chat template writes: hermes, mistral or llama."""
+    template = template or ""
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "tools" in template and "<tool_call>" not in template:
+        return "llama"
+    return "hermes"
+
+
+# -- answer ----------------------------------------------------------------------------
+
+def _call(obj) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
+
+
+def parse(text: str, tools: list[Tool]) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of an answer; calls of unknown functions are left as text."""
+    names = {t.name for t in tools}
+    calls: list[ToolCall] = []
+    if "<tool_call>" in text:
+        content, _, rest = text.partition("<tool_call>")
+        for body in re.split(r"</tool_call>\s*(?:<tool_call>)?", rest):
+            if body.strip():
+                calls.append(_call(_json(body.strip())))
+    elif "[TOOL_CALLS]" in text:
+        content, _, rest = text.partition("[TOOL_CALLS]")
+        found = _json(rest.strip())
+        calls = [_call(c) for c in (found if isinstance(found, list) else [found])]
+    else:
+        content = text
+        if text.lstrip().startswith("{"):
+            call = _call(_json(text.strip()))
+            if call is not None and call.name in names:
+                return "", [call]
+    if calls and all(c is not None and c.name in names for c in calls):
+        return content.strip(), calls
+    return text, []
+
+
+def _json(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+class ToolStream:
+    """Streams an answer's text while it cannot yet be a tool call; holds it from the
+    first thing that may start one, so calls go out as ``tool_calls``, never as text."""
+
+    def __init__(self):
+        self.held = ""
+        self.started = False  # some text went out: a bare JSON call can no longer start
+
+    def feed(self, text: str) -> str:
+        """Text safe to send now."""
+        self.held += text
+        if any(m in self.held for m in MARKERS) or (
+                not self.started and self.held.lstrip().startswith(("{", "["))):
+            return ""
+        cut = len(self.held)
+        for m in MARKERS:  # keep a tail that may be the start of a marker
+            for k in range(len(m) - 1, 0, -1):
+                if self.held.endswith(m[:k]):
+                    cut = min(cut, len(self.held) - k)
+                    break
+        if not self.started and not self.held[:cut].strip():
+            return ""  # leading whitespace: a JSON call may still follow
+        out, self.held = self.held[:cut], self.held[cut:]
+        self.started = self.started or bool(out)
+        return out
