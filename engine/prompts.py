@@ -32,14 +32,16 @@ def chat_ids(tokenizer, prompt: str, *, system: str | None = None, raw: bool = F
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
-def messages_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None
-                 ) -> list[int]:
+def messages_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                 extra: dict | None = None) -> list[int]:
     """A whole conversation (any roles the template takes, tool calls and results
-    included) through the chat template, with ``tools`` for a template that takes them."""
+    included) through the chat template, with ``tools`` for a template that takes them
+    and ``extra`` variables (``enable_thinking``, ``reasoning_effort``)."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template")
     kwargs = {"tools": tools} if tools else {}
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs))
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                              **(extra or {}), **kwargs))
 
 
 def pinned_ids(tokenizer, document: str, question: str, *, system: str,

@@ -384,3 +384,13 @@ def test_tool_calls_required_streamed_and_an_agent_loop(server):
                                                "function": {"name": "launch"}})
     assert info.value.param == "tool_choice"
     assert ask(server, "Still there?").choices[0].finish_reason in ("stop", "length")
+
+
+def test_template_switches_reach_the_template_and_answers_stay_plain(server):
+    r = client(server).chat.completions.create(
+        model="kvchat", messages=FRANCE, max_tokens=12, temperature=0, reasoning_effort="low",
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    msg = r.choices[0].message
+    assert msg.content and getattr(msg, "reasoning_content", None) is None  # no think tags
+    plain = ask(server, FRANCE)
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens  # same rendered prompt

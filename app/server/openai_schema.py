@@ -56,6 +56,7 @@ class ParsedRequest:
     tools: list[tool_calls.Tool] = field(default_factory=list)
     tool_choice: str = "auto"  # "auto", "none", "required" or a function's name
     parallel_tool_calls: bool = True
+    template_kwargs: dict = field(default_factory=dict)  # enable_thinking, reasoning_effort
 
     @property
     def uses_tools(self) -> bool:
@@ -143,6 +144,24 @@ def _messages(name: str, value) -> list[dict]:
     return out
 
 
+EFFORTS = ("minimal", "low", "medium", "high")
+TEMPLATE_KWARGS = {"enable_thinking": bool, "reasoning_effort": str}
+
+
+def _reasoning_effort(name: str, value) -> None:
+    if value not in EFFORTS:
+        raise invalid(f"reasoning_effort must be one of {', '.join(EFFORTS)}", name)
+
+
+def _template_kwargs(name: str, value) -> None:
+    """vLLM's ``chat_template_kwargs``: only the variables kvchat passes on."""
+    if not isinstance(value, dict) or any(
+            k not in TEMPLATE_KWARGS or not isinstance(v, TEMPLATE_KWARGS[k])
+            for k, v in value.items()):
+        raise invalid("chat_template_kwargs takes enable_thinking (true/false) and "
+                      "reasoning_effort", name)
+
+
 def _prompt(name: str, value) -> str | list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]  # a batch of one
@@ -191,6 +210,8 @@ CHAT = {
     "tools": (tool_calls.check_tools, "tools"),
     "tool_choice": (tool_calls.check_tool_choice, "tool_choice"),
     "parallel_tool_calls": (_bool, "parallel_tool_calls"),
+    "reasoning_effort": (_reasoning_effort, None),
+    "chat_template_kwargs": (_template_kwargs, None),
     "store": (_only((False,), "store"), None),
     "metadata": (lambda n, v: None, None),
     "service_tier": (_only(("auto", "default"), "a service_tier"), None),
@@ -237,6 +258,9 @@ def parse_request(kind: str, body) -> ParsedRequest:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     if kind == "chat":
         _check_tool_use(parsed)
+        parsed.template_kwargs = {**(body.get("chat_template_kwargs") or {})}
+        if body.get("reasoning_effort") is not None:
+            parsed.template_kwargs["reasoning_effort"] = body["reasoning_effort"]
     return parsed
 
 

@@ -45,6 +45,7 @@ class Reply:
     max_tokens: int  # what the engine granted
     notice: str | None = None  # e.g. "max_tokens reduced from 4096 to 812 to fit"
     tools: list = field(default_factory=list)  # `tool_calls.Tool`s the answer may call
+    thinking: bool = False  # the answer starts inside a think tag the template opened
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -64,11 +65,14 @@ class Reply:
                 "system_fingerprint": self.fingerprint}
 
     def _choice(self, text: str | None, finish: str | None, *, role: bool = False,
-                whole: bool = False, calls: list | None = None) -> dict:
+                whole: bool = False, calls: list | None = None,
+                reasoning: str | None = None) -> dict:
         if self.kind == "text":
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         if whole:
             message = {"role": "assistant", "content": text}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if calls:
                 message.update(content=text or None,
                                tool_calls=[c.to_dict() for c in calls])
@@ -76,13 +80,16 @@ class Reply:
         delta = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if reasoning is not None:
+            delta["reasoning_content"] = reasoning
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
     def chunk(self, text: str | None = None, *, finish: str | None = None, role: bool = False,
-              include_usage: bool = False) -> dict:
-        """A stream chunk: the first (``role``), a text delta, or the one with the finish."""
+              include_usage: bool = False, reasoning: str | None = None) -> dict:
+        """A stream chunk: the first (``role``), a text or reasoning delta, or the one with
+        the finish."""
         out = self._head(OBJECTS[self.kind][1])
-        out["choices"] = [self._choice(text, finish, role=role)]
+        out["choices"] = [self._choice(text, finish, role=role, reasoning=reasoning)]
         if include_usage:
             out["usage"] = None  # as OpenAI: null on every chunk but the usage one
         return out
@@ -101,7 +108,11 @@ class Reply:
 
     def completion(self, text: str, finish: str, stats: RequestStats) -> dict:
         """A whole (non-streamed) answer."""
-        calls = None
+        calls, thought = None, None
+        if self.kind == "chat":
+            from app.server.reasoning import split
+
+            thought, text = split(text, self.thinking)
         if self.tools:
             from app.server.tool_calls import parse
 
@@ -109,7 +120,8 @@ class Reply:
             if calls:
                 text, finish = content, "tool_calls"
         out = self._head(OBJECTS[self.kind][0])
-        out.update(choices=[self._choice(text, finish, whole=True, calls=calls)],
+        out.update(choices=[self._choice(text, finish, whole=True, calls=calls,
+                                         reasoning=thought)],
                    usage=usage(stats),
                    kvchat=self.extras(stats))
         return out

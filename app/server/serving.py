@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from app.server import errors, tool_calls
+from app.server import errors, reasoning, tool_calls
 from app.server.errors import APIError
 from app.server.keys import Principal
 from app.server.openai_schema import ParsedRequest
@@ -37,12 +37,12 @@ def native_tools(engine) -> bool:
 
 def encode(engine, parsed: ParsedRequest) -> list[int]:
     """Prompt token ids: chat messages through the chat template, or a raw prompt."""
-    if parsed.kind == "chat" and (parsed.uses_tools or any(
+    if parsed.kind == "chat" and (parsed.uses_tools or parsed.template_kwargs or any(
             m["role"] == "tool" or m.get("tool_calls") for m in parsed.messages)):
         native = native_tools(engine)
         messages, tools = tool_calls.render(parsed.messages,
                                             parsed.tools if parsed.uses_tools else [], native)
-        return prompts.messages_ids(engine.tokenizer, messages, tools)
+        return prompts.messages_ids(engine.tokenizer, messages, tools, parsed.template_kwargs)
     if parsed.kind == "chat":
         *history, last = parsed.messages
         return engine.encode_prompt(last["content"], history=history)
@@ -110,9 +110,11 @@ def submit(state: ServerState, ids: list[int], params: SamplingParams, parsed: P
         raise errors.invalid(str(e), param) from None
     except EngineStoppedError:
         raise errors.shutting_down() from None
+    inside = parsed.kind == "chat" and reasoning.opens_thinking(
+        engine.tokenizer.decode(ids[-4:]))  # the template opened a think tag itself
     reply = Reply(parsed.kind, model=state.model_id, fingerprint=state.fingerprint,
                   max_tokens=handle.max_tokens, notice=handle.notice,
-                  tools=parsed.tools if parsed.uses_tools else [])
+                  tools=parsed.tools if parsed.uses_tools else [], thinking=inside)
     return handle, reply
 
 
@@ -144,10 +146,17 @@ async def stream(state: ServerState, handle: RequestHandle, reply: Reply,
     if reply.kind == "chat":  # as OpenAI: the role first, before any text
         yield sse(reply.chunk("", role=True, include_usage=include_usage))
     held = tool_calls.ToolStream() if reply.tools else None  # calls go out as tool_calls
+    think = reasoning.ReasoningStream(reply.thinking) if reply.kind == "chat" else None
     answer = []
     async for event in state.pump.events(handle):
-        answer.append(event.text)
-        text = held.feed(event.text) if held is not None else event.text
+        text = event.text
+        if think is not None:
+            thought, text = think.feed(text) if event.finish_reason is None else (
+                tuple(a + b for a, b in zip(think.feed(text), think.flush(), strict=True)))
+            if thought:
+                yield sse(reply.chunk(reasoning=thought, include_usage=include_usage))
+        answer.append(text)
+        text = held.feed(text) if held is not None else text
         if text:
             yield sse(reply.chunk(text, include_usage=include_usage))
         if event.finish_reason is None:
