@@ -394,3 +394,53 @@ def test_template_switches_reach_the_template_and_answers_stay_plain(server):
     assert msg.content and getattr(msg, "reasoning_content", None) is None  # no think tags
     plain = ask(server, FRANCE)
     assert r.usage.prompt_tokens == plain.usage.prompt_tokens  # same rendered prompt
+
+
+def test_anthropic_messages_whole_streamed_tools_and_errors(server):
+    import json
+
+    import anthropic
+
+    GREEDY = {"temperature": 0}  # (this SDK has no temperature argument)
+    c = anthropic.Anthropic(base_url=server.url, api_key=ALICE, max_retries=0, timeout=120)
+    system = f"Session {uuid.uuid4().hex}. Be brief."
+    m = c.messages.create(model="kvchat", max_tokens=16, system=system, extra_body=GREEDY,
+                          messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert m.type == "message" and m.role == "assistant" and m.content[0].type == "text"
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens >= 1
+    # the same prompt again: its blocks come from the prefix cache
+    again = c.messages.create(model="kvchat", max_tokens=16, system=system, extra_body=GREEDY,
+                              messages=[{"role": "user",
+                                         "content": "What is the capital of France?"}])
+    assert again.usage.cache_read_input_tokens > 0
+    assert again.content[0].text == m.content[0].text
+    with c.messages.stream(model="kvchat", max_tokens=16, system=system, extra_body=GREEDY,
+                           messages=[{"role": "user", "content": "What is the capital of "
+                                      "France?"}]) as s:
+        kinds = [e.type for e in s]
+        text = s.get_final_message().content[0].text
+    assert text == m.content[0].text
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds.index("content_block_start") < kinds.index("content_block_stop") \
+        < kinds.index("message_delta")
+    tool = {"name": "get_weather", "description": "Weather in a city", "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+        "required": ["city"]}}
+    q = [{"role": "user", "content": "What is the weather in Paris?"}]
+    t = c.messages.create(model="kvchat", max_tokens=60, tools=[tool], messages=q,
+                          tool_choice={"type": "tool", "name": "get_weather"})
+    use = [b for b in t.content if b.type == "tool_use"][0]
+    assert t.stop_reason == "tool_use" and use.name == "get_weather" and "city" in use.input
+    follow = q + [{"role": "assistant", "content": [b.model_dump() for b in t.content]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                "content": json.dumps({"temp_c": 18})}]}]
+    done = c.messages.create(model="kvchat", max_tokens=30, tools=[tool], messages=follow)
+    assert done.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    with pytest.raises(anthropic.BadRequestError) as info:
+        c.messages.create(model="kvchat", max_tokens=8, messages=[{"role": "bot",
+                                                                    "content": "x"}])
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="nope", max_retries=0).messages.create(
+            model="kvchat", max_tokens=8, messages=q)
+    assert ask(server, "Still there?").choices[0].finish_reason in ("stop", "length")

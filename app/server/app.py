@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -18,47 +17,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.server import errors, metrics_export, serving
-from app.server.errors import APIError
-from app.server.keys import Principal, bearer_key
+from app.server import anthropic, metrics_export, serving
+from app.server.errors import EXCEPTION_HANDLERS, APIError
 from app.server.openai_schema import parse_request
+from app.server.request_in import _state, authenticate, read_json
 from app.server.state import ServerState
 
-MAX_BODY_BYTES = 8 << 20  # prompts are bounded far below this by the context (serving)
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.kvchat
-
-
-def authenticate(request: Request) -> Principal:
-    """The request's principal from its bearer key; 401 for a missing or unknown key."""
-    key = bearer_key(request.headers.get("authorization"))
-    principal = _state(request).keys.lookup(key)
-    if principal is None:
-        raise errors.unauthorized("missing API key: send 'Authorization: Bearer <key>'"
-                                  if key is None else "incorrect API key provided")
-    return principal
-
-
-async def read_json(request: Request) -> object:
-    """The request body as JSON, at most MAX_BODY_BYTES; 413 / 400 otherwise."""
-    too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                         code="request_too_large")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large
-    body, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        body.append(chunk)
-    try:
-        return json.loads(b"".join(body))
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
-        raise errors.invalid(f"the request body is not valid JSON: {e}") from None
-
+__all__ = ["APIError", "build_app"]
 
 async def chat_completions(request: Request) -> Response:
     principal = authenticate(request)
@@ -120,6 +85,7 @@ class CountResponses:
 ROUTES = {
     "/v1/chat/completions": (chat_completions, ["POST"]),
     "/v1/completions": (completions, ["POST"]),
+    "/v1/messages": (anthropic.messages, ["POST"]),
     "/v1/models": (models, ["GET"]),
     "/health": (health, ["GET"]),
     "/metrics": (metrics, ["GET"]),
@@ -141,7 +107,7 @@ def build_app(state: ServerState) -> ASGIApp:
 
     app = Starlette(routes=[Route(path, fn, methods=methods)
                             for path, (fn, methods) in ROUTES.items()],
-                    exception_handlers=errors.EXCEPTION_HANDLERS, lifespan=lifespan)
+                    exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.kvchat = state
     app.state.registry = metrics_export.make_registry(state)
     return CountResponses(app, state)

@@ -68,6 +68,17 @@ def sampling_params(parsed: ParsedRequest, default_max_tokens: int,
 async def complete(state: ServerState, request: Request, parsed: ParsedRequest,
                    principal: Principal) -> Response:
     """Serve a parsed completion request; raises `APIError` for a refusal."""
+    ids, params = await prepare(state, parsed)
+    handle, reply = submit(state, ids, params, parsed, principal)
+    if parsed.stream:
+        return EventStreamResponse(stream(state, handle, reply, parsed.include_usage),
+                                   on_disconnect=on_disconnect(state, handle),
+                                   headers=reply.headers())
+    return await collect(state, request, handle, reply)
+
+
+async def prepare(state: ServerState, parsed: ParsedRequest) -> tuple[list[int], SamplingParams]:
+    """The prompt's ids (tokenized off the event loop) and the sampling parameters."""
     engine = state.engine
     if state.draining:
         raise errors.shutting_down()
@@ -82,12 +93,7 @@ async def complete(state: ServerState, request: Request, parsed: ParsedRequest,
                                  getattr(engine.tokenizer, "chat_template", None))
     except RequestError as e:
         raise errors.invalid(str(e), parsed.prompt_param) from None
-    handle, reply = submit(state, ids, params, parsed, principal)
-    if parsed.stream:
-        return EventStreamResponse(stream(state, handle, reply, parsed.include_usage),
-                                   on_disconnect=on_disconnect(state, handle),
-                                   headers=reply.headers())
-    return await collect(state, request, handle, reply)
+    return ids, params
 
 
 def submit(state: ServerState, ids: list[int], params: SamplingParams, parsed: ParsedRequest,
