@@ -444,3 +444,40 @@ def test_anthropic_messages_whole_streamed_tools_and_errors(server):
         anthropic.Anthropic(base_url=server.url, api_key="nope", max_retries=0).messages.create(
             model="kvchat", max_tokens=8, messages=q)
     assert ask(server, "Still there?").choices[0].finish_reason in ("stop", "length")
+
+
+def test_responses_api_equals_chat_completions_streamed_and_whole(server):
+    c = client(server)
+    question = unique_chat("Name one planet.")
+    chat = c.chat.completions.create(model="kvchat", messages=question, max_tokens=16,
+                                     temperature=0).choices[0].message.content
+    r = c.responses.create(model="kvchat", instructions=question[0]["content"],
+                           input=question[1]["content"], max_output_tokens=16, temperature=0)
+    assert r.output_text == chat and r.status in ("completed", "incomplete")
+    assert r.usage.input_tokens_details.cached_tokens > 0  # the chat request's blocks
+    kinds, text = [], ""
+    for e in c.responses.create(model="kvchat", instructions=question[0]["content"],
+                                input=[{"role": "user", "content": question[1]["content"]}],
+                                max_output_tokens=16, temperature=0, stream=True):
+        kinds.append(e.type)
+        text += getattr(e, "delta", "") if e.type == "response.output_text.delta" else ""
+    assert text == chat
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert kinds.index("response.output_item.added") < kinds.index("response.output_text.delta")
+    tool = {"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+        "required": ["city"]}}
+    t = c.responses.create(model="kvchat", input="Weather in Paris?", tools=[tool],
+                           tool_choice="required", max_output_tokens=60)
+    call = [o for o in t.output if o.type == "function_call"][0]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    done = c.responses.create(model="kvchat", tools=[tool], max_output_tokens=20, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+         "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 18}'}])
+    assert done.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as info:
+        c.responses.create(model="kvchat", input="hi", store=True)
+    assert info.value.param == "store"

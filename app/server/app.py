@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.server import anthropic, metrics_export, serving
+from app.server import anthropic, metrics_export, openai_responses, serving
 from app.server.errors import EXCEPTION_HANDLERS, APIError
 from app.server.openai_schema import parse_request
 from app.server.request_in import _state, authenticate, read_json
@@ -86,6 +86,7 @@ ROUTES = {
     "/v1/chat/completions": (chat_completions, ["POST"]),
     "/v1/completions": (completions, ["POST"]),
     "/v1/messages": (anthropic.messages, ["POST"]),
+    "/v1/responses": (openai_responses.responses, ["POST"]),
     "/v1/models": (models, ["GET"]),
     "/health": (health, ["GET"]),
     "/metrics": (metrics, ["GET"]),
