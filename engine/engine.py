@@ -123,6 +123,7 @@ class Engine(EngineLoop):
                 raise RequestError(f"priority must be one of {list(Priority)}") from e
             ids = check_ids(prompt_ids, self.vocab_size)
             check_params(params)
+            check_ids(list(params.logit_bias), self.vocab_size, what="logit_bias token")
             max_new, notice = self.scheduler.check(len(ids), params.max_tokens)
             c = params.constraint
             if c is not None and not isinstance(c, Constraint):

@@ -18,6 +18,9 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
+    presence_penalty: float = 0.0  # OpenAI's, over the last 20 tokens (mlx-lm's window)
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added logit
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -35,4 +38,7 @@ class SamplingParams:
     def make_logits_processors(self):
         from mlx_lm.sample_utils import make_logits_processors
 
-        return make_logits_processors(repetition_penalty=self.repetition_penalty)
+        return make_logits_processors(
+            logit_bias=self.logit_bias or None, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty or None,
+            frequency_penalty=self.frequency_penalty or None)

@@ -16,6 +16,7 @@ MAX_TENANT_LEN = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 SEED_LIMIT = 1 << 64
+MAX_LOGIT_BIAS = 1024
 
 
 def _is_int(value) -> bool:
@@ -48,6 +49,15 @@ def check_params(p) -> None:
             raise RequestError("repetition_penalty must be > 0")
     if p.seed is not None and (not _is_int(p.seed) or not 0 <= p.seed < SEED_LIMIT):
         raise RequestError(f"seed must be an integer in [0, 2^64), got {p.seed!r}")
+    _finite("presence_penalty", p.presence_penalty, -2.0, 2.0)
+    _finite("frequency_penalty", p.frequency_penalty, -2.0, 2.0)
+    bias = p.logit_bias
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers")
+    for token, value in bias.items():
+        if not _is_int(token) or token < 0:
+            raise RequestError(f"logit_bias keys must be token ids, got {token!r:.40}")
+        _finite("a logit_bias value", value, -100.0, 100.0)
     stops = p.stop
     if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOP_STRINGS:
         raise RequestError(f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
@@ -57,15 +67,16 @@ def check_params(p) -> None:
                                f"got {s!r:.40}")
 
 
-def check_ids(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
-    """The prompt as a list of ints, each in ``[0, vocab_size)``."""
+def check_ids(prompt_ids: Sequence[int], vocab_size: int, what: str = "prompt token"
+              ) -> list[int]:
+    """The prompt (or other token ids) as a list of ints, each in ``[0, vocab_size)``."""
     try:
         ids = list(prompt_ids)
     except TypeError as e:
         raise RequestError("prompt ids must be a sequence of integers") from e
     for i, t in enumerate(ids):
         if not _is_int(t) or not 0 <= t < vocab_size:
-            raise RequestError(f"prompt token {i} is {t!r}; token ids must be integers in "
+            raise RequestError(f"{what} {i} is {t!r}; token ids must be integers in "
                                f"[0, {vocab_size})")
     return ids
 

@@ -152,3 +152,26 @@ def test_preempted_and_cancelled_requests_keep_their_matchers_exact(quick_model,
     assert m.preemptions > 0, "no pressure"
     assert m.blocks_used == 0
     eng.shutdown()
+
+
+def test_logit_bias_and_penalties_change_the_choice_and_are_checked(engine):
+    ids = engine.encode_prompt("What is the capital of France?")
+    plain = run(engine, ids, SamplingParams(max_tokens=6))[0]
+    banned = run(engine, ids, SamplingParams(max_tokens=6, logit_bias={plain[0]: -100.0}))[0]
+    assert banned[0] != plain[0]  # the biased-away token is never picked
+    forced = run(engine, ids, SamplingParams(max_tokens=3, logit_bias={42: 100.0}))[0]
+    assert forced == [42, 42, 42]
+    loops = SamplingParams(max_tokens=40, ignore_eos=True)
+    base = run(engine, engine.encode_prompt("Repeat: la la la la"), loops)[0]
+    pen = run(engine, engine.encode_prompt("Repeat: la la la la"),
+              SamplingParams(max_tokens=40, ignore_eos=True, frequency_penalty=2.0,
+                             presence_penalty=2.0))[0]
+    assert len(set(pen)) > len(set(base))  # penalized: more distinct tokens
+    for bad in ({"logit_bias": {engine.vocab_size: 1.0}}, {"logit_bias": {1: 200.0}},
+                {"frequency_penalty": 3.0}, {"presence_penalty": float("nan")}):
+        with pytest.raises(RequestError):
+            p = SamplingParams(max_tokens=2)
+            for k, v in bad.items():
+                setattr(p, k, v)
+            engine.submit(ids, p)
+    assert engine.metrics().blocks_used == 0

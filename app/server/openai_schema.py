@@ -48,6 +48,9 @@ class ParsedRequest:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -144,6 +147,21 @@ def _messages(name: str, value) -> list[dict]:
     return out
 
 
+MAX_LOGIT_BIAS = 1024
+
+
+def _logit_bias(name: str, value) -> dict[int, float]:
+    """``{"<token id>": bias in [-100, 100]}``, as OpenAI's."""
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers", name)
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10):
+            raise invalid(f"logit_bias keys must be token ids, got {key!r:.40}", name)
+        out[int(key)] = _number(name, bias, -100.0, 100.0)
+    return out
+
+
 EFFORTS = ("minimal", "low", "medium", "high")
 TEMPLATE_KWARGS = {"enable_thinking": bool, "reasoning_effort": str}
 
@@ -190,9 +208,9 @@ COMMON: dict[str, tuple[_Check, str | None]] = {
     "stream_options": (_stream_options, "include_usage"),
     "user": (_string, None),
     "n": (_only((1,), "n other than 1"), None),
-    "presence_penalty": (_only((0, 0.0), "a non-zero presence_penalty"), None),
-    "frequency_penalty": (_only((0, 0.0), "a non-zero frequency_penalty"), None),
-    "logit_bias": (_only(({},), "logit_bias"), None),
+    "presence_penalty": (lambda n, v: _number(n, v, -2.0, 2.0), "presence_penalty"),
+    "frequency_penalty": (lambda n, v: _number(n, v, -2.0, 2.0), "frequency_penalty"),
+    "logit_bias": (_logit_bias, "logit_bias"),
     "top_k": (lambda n, v: _int(n, v, 0, 1 << 31), "top_k"),
     "min_p": (lambda n, v: _number(n, v, 0.0, 1.0), "min_p"),
     "repetition_penalty": (lambda n, v: _number(n, v, 1e-3, 100.0), "repetition_penalty"),

@@ -62,6 +62,8 @@ def sampling_params(parsed: ParsedRequest, default_max_tokens: int,
         max_tokens=parsed.max_tokens or default_max_tokens, temperature=parsed.temperature,
         top_p=parsed.top_p, top_k=parsed.top_k, min_p=parsed.min_p,
         repetition_penalty=parsed.repetition_penalty, seed=parsed.seed, stop=parsed.stop,
+        presence_penalty=parsed.presence_penalty, frequency_penalty=parsed.frequency_penalty,
+        logit_bias=parsed.logit_bias,
         constraint=constraint)
 
 
