@@ -469,7 +469,7 @@ def test_responses_api_equals_chat_completions_streamed_and_whole(server):
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
         "required": ["city"]}}
     t = c.responses.create(model="kvchat", input="Weather in Paris?", tools=[tool],
-                           tool_choice="required", max_output_tokens=60)
+                           tool_choice="required", max_output_tokens=60, temperature=0.7)
     call = [o for o in t.output if o.type == "function_call"][0]
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     done = c.responses.create(model="kvchat", tools=[tool], max_output_tokens=20, input=[

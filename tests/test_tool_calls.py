@@ -102,7 +102,7 @@ def test_required_and_named_grammars_compile_and_hold(default_engine, style, cho
     c = tc.grammar(tools, choice, parallel=True, style=style)
     default_engine.grammars.check(c)  # compiles under the real tokenizer
     key = "parameters" if style == "llama" else "arguments"
-    call = json.dumps({"name": "get_time", key: {"zone": "UTC"}})
+    call = json.dumps({"name": "get_time", key: {"zone": "UTC"}}, separators=(",", ":"))
     good = {"hermes": f"<tool_call>\n{call}\n</tool_call>", "mistral": f"[TOOL_CALLS][{call}]",
             "llama": call}[style]
     bad = good.replace("UTC", "PST")  # outside the function's enum

@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass
 
 from app.server.errors import invalid
-from engine.constraint import Constraint
+from engine.constraint import JSON_OPTIONS, Constraint
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -170,10 +170,13 @@ def grammar(tools: list[Tool], choice: str, parallel: bool, style: str) -> Const
     key = "parameters" if style == "llama" else "arguments"
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, key: t.parameters},
               "required": ["name", key], "additionalProperties": False} for t in chosen]
-    schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    # compact JSON, as for response_format: free whitespace lets a small model pad a call
+    # with newlines until max_tokens cuts it
+    schema = json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}),
+                         "x-guidance": JSON_OPTIONS})
     if style == "mistral":
         items = json.dumps({"type": "array", "items": json.loads(schema), "minItems": 1,
-                            **({} if parallel else {"maxItems": 1})})
+                            "x-guidance": JSON_OPTIONS, **({} if parallel else {"maxItems": 1})})
         return Constraint("grammar", f'start: "[TOOL_CALLS]" %json {items}\n')
     if style == "llama":
         return Constraint("grammar", f"start: %json {schema}\n")
