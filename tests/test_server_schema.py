@@ -220,6 +220,12 @@ def test_keys_lookup_and_reload(tmp_path):
     with pytest.raises(KeysFileError, match="not valid JSON"):
         keys.reload()
     assert keys.lookup("alice-key-123") == Principal("alice", 1)  # the old table stays
+    path.write_text("[" * 200_000 + "]" * 200_000)  # a hostile nesting bomb
+    with pytest.raises(KeysFileError, match="nested too deeply"):
+        keys.reload()
+    assert keys.lookup("alice-key-123") == Principal("alice", 1)
+    with pytest.raises(KeysFileError, match="nested too deeply"):
+        KeyStore(path)
 
 
 @pytest.mark.parametrize("table,needle", [

@@ -71,6 +71,9 @@ def read_keys_file(path: Path) -> dict[bytes, Principal]:
         table = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise KeysFileError(f"the keys file {path} is not valid JSON: {e}") from None
+    except RecursionError:  # a hostile file of deeply nested brackets
+        raise KeysFileError(f"the keys file {path} is nested too deeply to be a keys "
+                            "file") from None
     if not isinstance(table, dict) or not table:
         raise KeysFileError(f"the keys file {path} must be a non-empty JSON object "
                             '{"<key>": {"tenant": ..., "permission_version": N}}')
