@@ -139,11 +139,21 @@ def tenant(text: str) -> str:
     return text
 
 
+def utf8(text: str) -> str:
+    """Text that is valid Unicode: bytes of the command line that were not UTF-8 reach
+    Python as lone surrogates, which the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("is not valid UTF-8 text") from None
+    return text
+
+
 def non_empty(text: str) -> str:
     """Any non-empty string (e.g. a stop string)."""
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
-    return text
+    return utf8(text)
 
 
 def lengths(text: str) -> list[int]:

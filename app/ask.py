@@ -9,6 +9,7 @@ was left out. Without a question, questions are read from stdin, one per line.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import sys
@@ -122,6 +123,10 @@ def cmd_ask(args) -> int:
             question = line.strip()
             if not question:
                 continue
+            try:
+                arg_types.utf8(question)
+            except argparse.ArgumentTypeError:
+                raise KVChatError("a question on stdin is not valid UTF-8 text") from None
             out = session.ask(question)
             if out["notice"]:
                 print(f"kvchat: note: {out['notice']}", file=sys.stderr)
@@ -136,7 +141,7 @@ def cmd_ask(args) -> int:
 
 def add_parser(sub) -> None:
     a = sub.add_parser("ask", help="answer questions about local documents (offline)")
-    a.add_argument("question", nargs="?", default=None,
+    a.add_argument("question", nargs="?", default=None, type=arg_types.utf8,
                    help="the question (none: read questions from stdin, one per line)")
     a.add_argument("--doc", action="append", required=True, metavar="FILE",
                    help="a text, Markdown or PDF file (repeatable)")

@@ -197,11 +197,11 @@ def make_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate a reply to one prompt")
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt", type=arg_types.utf8, help="prompt text")
     src.add_argument("--prompt-file", type=arg_types.regular_file,
                      help="read the prompt from a regular UTF-8 file (at most "
                           f"{PROMPT_BYTES_PER_TOKEN} bytes per token of context)")
-    g.add_argument("--system", default=None, help="system prompt")
+    g.add_argument("--system", type=arg_types.utf8, default=None, help="system prompt")
     g.add_argument("--raw", action="store_true", help="skip the chat template")
     add_sampling_args(g, max_tokens=256)
     g.add_argument("--top-p", type=arg_types.unit_interval, default=0.0,

@@ -142,6 +142,11 @@ BAD_INPUTS = [
     (["--temp", "inf"], "--temp"),  # the default command is chat
     (["cache", "purge"], "purge needs"),
     (["frobnicate"], "invalid choice"),
+    # bytes of the command line that are not UTF-8 reach Python as lone surrogates
+    (["generate", "--prompt", "caf\udce9"], "not valid UTF-8"),
+    (["generate", "--system", "\udcff", "--prompt", "hi"], "not valid UTF-8"),
+    (["ask", "--doc", "{file}", "why\udcff"], "not valid UTF-8"),
+    (["generate", "--stop", "\udcff"], "not valid UTF-8"),
 ]
 
 

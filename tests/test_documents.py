@@ -55,6 +55,19 @@ def test_bad_files_are_refused_with_one_line(tmp_path, name, data, message):
     assert "\n" not in str(e.value)
 
 
+def test_a_decompression_bomb_pdf_is_one_line_and_bounded(tmp_path):
+    import zlib
+
+    from pdf_maker import make_pdf_stream
+
+    # 80 MB of page content in an 80 kB Flate stream: past pypdf's 75 MB output limit
+    body = b"BT /F1 12 Tf 72 720 Td (hi) Tj ET " + b" " * (80 << 20)
+    bomb = make_pdf_stream(zlib.compress(body, 9), b"/Filter /FlateDecode")
+    with pytest.raises(DocumentError, match="decompression bomb") as info:
+        load_document(write(tmp_path, "bomb.pdf", bomb))
+    assert "\n" not in str(info.value)
+
+
 def test_missing_file_and_directory_are_refused(tmp_path):
     with pytest.raises(DocumentError, match="cannot read"):
         load_document(tmp_path / "nope.txt")

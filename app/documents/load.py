@@ -72,7 +72,7 @@ def _decode_text(path: str, data: bytes) -> str:
 
 def _pdf_pages(path: str, data: bytes) -> list[str]:
     from pypdf import PdfReader
-    from pypdf.errors import PdfReadError
+    from pypdf.errors import LimitReachedError, PyPdfError
 
     try:
         reader = PdfReader(io.BytesIO(data))
@@ -81,7 +81,10 @@ def _pdf_pages(path: str, data: bytes) -> list[str]:
         return [page.extract_text() or "" for page in reader.pages]
     except DocumentError:
         raise
-    except (PdfReadError, ValueError, KeyError, TypeError, OSError) as e:
+    except LimitReachedError:  # pypdf's own bound on decompressed bytes
+        raise DocumentError(f"{path}: a compressed stream in the PDF expands past pypdf's "
+                            "limit (a decompression bomb?); not read") from None
+    except (PyPdfError, ValueError, KeyError, TypeError, OSError, RecursionError) as e:
         raise DocumentError(f"{path} is not a readable PDF: {e}") from None
 
 
