@@ -106,6 +106,25 @@ async def run_client(c: AsyncOpenAI, p: dict, t0: float) -> dict:
 def rss(m: dict) -> float:
     return m["process_resident_memory_bytes"] / 2**20
 
+def test_without_keys_other_hosts_and_cross_site_origins_are_refused(server):
+    """DNS rebinding (a foreign Host) and a web page's cross-site POST get a 403; a client
+    with no Origin, or a page served from localhost, is served."""
+    import httpx
+
+    url = f"{server.url}/v1/completions"
+    body = {"prompt": "Hello", "max_tokens": 1}
+    for headers in ({"Host": "attacker.example"}, {"Host": "attacker.example:8000"},
+                    {"Origin": "https://attacker.example"}, {"Origin": "null"},
+                    {"Origin": "http://127.0.0.1.attacker.example"}):
+        r = httpx.post(url, json=body, headers=headers, timeout=60)
+        assert r.status_code == 403, (headers, r.text)
+        assert r.json()["error"]["type"] == "permission_error"
+    for headers in ({}, {"Origin": "http://localhost:3000"}, {"Origin": "http://127.0.0.1"}):
+        r = httpx.post(url, json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, (headers, r.text)
+    assert server.wait_idle()['kvchat_kv_blocks{state="used"}'] == 0
+
+
 
 async def test_64_clients_a_quarter_disconnecting(server):
     c = client(server)
@@ -177,3 +196,4 @@ async def test_sigterm_during_load_exits_0_with_no_half_written_entry(server):
     for p in entries:  # each one whole: its checksum over header and payload holds
         disk_entry.decode_entry(bytearray(p.read_bytes()))
     print(f"\n[serve sigterm] exit {status}; clients {dict(ends)}; {len(entries)} disk entries")
+

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -82,6 +83,44 @@ class CountResponses:
         await self.app(scope, receive, counting_send)
 
 
+def _loopback(host: str) -> bool:
+    """``host`` (a Host header, or an origin's host part) names this machine by loopback."""
+    host = host.lower()
+    name = host[1:host.find("]")] if host.startswith("[") else host.split(":", 1)[0]
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+class LocalOnly:
+    """ASGI middleware for a server without API keys: refuse (403) a ``Host`` that is not a
+    loopback name (DNS rebinding: a page's own domain resolved to 127.0.0.1) and an
+    ``Origin`` of another site (a web page POSTing to the local server). Clients that send
+    no Origin (SDKs, curl) and pages served from localhost pass."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
+                       if k in (b"host", b"origin")}
+            origin = headers.get("origin")
+            bad = None
+            if not _loopback(headers.get("host", "")):
+                bad = "the Host header must name this machine (localhost) without API keys"
+            elif origin is not None and not (origin.startswith(("http://", "https://"))
+                                             and _loopback(origin.split("://", 1)[1])):
+                bad = "cross-site requests are refused without API keys (Origin)"
+            if bad is not None:
+                return await APIError(403, bad, type="permission_error").response()(
+                    scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 ROUTES = {
     "/v1/chat/completions": (chat_completions, ["POST"]),
     "/v1/completions": (completions, ["POST"]),
@@ -111,4 +150,5 @@ def build_app(state: ServerState) -> ASGIApp:
                     exception_handlers=EXCEPTION_HANDLERS, lifespan=lifespan)
     app.state.kvchat = state
     app.state.registry = metrics_export.make_registry(state)
-    return CountResponses(app, state)
+    served = app if state.keys.required else LocalOnly(app)
+    return CountResponses(served, state)
