@@ -45,4 +45,32 @@ def test_not_pending_once_built(untried, tmp_path):
     built.write_bytes(b"")
     built.chmod(0o700)
     tmp_path.chmod(0o700)
+    assert build.build_pending()  # no seal: it would be rebuilt
+    build._seal(built)
     assert not build.build_pending()
+
+
+def test_a_damaged_or_unsealed_library_is_rebuilt_not_loaded(untried, tmp_path):
+    """The cached library is loaded only when its bytes match the digest written when it
+    was built: a flipped bit or a lost seal means a rebuild, never a signal at load."""
+    if toolchain.find_compiler() is None:
+        pytest.skip("no C++ compiler")
+    builds = []
+
+    def fake_build(final, compiles, link, tmp_dir):  # the compiler's output, quickly
+        builds.append(final)
+        final.write_bytes(b"\x7fELF a good library")
+        final.chmod(0o700)
+
+    untried.setattr(build, "_build", fake_build)
+    final = build.build()
+    assert len(builds) == 1 and build._sealed(final) and not build.build_pending()
+    assert build.build() == final and len(builds) == 1  # sealed: used as it is
+    final.write_bytes(b"\x7fELF a g00d library")  # one damaged byte, same owner and mode
+    final.chmod(0o700)
+    assert not build._sealed(final) and build.build_pending()
+    assert build.build() == final and len(builds) == 2
+    assert final.read_bytes() == b"\x7fELF a good library"
+    build._seal_path(final).unlink()  # a seal lost: not trusted either
+    build.build()
+    assert len(builds) == 3 and build._sealed(final)

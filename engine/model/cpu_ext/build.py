@@ -15,6 +15,8 @@ MLX's own path.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import importlib.util
 import logging
 import os
@@ -94,6 +96,38 @@ def _build(final: Path, compiles: list[list[str]], link: list[str], tmp_dir: Pat
     _log.info("kvchat: built the CPU extension in %.1f s (%s)", build_seconds, final)
 
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:  # a few MB: read whole (file_digest needs Python 3.11)
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _seal_path(final: Path) -> Path:
+    return final.with_name(final.name + ".sha256")
+
+
+def _seal(final: Path) -> None:
+    """Write the built library's SHA-256 next to it (private), after it is in place."""
+    seal = _seal_path(final)
+    tmp = seal.with_name(seal.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0),
+                 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(_sha256(final) + "\n")
+    os.replace(tmp, seal)
+
+
+def _sealed(final: Path) -> bool:
+    """The library is ours, private, and byte for byte what was built: a damaged file
+    (a bit flipped on disk, a truncated copy) would kill the process by a signal at load."""
+    seal = _seal_path(final)
+    if not (is_trusted_file(final) and is_trusted_file(seal)):
+        return False
+    try:
+        return hmac.compare_digest(seal.read_text().strip(), _sha256(final))
+    except OSError:
+        return False
+
+
 def library_path() -> Path:
     """Where this machine's build lives (it may not exist yet). Raises BuildError."""
     from engine.paths import cache_root
@@ -111,12 +145,17 @@ def build() -> Path:
     root = private_dir(cache_root() / "cpu_ext")
     probe, _ = commands(cxx, mlx_dir, nb_dir, py_include, Path("/"))
     final = root / digest(cxx, probe) / library_name()
-    # the library runs code in this process: ours, in a directory of ours, unwritable by others
-    if is_trusted_file(final):
+    # the library runs code in this process: ours, in a directory of ours, unwritable by
+    # others, and the bytes that were built
+    if _sealed(final):
         return final
     with _file_lock(root / "build.lock", LOCK_TIMEOUT_S):
-        if is_trusted_file(final):  # built by another process while we waited
+        if _sealed(final):  # built by another process while we waited
             return final
+        if final.exists():
+            _log.warning("kvchat: the cached CPU extension %s is damaged or was built by an "
+                         "older kvchat (no matching digest); rebuilding it", final)
+            final.unlink()
         private_dir(final.parent)
         if not (is_private_dir(root) and is_private_dir(final.parent)):
             raise BuildError(f"{final.parent} is not private to this user; not building there")
@@ -124,6 +163,7 @@ def build() -> Path:
         try:
             compiles, link = commands(cxx, mlx_dir, nb_dir, py_include, tmp_dir)
             _build(final, compiles, link, tmp_dir)
+            _seal(final)
         finally:
             shutil.rmtree(tmp_dir, ignore_errors=True)
     if not is_trusted_file(final):
@@ -197,7 +237,7 @@ def build_pending() -> bool:
     if _tried or not enabled() or backend.backend() != "cpu":
         return False
     try:
-        return not is_trusted_file(library_path())
+        return not _sealed(library_path())
     except Exception:  # noqa: BLE001 - no compiler or nanobind: nothing will be built
         return False
 
