@@ -271,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _one_line(error: Exception) -> str:
-    # An OS or library message can span lines; the contract is one line on stderr.
-    return " ".join(str(error).split()) or type(error).__name__
+    # An OS or library message can span lines; the contract is one line on stderr. A file
+    # name may hold terminal escape sequences: shown escaped, never acting on the terminal.
+    text = " ".join(str(error).split()) or type(error).__name__
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 if __name__ == "__main__":

@@ -309,3 +309,13 @@ def test_unusable_cache_dir_still_answers_with_one_warning(tmp_path, kvchat):
     assert data["generation_tokens"] == 2 and data["disk_cache"]["warning"]
     assert (shared.stat().st_mode & 0o777) == 0o777  # a foreign dir keeps its mode
     assert not any(shared.iterdir())  # and nothing was written into it
+
+
+def test_error_lines_escape_control_characters_in_names(tmp_path, capsys):
+    from app.cli import main
+
+    hostile = str(tmp_path / "report\x1b[2J\x1b]0;pwned\x07.txt")
+    assert main(["generate", "--prompt-file", hostile]) == 2
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err  # nothing reaches the terminal raw
+    assert "report\\x1b[2J\\x1b]0;pwned\\x07.txt" in err and err.count("\n") == 1
