@@ -5,9 +5,10 @@ which must happen before anything imports `mlx.core`. The preload compiles nothi
 loads the GEMV shim when an earlier model load left one built in the user cache.
 """
 
-from engine.model import blas
+from engine.model import blas, fd_limits
 
 blas.preload()
+fd_limits.import_mlx_lm()  # before anything else imports it (see `engine.model.fd_limits`)
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.constraint import Constraint  # noqa: E402
