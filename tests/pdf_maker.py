@@ -16,11 +16,16 @@ def make_pdf(pages: list[str]) -> bytes:
                     f"/Resources << /Font << /F1 3 0 R >> >> /Contents {content} 0 R >>")
         kids.append(f"{len(objs)} 0 R")
     objs[1] = f"<< /Type /Pages /Kids [{' '.join(kids)}] /Count {len(kids)} >>"
+    return _document([o.encode() for o in objs])
+
+
+def _document(objs: list[bytes]) -> bytes:
+    """The PDF file of ``objs`` (object 1 the catalog): header, objects, xref, trailer."""
     out = bytearray(b"%PDF-1.4\n")
     offsets = []
     for i, o in enumerate(objs, 1):
         offsets.append(len(out))
-        out += f"{i} 0 obj\n{o}\nendobj\n".encode()
+        out += f"{i} 0 obj\n".encode() + o + b"\nendobj\n"
     xref = len(out)
     out += f"xref\n0 {len(objs) + 1}\n0000000000 65535 f \n".encode()
     out += b"".join(f"{o:010d} 00000 n \n".encode() for o in offsets)
@@ -39,13 +44,4 @@ def make_pdf_stream(content: bytes, filters: bytes = b"") -> bytes:
             b"<< " + filters + b" /Length " + str(len(content)).encode() + b" >>\nstream\n"
             + content + b"\nendstream",
             b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
-    out, offsets = bytearray(b"%PDF-1.4\n"), []
-    for i, o in enumerate(objs, 1):
-        offsets.append(len(out))
-        out += f"{i} 0 obj\n".encode() + o + b"\nendobj\n"
-    xref = len(out)
-    out += f"xref\n0 {len(objs) + 1}\n0000000000 65535 f \n".encode()
-    out += b"".join(f"{o:010d} 00000 n \n".encode() for o in offsets)
-    out += (f"trailer\n<< /Size {len(objs) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n"
-            "%%EOF\n").encode()
-    return bytes(out)
+    return _document(objs)

@@ -22,7 +22,7 @@ from app.server import serving, tool_calls
 from app.server.errors import APIError, invalid
 from app.server.openai_schema import parse_request
 from app.server.request_in import _state, authenticate, read_json
-from app.server.streaming import EventStreamResponse, cancel_on_disconnect
+from app.server.streaming import EventStreamResponse
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature",
           "top_p", "top_k", "stream", "tools", "tool_choice", "metadata"}
@@ -163,15 +163,11 @@ async def messages(request: Request) -> Response:
     if parsed.stream:
         return EventStreamResponse(_stream(state, handle, head, tools, len(ids)),
                                    on_disconnect=serving.on_disconnect(state, handle))
-    texts, final = [], None
-    async with cancel_on_disconnect(request.receive, serving.on_disconnect(state, handle)):
-        async for event in state.pump.events(handle):
-            texts.append(event.text)
-            final = event
-    if final is None or final.finish_reason not in serving.ANSWERED:
-        reason = final.finish_reason if final is not None else "cancelled"
-        return error_response(serving.unfinished(reason, final and final.error))
-    blocks, tool_stop = _blocks("".join(texts), tools)
+    try:
+        text, final = await serving.whole_answer(state, request, handle)
+    except APIError as e:
+        return error_response(e)
+    blocks, tool_stop = _blocks(text, tools)
     return JSONResponse({**head, "content": blocks,
                          "stop_reason": tool_stop or STOP[final.finish_reason],
                          "stop_sequence": None, "usage": _usage(final.stats)})

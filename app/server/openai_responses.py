@@ -22,7 +22,7 @@ from app.server import serving, tool_calls
 from app.server.errors import APIError, invalid, unsupported
 from app.server.openai_schema import parse_request
 from app.server.request_in import _state, authenticate, read_json
-from app.server.streaming import EventStreamResponse, cancel_on_disconnect
+from app.server.streaming import EventStreamResponse
 
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p",
           "stream", "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "user"}
@@ -147,17 +147,10 @@ async def responses(request: Request) -> Response:
     if parsed.stream:
         return EventStreamResponse(_stream(state, handle, head, tools),
                                    on_disconnect=serving.on_disconnect(state, handle))
-    texts, final = [], None
-    async with cancel_on_disconnect(request.receive, serving.on_disconnect(state, handle)):
-        async for event in state.pump.events(handle):
-            texts.append(event.text)
-            final = event
-    if final is None or final.finish_reason not in serving.ANSWERED:
-        raise serving.unfinished(final.finish_reason if final else "cancelled",
-                                 final and final.error)
+    text, final = await serving.whole_answer(state, request, handle)
     cut = "max_output_tokens" if final.finish_reason == "length" else None
     return JSONResponse(_body(head, "incomplete" if cut else "completed",
-                              _output("".join(texts), tools), _usage(final.stats), cut))
+                              _output(text, tools), _usage(final.stats), cut))
 
 
 async def _stream(state, handle, head: dict, tools: list):

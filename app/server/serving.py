@@ -22,6 +22,7 @@ from app.server.state import ServerState
 from app.server.streaming import EventStreamResponse, cancel_on_disconnect
 from engine import prompts
 from engine.errors import EngineStoppedError, RequestError, RequestTooLargeError
+from engine.generation import GenerationEvent
 from engine.request import RequestHandle
 from engine.sampling import SamplingParams
 
@@ -159,8 +160,10 @@ async def stream(state: ServerState, handle: RequestHandle, reply: Reply,
     async for event in state.pump.events(handle):
         text = event.text
         if think is not None:
-            thought, text = think.feed(text) if event.finish_reason is None else (
-                tuple(a + b for a, b in zip(think.feed(text), think.flush(), strict=True)))
+            thought, text = think.feed(text)
+            if event.finish_reason is not None:  # the end: what was held goes out too
+                more_thought, more_text = think.flush()
+                thought, text = thought + more_thought, text + more_text
             if thought:
                 yield sse(reply.chunk(reasoning=thought, include_usage=include_usage))
         answer.append(text)
@@ -187,9 +190,10 @@ async def stream(state: ServerState, handle: RequestHandle, reply: Reply,
     yield sse("[DONE]")
 
 
-async def collect(state: ServerState, request: Request, handle: RequestHandle,
-                  reply: Reply) -> JSONResponse:
-    """A whole answer; the client leaving while it waits cancels the request at once."""
+async def whole_answer(state: ServerState, request: Request, handle: RequestHandle
+                       ) -> tuple[str, GenerationEvent]:
+    """(text, final event) of an answer read to its end; the client leaving while it waits
+    cancels the request at once. Raises `APIError` for an answer that did not complete."""
     texts, final = [], None
     async with cancel_on_disconnect(request.receive, on_disconnect(state, handle)):
         async for event in state.pump.events(handle):
@@ -198,7 +202,14 @@ async def collect(state: ServerState, request: Request, handle: RequestHandle,
     if final is None or final.finish_reason not in ANSWERED:
         reason = final.finish_reason if final is not None else "cancelled"
         raise unfinished(reason, final.error if final is not None else None)
-    return JSONResponse(reply.completion("".join(texts), final.finish_reason, final.stats),
+    return "".join(texts), final
+
+
+async def collect(state: ServerState, request: Request, handle: RequestHandle,
+                  reply: Reply) -> JSONResponse:
+    """A whole answer as one chat or text completion."""
+    text, final = await whole_answer(state, request, handle)
+    return JSONResponse(reply.completion(text, final.finish_reason, final.stats),
                         headers=reply.headers())
 
 
