@@ -16,6 +16,7 @@ import sys
 import time
 
 from app import arg_types
+from app.context_policy import Summary, add_context_args, summary_job
 from app.documents.load import Document, load_document
 from app.documents.qa import DocumentQA, Prepared
 from app.documents.sessions import DEFAULT_SESSION_TTL_S, DocSession, SessionRegistry
@@ -35,11 +36,13 @@ class AskSession:
 
     def __init__(self, eng, docs: list[Document], args):
         self.eng, self.docs, self.args = eng, docs, args
-        self.qa = DocumentQA(eng, docs, chunk_tokens=args.chunk_tokens)
+        self.qa = DocumentQA(eng, docs, chunk_tokens=args.chunk_tokens,
+                             prompt_budget=args.context_budget)
         store = eng.prefix.store
         self.registry = SessionRegistry(store.root) if store is not None else None
         self.name = args.session or session_name(docs)
         self.history: list[dict] = []
+        self.summary: Summary | None = None  # of the oldest turns (--context-policy summarize)
 
     def record(self, prepared: Prepared, ttl_s: float) -> str | None:
         """Save (or renew) the session after a whole-document answer; a notice if replaced."""
@@ -72,7 +75,8 @@ class AskSession:
 
         args = self.args
         prepared = self.qa.prepare(question, answer_tokens=args.max_tokens,
-                                   history=self.history if args.follow_up_history else ())
+                                   history=self.history if args.follow_up_history else (),
+                                   policy=args.context_policy, summary=self.summary)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temp)
         ttl = args.session_ttl
         events = self.eng.generate(prepared.ids, params, tenant=args.tenant,
@@ -84,6 +88,7 @@ class AskSession:
         notice = self.record(prepared, ttl)
         self.history += [{"role": "user", "content": question},
                          {"role": "assistant", "content": result.text}]
+        summarized = self.summarize(prepared) if args.follow_up_history else None
         s = result.stats
         return {
             "question": question, "answer": result.text, "finish_reason": result.finish_reason,
@@ -94,8 +99,27 @@ class AskSession:
             "cached_tokens": s.cached_tokens, "cache_source": s.cache_source,
             "ttft_s": s.ttft_s, "decode_tps": s.decode_tps,
             "left_out": prepared.report(self.docs), "notice": notice,
+            "summarized": summarized,
             **prepared.to_dict(),
         }
+
+
+    def summarize(self, prepared: Prepared) -> str | None:
+        """Under summarize, condense the oldest turns once they outgrow their share (run
+        now, at background priority, so the next question finds it); its label, if made."""
+        if self.args.context_policy != "summarize" or prepared.fitted is None:
+            return None
+        job = summary_job(self.eng, self.history, self.summary, budget=prepared.fitted.budget,
+                          tenant=self.args.tenant,
+                          permission_version=self.args.permission_version)
+        if job is None:
+            return None
+        if job.run() is None:
+            print(f"kvchat: note: the summary of older turns failed ({job.error}); they are "
+                  "left out when over the budget", file=sys.stderr)
+            return None
+        self.summary = job.result
+        return self.summary.label()
 
 
 def _summary(out: dict) -> str:
@@ -130,6 +154,9 @@ def cmd_ask(args) -> int:
             out = session.ask(question)
             if out["notice"]:
                 print(f"kvchat: note: {out['notice']}", file=sys.stderr)
+            if out["summarized"]:
+                print(f"kvchat: note: {out['summarized']} for the next questions",
+                      file=sys.stderr)
             if args.json:
                 print(json.dumps(out), flush=True)
             else:
@@ -159,6 +186,10 @@ def add_parser(sub) -> None:
                    help="max tokens per answer (256)")
     a.add_argument("--temp", type=arg_types.temperature, default=0.0,
                    help="temperature (0 = greedy)")
+    add_context_args(a, default="summarize",
+                     budget_help="prompt tokens for documents, question and earlier turns "
+                                 "(default: measured for the model, else its context; see "
+                                 "`kvchat eval ask --curve`)")
     add_scope_args(a)
     add_engine_args(a)
     a.set_defaults(func=cmd_ask)

@@ -20,6 +20,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import engine  # noqa: F401  (preloads OpenBLAS before anything imports mlx.core)
 from app import arg_types
 from app.constraint_args import read_constraint
+from app.context_policy import add_context_args
 from app.distributed import add_distributed_args, print_rank_lines, run_if_worker
 from app.echo import echo_events
 from app.engine_args import add_engine_args, add_scope_args, build_engine, check_kv_budget
@@ -167,7 +168,8 @@ def cmd_chat(args) -> int:
     check_kv_budget(config.kv_budget_bytes)  # one line here, not a notice inside the TUI
     factory = partial(default_engine_factory, weights=args.weights, config=config)
     return run(model=args.model, engine_factory=factory, max_tokens=args.max_tokens,
-               temperature=args.temp)
+               temperature=args.temp, context_policy=args.context_policy,
+               context_budget=args.context_budget)
 
 
 def cmd_convert(args) -> int:
@@ -228,6 +230,9 @@ def make_parser() -> argparse.ArgumentParser:
 
     ch = sub.add_parser("chat", help="the terminal chat (the default command)")
     add_sampling_args(ch, max_tokens=512, typed_only=True)
+    add_context_args(ch, default="summarize",
+                     budget_help="prompt tokens a conversation may take before its policy "
+                                 "applies (default: a quarter of the model's context)")
     add_engine_args(ch)
     ch.set_defaults(func=cmd_chat)
 

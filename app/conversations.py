@@ -51,6 +51,9 @@ class Conversation:
     updated: float = field(default_factory=time.time)
     params: dict = field(default_factory=dict)
     """This chat's generation settings (`app.settings.GENERATION_KEYS`); unset: the defaults."""
+    summary: dict | None = None
+    """The model's summary of the oldest turns (`app.context_policy.Summary`); the turns
+    themselves stay in ``messages``."""
 
     def add(self, role: str, content: str, **meta) -> ChatMessage:
         message = ChatMessage(role, content, dict(meta))
@@ -85,6 +88,8 @@ class Conversation:
         """Remove messages ``[start, end)`` (to the end by default); return them."""
         removed = self.messages[start:end]
         del self.messages[start:end]
+        if self.summary is not None and start < int(self.summary.get("messages", 0)):
+            self.summary = None  # it stood for turns that changed
         self.updated = time.time()
         return removed
 
@@ -100,6 +105,10 @@ class Conversation:
         lines += [f"*kvchat · {self.model or 'no model'} · {when}*", ""]
         if self.system_prompt:
             lines += ["**System prompt:**", "", *quote(self.system_prompt), ""]
+        if self.summary:
+            lines += [f"**Summary of turns 1–{(self.summary['messages'] + 1) // 2}** "
+                      "(what the model is sent instead of them):", "",
+                      *quote(self.summary["text"]), ""]
         for m in self.messages:
             lines += [f"## {'You' if m.role == 'user' else 'Assistant'}", "", m.content, ""]
             reason = m.meta.get("finish_reason")
@@ -120,7 +129,8 @@ class Conversation:
                    system_prompt=data.get("system_prompt", ""), model=data.get("model"),
                    messages=messages, created=float(data.get("created", 0.0)),
                    updated=float(data.get("updated", 0.0)),
-                   params=dict(data.get("params") or {}))
+                   params=dict(data.get("params") or {}),
+                   summary=data.get("summary") or None)
 
 
 @dataclass(slots=True)

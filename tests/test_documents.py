@@ -11,7 +11,7 @@ from pdf_maker import make_pdf
 
 from app.documents.chunks import split_document
 from app.documents.load import DocumentError, document_from_text, load_document
-from app.documents.policy import Budget, place, trim_history
+from app.documents.policy import Budget, place
 from app.documents.retrieval import rank
 from app.documents.sessions import DocSession, SessionRegistry
 
@@ -167,14 +167,6 @@ def test_budget_is_the_smaller_of_context_and_free_kv():
     b = Budget(context=8192, free_kv=3000, answer=256, fixed=100)
     assert (b.total, b.documents) == (3000, 2644)
     assert Budget(100, 5000, 90, 20).documents == 0
-
-
-def test_trim_history_drops_oldest_pairs_explicitly():
-    history = [{"role": r, "content": f"turn {i} " + "w " * 20}
-               for i in range(6) for r in ("user", "assistant")]
-    kept, dropped, tokens = trim_history(history, 60, words)
-    assert kept == history[-2:] and dropped == 10 and tokens > 0
-    assert trim_history(history, 10_000, words) == (history, 0, 0)
 
 
 # -- session records -----------------------------------------------------------------------

@@ -186,9 +186,9 @@ class FakeEngine:
         return FIXED_BLOCK_MAP
 
 
-def run_turn(engine, prompt, history=(), max_tokens=64):
+def run_turn(engine, prompt, history=(), max_tokens=64, **turn_fields):
     posted = []
-    turn = Turn(prompt, engine, "", list(history))
+    turn = Turn(prompt, engine, "", list(history), **turn_fields)
     stream_turn(turn, SamplingParams(max_tokens=max_tokens), posted.append)
     return turn, posted
 
@@ -222,10 +222,24 @@ def test_stream_turn_drops_oldest_history_to_fit():
     engine = FakeEngine(max_prompt_tokens=12)
     history = [{"role": "user", "content": "a " * 5}, {"role": "assistant", "content": "b " * 5},
                {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
-    turn, posted = run_turn(engine, "short question", history)
+    # a budget the estimate says fits: the engine's refusal drops the oldest pair
+    turn, posted = run_turn(engine, "short question", history, budget=1000)
     assert isinstance(posted[-1], TurnFinished)
     assert turn.dropped_turns == 1
     assert engine.histories[-1] == history[2:]
+    assert "1 oldest turn(s) left out" in turn.fitted.notes()[0]
+
+
+@pytest.mark.parametrize("policy", ["truncate", "summarize", "error"])
+def test_stream_turn_keeps_to_its_budget_by_policy(policy):
+    engine = FakeEngine(max_prompt_tokens=10_000)
+    history = [{"role": r, "content": "w " * 10} for _ in range(4) for r in ("user", "assistant")]
+    turn, posted = run_turn(engine, "short question", history, budget=40, policy=policy)
+    if policy == "error":  # nothing is cut: the prompt is refused
+        assert isinstance(posted[-1], TurnRejected) and "over its budget" in posted[-1].error
+        return
+    assert isinstance(posted[-1], TurnFinished)
+    assert turn.dropped_turns == 3 and engine.histories[-1] == history[6:]
 
 
 def test_cancel_before_the_request_id_is_known():

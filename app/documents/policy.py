@@ -30,6 +30,8 @@ class Budget:
     free_kv: int  # tokens the KV pool can hold now (free and evictable blocks)
     answer: int  # reserved for the answer
     fixed: int  # system text, template, question and the turns kept
+    prompt: int | None = None  # the prompt's ceiling (`app.documents.budgets`); None: none
+    source: str = ""  # where ``prompt`` came from
 
     @property
     def total(self) -> int:
@@ -38,11 +40,15 @@ class Budget:
     @property
     def documents(self) -> int:
         """What the documents may take."""
-        return max(0, self.total - self.answer - self.fixed)
+        room = self.total - self.answer
+        if self.prompt is not None:
+            room = min(room, self.prompt)
+        return max(0, room - self.fixed)
 
     def to_dict(self) -> dict:
         return {"context": self.context, "free_kv": self.free_kv, "answer": self.answer,
-                "fixed": self.fixed, "total": self.total, "documents": self.documents}
+                "fixed": self.fixed, "total": self.total, "documents": self.documents,
+                "prompt": self.prompt, "source": self.source}
 
 
 @dataclass(slots=True)
@@ -155,20 +161,3 @@ def place(docs: Sequence[Document], chunks: Callable[[], list[Chunk]], question:
     left = [c for c in every if (c.doc, c.index) not in picked]
     chosen.sort(key=lambda c: (c.doc, c.index))
     return Placement("retrieval", text, n, chosen, left)
-
-
-def trim_history(history: Sequence[dict], limit: int,
-                 count: Callable[[str], int]) -> tuple[list[dict], int, int]:
-    """The most recent turns within ``limit`` tokens: (kept, turns dropped, tokens dropped).
-
-    Turns go in user/assistant pairs so the kept history never starts mid-exchange.
-    """
-    kept = list(history)
-    sizes = [count(m["content"]) + 4 for m in kept]  # ~4 template tokens per turn
-    dropped = dropped_tokens = 0
-    while kept and sum(sizes) > limit:
-        k = 2 if len(kept) >= 2 else 1
-        dropped += k
-        dropped_tokens += sum(sizes[:k])
-        del kept[:k], sizes[:k]
-    return kept, dropped, dropped_tokens

@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from app.context_policy import Fitted, Summary, fit
+from app.documents import budgets
 from app.documents.chunks import DEFAULT_CHUNK_TOKENS, Chunk, split_document
 from app.documents.load import Document
-from app.documents.policy import HISTORY_SHARE, Budget, Placement, place, trim_history
+from app.documents.policy import HISTORY_SHARE, Budget, Placement, place
 from app.engine_like import EngineLike
 
 SYSTEM = ("You answer questions about the documents below. Use only what they say, quote "
@@ -30,32 +32,38 @@ class Prepared:
     budget: Budget
     placement: Placement
     history: list[dict]  # the turns kept
-    dropped_turns: int = 0
-    dropped_turn_tokens: int = 0
+    fitted: Fitted | None = None  # the history under the context policy
+
+    @property
+    def dropped_turns(self) -> int:
+        return self.fitted.truncated_turns if self.fitted is not None else 0
 
     def report(self, docs: Sequence[Document]) -> str:
         """What went into the prompt and what did not, in one line."""
-        line = self.placement.summary(docs)
-        if self.dropped_turns:
-            line += (f"; {self.dropped_turns} earlier turns dropped "
-                     f"({self.dropped_turn_tokens} tokens)")
-        return line
+        notes = self.fitted.notes() if self.fitted is not None else []
+        return "; ".join([self.placement.summary(docs), *notes])
 
     def to_dict(self) -> dict:
+        f = self.fitted
         return {"budget": self.budget.to_dict(), "prompt_tokens": len(self.ids),
                 "prefix_tokens": self.prefix_tokens, "placement": self.placement.to_dict(),
                 "dropped_turns": self.dropped_turns,
-                "dropped_turn_tokens": self.dropped_turn_tokens}
+                "dropped_turn_tokens": f.truncated_tokens if f is not None else 0,
+                "context": f.to_dict() if f is not None else None}
 
 
 class DocumentQA:
     """Documents attached to a conversation with ``engine``."""
 
     def __init__(self, engine: EngineLike, docs: Sequence[Document], *,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, system: str = SYSTEM):
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, system: str = SYSTEM,
+                 prompt_budget: int | None = None):
         if not docs:
             raise ValueError("no documents")
         self.engine, self.docs, self.system = engine, list(docs), system
+        # the prompt's ceiling: measured for this model, or given (`app.documents.budgets`)
+        self.prompt_budget, self.budget_source = budgets.prompt_budget(engine.loaded,
+                                                                       prompt_budget)
         self.chunk_tokens = chunk_tokens
         self.doc_tokens = [engine.count_tokens(d.text) for d in self.docs]
         self._chunks: list[Chunk] | None = None
@@ -76,19 +84,32 @@ class DocumentQA:
         m = self.engine.metrics()
         block = m.bytes_per_block // m.bytes_per_token if m.bytes_per_token else 1
         free = m.blocks_free * block if m.blocks_total else self.engine.max_context
-        return Budget(self.engine.max_context, free, answer_tokens, fixed)
+        return Budget(self.engine.max_context, free, answer_tokens, fixed, self.prompt_budget,
+                      self.budget_source)
 
-    def prepare(self, question: str, *, answer_tokens: int,
-                history: Sequence[dict] = ()) -> Prepared:
-        """Budget, placement and ids for ``question`` (see the module docstring)."""
+    def prepare(self, question: str, *, answer_tokens: int, history: Sequence[dict] = (),
+                policy: str = "truncate", summary: Summary | None = None) -> Prepared:
+        """Budget, placement and ids for ``question`` (see the module docstring).
+
+        Earlier turns may take a quarter of what the question leaves; beyond it ``policy``
+        (`app.context_policy`) applies: a summary stands for the oldest, or they are left
+        out, or (``error``) the question is refused.
+        """
         count = self.engine.count_tokens
         base = count(self.system) + count(question) + TEMPLATE_TOKENS
         budget = self.budget(answer_tokens, base)  # one metrics snapshot per question
-        kept, dropped, dropped_tokens = trim_history(
-            history, max(0, (budget.total - answer_tokens - base) // HISTORY_SHARE), count)
+        room = budget.total - answer_tokens
+        if budget.prompt is not None:
+            room = min(room, budget.prompt)
+        share = max(0, (room - base) // HISTORY_SHARE)
+        fitted = fit(history, policy=policy, budget=share, count=count, summary=summary)
+        kept = fitted.history
+        if fitted.summary is not None:  # after the documents: their prefix stays the same
+            kept = [{"role": "user", "content": fitted.system},
+                    {"role": "assistant", "content": "Noted."}, *kept]
         budget = replace(budget, fixed=base + sum(count(m["content"]) + 4 for m in kept))
         placement = place(self.docs, self.chunks, question, budget.documents, count)
         ids, prefix = self.engine.encode_pinned(placement.text, question, system=self.system,
                                                 history=kept)
         return Prepared(ids, prefix if placement.mode == "whole" else 0, budget, placement,
-                        kept, dropped, dropped_tokens)
+                        kept, fitted)

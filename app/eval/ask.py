@@ -161,6 +161,10 @@ def markdown(result: dict) -> str:
 def run(args) -> int:
     from engine import Engine, EngineConfig, load_model
 
+    if args.curve:
+        from app.eval import ask_curve
+
+        return ask_curve.run(args)
     started = time.perf_counter()
     loaded = load_model(args.model)
     eng = Engine(loaded, EngineConfig(kv_budget_bytes=1 << 30))
@@ -197,6 +201,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", default="ask-eval", metavar="DIR",
                    help="directory for ask_eval.md (ask-eval)")
     p.add_argument("--quick", action="store_true", help="a small run (smoke checks)")
+    p.add_argument("--curve", action="store_true",
+                   help="instead: recall against document length and prompt budget, the "
+                        "budget it suggests, and the recorded default on held-out documents "
+                        "(ask_curve.md)")
     p.add_argument("--model", default=None, help="model (default: the embedded one)")
     p.set_defaults(func=run)
     return p

@@ -64,8 +64,10 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
     def __init__(self, *, model: str | None = None, engine_factory: EngineFactory | None = None,
                  store: ConversationStore | None = None, max_tokens: int | None = None,
                  temperature: float | None = None, conversation_id: str | None = None,
-                 remember: bool = True):
+                 remember: bool = True, context_policy: str = "summarize",
+                 context_budget: int | None = None):
         super().__init__()
+        self.context_policy, self.context_budget = context_policy, context_budget
         self.engine_factory = engine_factory or default_engine_factory
         self.store = store or ConversationStore()
         self.max_tokens, self.temperature = max_tokens, temperature

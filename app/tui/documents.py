@@ -109,12 +109,14 @@ class AttachedDocuments:
             return self._qa
 
     def prepare(self, engine: EngineLike, question: str, *, answer_tokens: int,
-                history: Sequence[dict], chat_system: str = "") -> Prepared:
-        """The prompt of ``question`` about the set (see `DocumentQA.prepare`)."""
+                history: Sequence[dict], chat_system: str = "", **policy) -> Prepared:
+        """The prompt of ``question`` about the set (see `DocumentQA.prepare`; ``policy``:
+        its ``policy`` and ``summary``)."""
         qa = self.qa_for(engine)
         # the chat's system prompt joins the Q&A rules; the same text keeps the prefix
         qa.system = document_system(chat_system)
-        return qa.prepare(question, answer_tokens=answer_tokens, history=list(history))
+        return qa.prepare(question, answer_tokens=answer_tokens, history=list(history),
+                          **policy)
 
 
 def tokens_text(n: int | None) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from textual.message import Message
 
+from app.context_policy import Fitted, Summary, SummaryJob, default_chat_budget, fit
 from app.documents.qa import Prepared
 from app.documents.sessions import DEFAULT_SESSION_TTL_S
 from app.engine_like import EngineLike, HandleLike
@@ -35,9 +36,18 @@ class Turn:
     history: list[dict] = field(default_factory=list)
     request_id: int | None = None
     cancel_requested: bool = False
-    dropped_turns: int = 0  # oldest history turns left out so the prompt fits
     documents: AttachedDocuments | None = None  # set: the question is about them
     prepared: Prepared | None = None  # the document prompt, once built
+    policy: str = "summarize"  # the context policy (app.context_policy)
+    budget: int | None = None  # prompt tokens; None: default_chat_budget of the context
+    summary: Summary | None = None  # the conversation's summary, if any
+    pending: SummaryJob | None = None  # a summary being written; waited for if needed
+    fitted: Fitted | None = None  # what the prompt sent, cut or summarized
+
+    @property
+    def dropped_turns(self) -> int:
+        """Oldest turns left out of the prompt (none summarized them)."""
+        return self.fitted.truncated_turns if self.fitted is not None else 0
 
 
 @dataclass
@@ -84,18 +94,42 @@ class TurnRejected(Message):
     too_large: bool = False  # it can never fit the context (a paste to attach instead?)
 
 
+def fit_turn(engine: EngineLike, turn: Turn, history: list[dict] | None = None) -> Fitted:
+    """The turn's prompt under its policy; a summary still being written is waited for
+    when, without it, turns would be left out."""
+    budget = turn.budget or default_chat_budget(engine.max_context)
+    history = turn.history if history is None else history
+    fitted = fit(history, policy=turn.policy, budget=budget, count=engine.count_tokens,
+                 system=turn.system, question=turn.prompt, summary=turn.summary)
+    job = turn.pending
+    if fitted.truncated_turns and turn.policy == "summarize" and job is not None:
+        while not job.done and not turn.cancel_requested:
+            job.wait(0.1)
+        if job.result is not None:
+            turn.summary = job.result
+            fitted = fit(history, policy=turn.policy, budget=budget,
+                         count=engine.count_tokens, system=turn.system, question=turn.prompt,
+                         summary=turn.summary)
+    return fitted
+
+
 def submit_fitting(engine: EngineLike, turn: Turn, params: SamplingParams) -> HandleLike:
-    """Submit the turn; if it is too long with its history, drop the oldest turns and retry."""
-    history = list(turn.history)
+    """Submit the turn within its budget; if the engine still finds it too long (the
+    budget's count is an estimate), drop the oldest kept turns and retry (reported)."""
+    turn.fitted = fitted = fit_turn(engine, turn)
     while True:
         try:
-            ids = engine.encode_prompt(turn.prompt, system=turn.system or None, history=history)
+            ids = engine.encode_prompt(turn.prompt, system=fitted.system or None,
+                                       history=fitted.history)
             return engine.submit(ids, params, priority=Priority.INTERACTIVE)
         except RequestError:
-            if not history:
+            if not fitted.history or turn.policy == "error":
                 raise
-            history = history[2:]  # one user + assistant pair
-            turn.dropped_turns += 1
+            k = min(2, len(fitted.history))
+            fitted.truncated_turns += 1
+            fitted.truncated_tokens += sum(engine.count_tokens(m["content"]) for m in
+                                           fitted.history[:k])
+            fitted.history, fitted.kept_from = fitted.history[k:], fitted.kept_from + k
 
 
 def submit_documents(engine: EngineLike, turn: Turn, params: SamplingParams) -> HandleLike:
@@ -107,7 +141,8 @@ def submit_documents(engine: EngineLike, turn: Turn, params: SamplingParams) -> 
     assert turn.documents is not None
     turn.prepared = prepared = turn.documents.prepare(
         engine, turn.prompt, answer_tokens=params.max_tokens, history=turn.history,
-        chat_system=turn.system)
+        chat_system=turn.system, policy=turn.policy, summary=turn.summary)
+    turn.fitted = prepared.fitted
     ttl = DEFAULT_SESSION_TTL_S if prepared.prefix_tokens > 0 else None
     return engine.submit(prepared.ids, params, priority=Priority.INTERACTIVE, cache_ttl_s=ttl)
 

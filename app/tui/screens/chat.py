@@ -25,6 +25,7 @@ from app.tui.generation import (
     stream_turn,
 )
 from app.tui.screens.chat_actions import MessageActions
+from app.tui.screens.chat_summary import SummaryEvents, summary_marker
 from app.tui.screens.chat_turns import TurnEvents
 from app.tui.widgets.cache_panel import CachePanel, CacheSummary
 from app.tui.widgets.document_bar import DocumentBar
@@ -55,7 +56,7 @@ class ChatHost(Protocol):
     def remember_chat(self, conversation_id: str | None) -> None: ...
 
 
-class ChatScreen(TurnEvents, MessageActions, Screen):
+class ChatScreen(TurnEvents, SummaryEvents, MessageActions, Screen):
     """One conversation with the loaded model; generation runs in a thread worker."""
 
     BINDINGS = [Binding("escape", "cancel_generation", "Cancel")]
@@ -159,6 +160,7 @@ class ChatScreen(TurnEvents, MessageActions, Screen):
         """Replace the transcript with a (saved) conversation (documents are detached)."""
         if conversation is not self.conversation:
             self.documents.detach(quiet=True)  # they were attached to the other chat
+            self.cancel_summary()
         self.conversation = conversation
         self.editing = None
         transcript = self.query_one(Transcript)
@@ -168,6 +170,8 @@ class ChatScreen(TurnEvents, MessageActions, Screen):
         for m in conversation.messages:
             await transcript.add(m.role, m.content, m.meta.get("stats", ""),
                                  error=m.meta.get("finish_reason") == "error", message=m)
+        if (summary := self.current_summary()) is not None:
+            await transcript.mount(summary_marker(summary))
         self.chat_app.remember_chat(conversation.id if conversation.messages else None)
         self.update_status()
 
@@ -215,7 +219,9 @@ class ChatScreen(TurnEvents, MessageActions, Screen):
         self.answer = await transcript.add("assistant")
         self.answer.set_stats("waiting for the model…")
         self.turn = Turn(text, engine, self.conversation.system_prompt,
-                         self.conversation.history(), documents=self.documents.attached)
+                         self.conversation.history(), documents=self.documents.attached,
+                         policy=self.chat_policy(), budget=self.chat_budget(engine),
+                         summary=self.current_summary(), pending=self.summary_running)
         self.query_one(CachePanel).last_turn = None  # this turn's line comes when it ends
         self.refresh_bindings()
         self.update_status()

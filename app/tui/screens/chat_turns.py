@@ -48,6 +48,7 @@ class TurnEvents(Screen):
         def chat_app(self): ...
         def save(self) -> None: ...
         def _end_turn(self) -> None: ...
+        def after_answer(self) -> None: ...
 
     # -- the worker's messages ---------------------------------------------------
     def on_turn_started(self, message: TurnStarted) -> None:
@@ -57,7 +58,7 @@ class TurnEvents(Screen):
         if message.notice:
             self.notify(message.notice, severity="warning")
         if message.turn.dropped_turns:
-            self.notify(f"The chat is longer than the context: the oldest "
+            self.notify(f"The chat is longer than its budget: the oldest "
                         f"{message.turn.dropped_turns} turn(s) were left out.")
 
     def on_prefill_progress(self, message: PrefillProgress) -> None:
@@ -79,6 +80,8 @@ class TurnEvents(Screen):
             return
         turn, reason = message.turn, message.finish_reason
         line = stats_line(reason, message.stats, message.error)
+        if turn.dropped_turns and turn.fitted is not None:  # the cut, under the answer
+            line += "\n" + turn.fitted.notes()[-1]
         if turn.documents is not None and turn.prepared is not None:
             line += "\ndoc: " + answer_line(turn.documents, turn.prepared, message.stats)
             self.documents.answered(turn.documents, turn.prepared, message.stats)
@@ -104,6 +107,7 @@ class TurnEvents(Screen):
                                                  finish_reason=reason, stats=line))
         self.save()
         self._end_turn()
+        self.after_answer()  # summarize: condense the oldest turns in the background
 
     async def _drop_turn_boxes(self) -> None:
         for box in (self.user_box, self.answer):

@@ -1,0 +1,142 @@
+"""The context policy (app.context_policy): budgets, summaries, what is cut and said."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.context_policy import (
+    ContextBudgetError,
+    Summary,
+    SummaryJob,
+    default_chat_budget,
+    fit,
+    plan_summary,
+    summary_prompt,
+)
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def chat(turns: int, size: int = 20) -> list[dict]:
+    return [{"role": r, "content": f"turn {i} {r} " + "w " * size}
+            for i in range(turns) for r in ("user", "assistant")]
+
+
+def test_default_chat_budget_is_well_below_the_context():
+    assert default_chat_budget(8192) == 2048
+    assert default_chat_budget(300) == 300  # never above the context
+
+
+def test_within_the_budget_nothing_is_cut():
+    history = chat(3)
+    f = fit(history, policy="truncate", budget=10_000, count=words, question="q")
+    assert f.history == history and f.truncated_turns == 0 and f.notes() == []
+
+
+def test_truncate_drops_oldest_pairs_and_says_so():
+    history = chat(6)
+    f = fit(history, policy="truncate", budget=80, count=words, system="be brief",
+            question="why")
+    assert f.history == history[-2:] and f.kept_from == 10
+    assert f.truncated_turns == 5 and f.truncated_tokens > 0
+    assert f.system == "be brief"  # the system text is never cut
+    assert "5 oldest turn(s) left out" in f.notes()[0]
+    assert f.to_dict()["truncated_turns"] == 5
+
+
+def test_error_refuses_rather_than_cutting():
+    with pytest.raises(ContextBudgetError, match="over its budget of 80"):
+        fit(chat(6), policy="error", budget=80, count=words)
+
+
+def test_summarize_sends_the_summary_instead_of_the_turns_it_covers():
+    history = chat(6)
+    s = Summary(messages=8, source_tokens=200, tokens=5, text="the user likes tea")
+    f = fit(history, policy="summarize", budget=10_000, count=words, system="sys",
+            summary=s)
+    assert f.history == history[8:] and f.truncated_turns == 0
+    assert f.system.startswith("sys\n\nSummary of the earlier conversation")
+    assert "the user likes tea" in f.system
+    assert f.notes() == ["turns 1–4 summarized (200 → 5 tokens)"]
+    assert f.to_dict()["summarized_turns"] == 4
+    # truncate ignores a summary: the turns are sent, or cut
+    assert fit(history, policy="truncate", budget=10_000, count=words,
+               summary=s).history == history
+
+
+def test_summarize_without_a_summary_yet_cuts_visibly():
+    f = fit(chat(6), policy="summarize", budget=80, count=words)
+    assert f.truncated_turns == 5
+    assert "the summary does not cover them yet" in f.notes()[0]
+
+
+def test_plan_summary_waits_for_the_trigger_and_keeps_the_newest_turn():
+    history = chat(6)  # 12 messages of ~27 tokens
+    assert plan_summary(history, None, budget=10_000, count=words) == 0
+    upto = plan_summary(history, None, budget=300, count=words)
+    assert upto % 2 == 0 and 0 < upto <= len(history) - 2
+    # a summary covering the start: only the turns after it are planned
+    s = Summary(messages=upto, source_tokens=100, tokens=5, text="x")
+    assert plan_summary(history, s, budget=300, count=words) in (0, *range(upto + 2, 11, 2))
+
+
+def test_summary_prompt_rolls_the_previous_summary_in():
+    history = chat(4)
+    prev = Summary(messages=2, source_tokens=50, tokens=4, text="OLD SUMMARY")
+    text = summary_prompt(history, prev, 6)
+    assert text.startswith("Earlier summary:\nOLD SUMMARY")
+    assert "turn 0" not in text and "turn 1 user" in text and "turn 3" not in text
+
+
+def test_summary_round_trips_and_labels_one_turn():
+    s = Summary(messages=2, source_tokens=1412, tokens=180, text="t")
+    assert Summary.from_dict(s.to_dict()) == s and Summary.from_dict(None) is None
+    assert s.label() == "turn 1 summarized (1,412 → 180 tokens)"
+
+
+class _Handle:
+    def __init__(self, events):
+        self.events, self.cancelled = events, False
+
+    def __iter__(self):
+        return iter(self.events)
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Engine:
+    """Answers every summary request with ``reply``; records the priority asked for."""
+
+    def __init__(self, reply: str, finish: str = "stop"):
+        self.reply, self.finish, self.priorities = reply, finish, []
+
+    def encode_prompt(self, prompt, *, system=None, history=None):
+        return [1, 2, 3]
+
+    def count_tokens(self, text):
+        return words(text)
+
+    def submit(self, ids, params, *, priority, tenant, permission_version):
+        from engine.generation import GenerationEvent
+
+        self.priorities.append(priority)
+        return _Handle([GenerationEvent(0, None, self.reply, self.finish)])
+
+
+def test_summary_job_runs_at_background_priority():
+    from engine.request import Priority
+
+    eng = _Engine("The user's dog is Pepper.")
+    job = SummaryJob(eng, chat(4), None, 4)
+    s = job.run()
+    assert job.done and eng.priorities == [Priority.BACKGROUND]
+    assert s.messages == 4 and s.tokens == 5 and s.text == "The user's dog is Pepper."
+    assert s.source_tokens == sum(words(m["content"]) + 4 for m in chat(4)[:4])
+
+
+def test_a_failed_summary_has_no_result_and_says_why():
+    job = SummaryJob(_Engine("", finish="cancelled"), chat(4), None, 4)
+    assert job.run() is None and "cancelled" in job.error
