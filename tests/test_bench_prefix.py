@@ -19,15 +19,17 @@ def test_bench_prefix_runs_and_agrees(tmp_path, kvchat_cli, monkeypatch):
 
     runs = []
 
-    def generate_on_a_fresh_engine(prompt, model, max_tokens, cache_dir) -> dict:
-        runs.append(cache_dir)
+    def generate_on_a_fresh_engine(prompt, model, max_tokens, cache_dir, *,
+                                   disk_cache=True) -> dict:
+        runs.append(disk_cache)
         file = tmp_path / "prompt.txt"
         file.write_text(prompt)
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             assert main(["generate", "--json", "--prompt-file", str(file), "--model",
                          model or "default", "--max-tokens", str(max_tokens),
-                         "--cache-dir", cache_dir]) == 0
+                         "--cache-dir", cache_dir,
+                         *([] if disk_cache else ["--no-disk-cache"])]) == 0
         return json.loads(out.getvalue())
 
     monkeypatch.setattr(prefix, "generate_in_fresh_process", generate_on_a_fresh_engine)
@@ -35,8 +37,10 @@ def test_bench_prefix_runs_and_agrees(tmp_path, kvchat_cli, monkeypatch):
     code, _, err = kvchat_cli("bench", "prefix", "--prefix-tokens", "200", "--gen-tokens", "4",
                               "--json", str(out))
     assert code == 0, err
-    assert len(runs) == 1
+    assert runs == [False, True]  # cold, then warm from disk
     r = json.loads(out.read_text())
     assert r["tokens_identical"] is True
     assert r["cache_source_ram"] == "memory" and r["cache_source_disk"] == "disk"
+    assert r["cache_source_cold_new_process"] == "none"
+    assert r["disk_restored_tokens"] >= 192 and r["ratio_disk_new_process"] > 0
     assert r["shared_prefix_tokens"] >= 192 and r["prompt_tokens"] > r["shared_prefix_tokens"]
