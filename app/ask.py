@@ -16,7 +16,8 @@ import sys
 import time
 
 from app import arg_types
-from app.context_policy import Summary, add_context_args, summary_job
+from app.context_policy import Summary, add_context_args
+from app.context_summary import summary_job
 from app.documents.load import Document, load_document
 from app.documents.qa import DocumentQA, Prepared
 from app.documents.sessions import DEFAULT_SESSION_TTL_S, DocSession, SessionRegistry

@@ -5,8 +5,9 @@ ceiling on the prompt (system text, summary, the turns kept, pinned documents an
 question; the answer comes on top), set well below the model's context by default for
 the chat: a window is a ceiling, not a quota. Over the budget:
 
-- ``summarize``: the model condenses the oldest turns into a summary (`SummaryJob`, a
-  background request started right after an answer, so the next question rarely waits);
+- ``summarize``: the model condenses the oldest turns into a summary
+  (`app.context_summary`: background requests started right after an answer, so the
+  next question rarely waits);
   the summary follows the system text, a stable prefix whose KV blocks are cached like
   any other. Turns it does not cover yet, while still over the budget, are left out;
 - ``truncate``: the oldest turns are left out (never the system text or documents);
@@ -18,9 +19,8 @@ goes silently.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from engine.errors import RequestTooLargeError
 
@@ -28,9 +28,6 @@ POLICIES = ("summarize", "truncate", "error")
 TURN_OVERHEAD = 4  # chat-template tokens around one message (ChatML adds ~5)
 SUMMARY_TRIGGER = 0.75  # summarize once the conversation passes this share of the budget
 SUMMARY_KEEP = 1 / 3  # ... down to this share, in the newest turns kept verbatim
-SUMMARY_SYSTEM = "You write concise, faithful summaries."
-SUMMARY_ASK = ("Write a short summary of this conversation. Keep every name, number, place "
-               "and fact the user gave, exactly as written.")
 
 
 def default_chat_budget(context: int) -> int:
@@ -165,98 +162,6 @@ def plan_summary(history: Sequence[dict], summary: Summary | None, *, budget: in
     while len(sizes) - end > 2 and head + sum(sizes[end:]) > SUMMARY_KEEP * budget:
         end += 2
     return start + end if end else 0
-
-
-def transcript(messages: Sequence[dict]) -> str:
-    names = {"user": "User", "assistant": "Assistant"}
-    return "\n".join(f"{names.get(m['role'], m['role'].capitalize())}: {m['content']}"
-                     for m in messages if m.get("content"))
-
-
-def summary_prompt(history: Sequence[dict], previous: Summary | None, upto: int) -> str:
-    """The request that condenses ``history[:upto]``: the previous summary, then the rest."""
-    start = previous.messages if previous is not None else 0
-    head = f"Earlier summary:\n{previous.text}\n\n" if previous is not None else ""
-    return f"{head}Conversation:\n{transcript(history[start:upto])}\n\n{SUMMARY_ASK}"
-
-
-@dataclass(eq=False)
-class SummaryJob:
-    """One summary request on an engine: `run` it (a thread), `wait` for it, `cancel` it.
-
-    It runs at background priority, so a question asked meanwhile is served first; its
-    result is None when it was cancelled or failed (``error`` says why).
-    """
-
-    engine: object
-    history: list[dict]
-    previous: Summary | None
-    upto: int  # history messages the new summary covers
-    max_tokens: int = 256
-    tenant: str = "local"
-    permission_version: int = 0
-    result: Summary | None = None
-    error: str | None = None
-    _done: threading.Event = field(default_factory=threading.Event)
-    _handle: object | None = None
-    _cancelled: bool = False
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def run(self) -> Summary | None:
-        from engine import SamplingParams
-        from engine.errors import KVChatError
-        from engine.generation import collect
-        from engine.request import Priority
-
-        eng = self.engine
-        try:
-            prompt = summary_prompt(self.history, self.previous, self.upto)
-            ids = eng.encode_prompt(prompt, system=SUMMARY_SYSTEM)
-            if not self._cancelled:
-                self._handle = handle = eng.submit(
-                    ids, SamplingParams(max_tokens=self.max_tokens), priority=Priority.BACKGROUND,
-                    tenant=self.tenant, permission_version=self.permission_version)
-                if self._cancelled:
-                    handle.cancel()
-                r = collect(handle)
-                text = r.text.strip()
-                if r.finish_reason not in ("stop", "length") or not text:
-                    self.error = r.error or f"the summary ended: {r.finish_reason}"
-                else:
-                    prev = self.previous
-                    source = (prev.source_tokens if prev is not None else 0) + sum(
-                        message_tokens(self.history[prev.messages if prev else 0:self.upto],
-                                       eng.count_tokens))
-                    self.result = Summary(self.upto, source, eng.count_tokens(text), text)
-        except (KVChatError, ValueError, RuntimeError) as e:
-            self.error = str(e)
-        finally:
-            self._done.set()
-        return self.result
-
-    def wait(self, timeout: float | None = None) -> Summary | None:
-        self._done.wait(timeout)
-        return self.result
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        handle = self._handle
-        if handle is not None:
-            handle.cancel()
-
-
-def summary_job(engine, history: Sequence[dict], summary: Summary | None, *, budget: int,
-                system: str = "", **kwargs) -> SummaryJob | None:
-    """A `SummaryJob` (not started) when the conversation needs one, else None."""
-    upto = plan_summary(history, summary, budget=budget, count=engine.count_tokens,
-                        system=system)
-    if not upto:
-        return None
-    return SummaryJob(engine, list(history), summary, upto, max_tokens=max(64, budget // 8),
-                      **kwargs)
 
 
 def add_context_args(p, *, default: str, budget_help: str) -> None:

@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from app.context_policy import (
-    ContextBudgetError,
-    Summary,
-    SummaryJob,
-    default_chat_budget,
-    fit,
-    plan_summary,
-    summary_prompt,
-)
+from app.context_policy import ContextBudgetError, Summary, default_chat_budget, fit, plan_summary
+from app.context_summary import SummaryJob, condense_prompt, note_prompt
 
 
 def words(text: str) -> int:
@@ -82,12 +75,10 @@ def test_plan_summary_waits_for_the_trigger_and_keeps_the_newest_turn():
     assert plan_summary(history, s, budget=300, count=words) in (0, *range(upto + 2, 11, 2))
 
 
-def test_summary_prompt_rolls_the_previous_summary_in():
-    history = chat(4)
-    prev = Summary(messages=2, source_tokens=50, tokens=4, text="OLD SUMMARY")
-    text = summary_prompt(history, prev, 6)
-    assert text.startswith("Earlier summary:\nOLD SUMMARY")
-    assert "turn 0" not in text and "turn 1 user" in text and "turn 3" not in text
+def test_note_and_condense_prompts_hold_their_text():
+    assert note_prompt("my PIN is 4817", "noted").startswith("User: my PIN is 4817\nAssistant:")
+    assert "x" * 2001 not in note_prompt("x" * 5000, "")  # a huge message is read in part
+    assert condense_prompt(["- a 1", "- b 2"]).startswith("Notes:\n- a 1\n- b 2")
 
 
 def test_summary_round_trips_and_labels_one_turn():
@@ -126,17 +117,30 @@ class _Engine:
         return _Handle([GenerationEvent(0, None, self.reply, self.finish)])
 
 
-def test_summary_job_runs_at_background_priority():
+def test_summary_job_writes_one_note_per_turn_at_background_priority():
     from engine.request import Priority
 
     eng = _Engine("The user's dog is Pepper.")
     job = SummaryJob(eng, chat(4), None, 4)
     s = job.run()
-    assert job.done and eng.priorities == [Priority.BACKGROUND]
-    assert s.messages == 4 and s.tokens == 5 and s.text == "The user's dog is Pepper."
+    assert job.done and eng.priorities == [Priority.BACKGROUND] * 2 and job.requests == 2
+    assert s.messages == 4 and s.text == "- The user's dog is Pepper.\n" * 1 + \
+        "- The user's dog is Pepper."
     assert s.source_tokens == sum(words(m["content"]) + 4 for m in chat(4)[:4])
+    # the next summary appends the new turns' notes to this one's
+    again = SummaryJob(eng, chat(4), s, 6).run()
+    assert again.text.count("Pepper") == 3 and again.messages == 6
+
+
+def test_notes_over_their_cap_have_the_older_half_condensed():
+    eng = _Engine("a note of five words")
+    s = SummaryJob(eng, chat(8), None, 16, max_tokens=12).run()
+    assert s.text.count("\n") < 7  # 8 notes, the older 4 condensed into one
 
 
 def test_a_failed_summary_has_no_result_and_says_why():
     job = SummaryJob(_Engine("", finish="cancelled"), chat(4), None, 4)
     assert job.run() is None and "cancelled" in job.error
+    cancelled = SummaryJob(_Engine("x"), chat(4), None, 4)
+    cancelled.cancel()
+    assert cancelled.run() is None and cancelled.requests == 0

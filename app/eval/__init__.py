@@ -5,6 +5,8 @@
   `probes` and `docs` hold the prompt sets and documents, `report` writes the outputs)
 - `ask`: ``kvchat eval ask`` — document Q&A: needle recall through ``kvchat ask``'s
   policy against a plain prompt, and the TTFT the pinned document prefix saves
+- `chat`: ``kvchat eval chat`` — long scripted conversations: recall of early facts
+  under the context policies (summarize, truncate) and the full history
 - `weights`: ``kvchat eval weights`` — kvchat's quantized CPU path against mlx-lm as
   shipped on the same weights: perplexity delta, top-1 and greedy agreement
 
@@ -17,12 +19,13 @@ from __future__ import annotations
 
 def add_parser(sub) -> None:
     """Register ``eval`` and its modes on the CLI's subparsers object."""
-    from app.eval import ask, kv, weights
+    from app.eval import ask, chat, kv, weights
 
     p = sub.add_parser("eval", help="quality evaluations (KV cache formats, document Q&A, "
-                                    "quantized weights)",
+                                    "long chats, quantized weights)",
                        description="Quality evaluations of kvchat's settings.")
-    modes = p.add_subparsers(dest="eval_mode", metavar="{kv,ask,weights}", required=True)
+    modes = p.add_subparsers(dest="eval_mode", metavar="{kv,ask,chat,weights}", required=True)
     kv.add_parser(modes)
     ask.add_parser(modes)
+    chat.add_parser(modes)
     weights.add_parser(modes)

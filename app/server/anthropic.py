@@ -153,7 +153,7 @@ async def messages(request: Request) -> Response:
     try:
         principal = authenticate(request)
         parsed = parse_request("chat", translate(await read_json(request)))
-        ids, params = await serving.prepare(state, parsed)
+        ids, params = await serving.prepare(state, parsed, principal)
         handle, _ = serving.submit(state, ids, params, parsed, principal)
     except APIError as e:
         return error_response(e)

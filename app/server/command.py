@@ -14,6 +14,7 @@ import ipaddress
 import socket
 
 from app import arg_types
+from app.context_policy import add_context_args
 from app.distributed import add_distributed_args
 from app.engine_args import add_engine_args, build_engine, check_kv_budget
 from app.engine_config import config_from_args
@@ -46,6 +47,9 @@ def add_parser(sub) -> None:
                    help="seconds in-flight requests may finish after SIGTERM (30)")
     p.add_argument("--log-level", choices=["warning", "info", "debug"], default="warning",
                    help="uvicorn's log level; info logs every request (warning)")
+    add_context_args(p, default="error",
+                     budget_help="prompt tokens a chat request may take before the policy "
+                                 "applies (default: the context less its max_tokens)")
     add_engine_args(p)
     add_distributed_args(p)
     p.set_defaults(func=run)

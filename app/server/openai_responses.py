@@ -139,7 +139,7 @@ async def responses(request: Request) -> Response:
     state = _state(request)
     principal = authenticate(request)
     parsed = parse_request("chat", translate(await read_json(request)))
-    ids, params = await serving.prepare(state, parsed)
+    ids, params = await serving.prepare(state, parsed, principal)
     handle, _ = serving.submit(state, ids, params, parsed, principal)
     tools = parsed.tools if parsed.uses_tools else []
     head = {"id": "resp_" + secrets.token_hex(12), "object": "response",

@@ -60,6 +60,7 @@ class ParsedRequest:
     tool_choice: str = "auto"  # "auto", "none", "required" or a function's name
     parallel_tool_calls: bool = True
     template_kwargs: dict = field(default_factory=dict)  # enable_thinking, reasoning_effort
+    context: dict | None = None  # what the context policy cut or summarized (server.context)
 
     @property
     def uses_tools(self) -> bool:

@@ -46,6 +46,7 @@ class Reply:
     notice: str | None = None  # e.g. "max_tokens reduced from 4096 to 812 to fit"
     tools: list = field(default_factory=list)  # `tool_calls.Tool`s the answer may call
     thinking: bool = False  # the answer starts inside a think tag the template opened
+    context: dict | None = None  # what the context policy cut or summarized
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -54,6 +55,9 @@ class Reply:
 
     def extras(self, stats: RequestStats | None = None) -> dict:
         out = {"max_tokens": self.max_tokens, "notice": self.notice}
+        if self.context is not None:
+            out.update(truncated_turns=self.context["truncated_turns"],
+                       summarized_turns=self.context["summarized_turns"], context=self.context)
         if stats is not None:
             out.update(cached_tokens=stats.cached_tokens, cache_source=stats.cache_source,
                        blocks_used=stats.blocks_used, queue_s=round(stats.queue_s, 6),

@@ -91,7 +91,9 @@ def serve(args, engine, keys: KeyStore, sock: socket.socket) -> None:
     """Run the server on ``sock`` until SIGTERM / SIGINT has drained it."""
     state = ServerState(engine, keys, model_id(engine.loaded), max_waiting=args.max_waiting,
                         default_max_tokens=args.default_max_tokens,
-                        drain_timeout_s=args.drain_timeout)
+                        drain_timeout_s=args.drain_timeout,
+                        context_policy=getattr(args, "context_policy", "error"),
+                        context_budget=getattr(args, "context_budget", None))
     config = uvicorn.Config(build_app(state), log_level=args.log_level, lifespan="on",
                             access_log=args.log_level != "warning",
                             # a backstop: the drain deadline cancels requests first

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from app.server import errors, reasoning, tool_calls
+from app.server import context, errors, reasoning, tool_calls
 from app.server.errors import APIError
 from app.server.keys import Principal
 from app.server.openai_schema import ParsedRequest
@@ -71,7 +71,7 @@ def sampling_params(parsed: ParsedRequest, default_max_tokens: int,
 async def complete(state: ServerState, request: Request, parsed: ParsedRequest,
                    principal: Principal) -> Response:
     """Serve a parsed completion request; raises `APIError` for a refusal."""
-    ids, params = await prepare(state, parsed)
+    ids, params = await prepare(state, parsed, principal)
     handle, reply = submit(state, ids, params, parsed, principal)
     if parsed.stream:
         return EventStreamResponse(stream(state, handle, reply, parsed.include_usage),
@@ -80,8 +80,10 @@ async def complete(state: ServerState, request: Request, parsed: ParsedRequest,
     return await collect(state, request, handle, reply)
 
 
-async def prepare(state: ServerState, parsed: ParsedRequest) -> tuple[list[int], SamplingParams]:
-    """The prompt's ids (tokenized off the event loop) and the sampling parameters."""
+async def prepare(state: ServerState, parsed: ParsedRequest, principal: Principal | None = None
+                  ) -> tuple[list[int], SamplingParams]:
+    """The prompt's ids (tokenized off the event loop, under the context policy) and the
+    sampling parameters."""
     engine = state.engine
     if state.draining:
         raise errors.shutting_down()
@@ -94,6 +96,7 @@ async def prepare(state: ServerState, parsed: ParsedRequest) -> tuple[list[int],
         ids = await state.run_tokenizer(encode, engine, parsed)
         params = sampling_params(parsed, state.default_max_tokens,
                                  getattr(engine.tokenizer, "chat_template", None))
+        ids = await context.apply(state, parsed, ids, params.max_tokens, encode, principal)
     except RequestError as e:
         raise errors.invalid(str(e), parsed.prompt_param) from None
     return ids, params
@@ -121,8 +124,10 @@ def submit(state: ServerState, ids: list[int], params: SamplingParams, parsed: P
         raise errors.shutting_down() from None
     inside = parsed.kind == "chat" and reasoning.opens_thinking(
         engine.tokenizer.decode(ids[-4:]))  # the template opened a think tag itself
+    notes = [handle.notice, *(parsed.context or {}).get("notes", [])]
     reply = Reply(parsed.kind, model=state.model_id, fingerprint=state.fingerprint,
-                  max_tokens=handle.max_tokens, notice=handle.notice,
+                  max_tokens=handle.max_tokens, context=parsed.context,
+                  notice="; ".join(n for n in notes if n) or None,
                   tools=parsed.tools if parsed.uses_tools else [], thinking=inside)
     return handle, reply
 

@@ -38,6 +38,10 @@ class ServerState:
     """max_tokens of a request that sets none (then bounded by the context and the pool)."""
     drain_timeout_s: float = 30.0
     """After SIGTERM, in-flight requests may finish for this long; the rest are cancelled."""
+    context_policy: str = "error"
+    """Over the budget: summarize, truncate or error (`app.server.context`)."""
+    context_budget: int | None = None
+    """Prompt tokens a chat request may take; None: the context less its max_tokens."""
     pump: EventPump = field(default_factory=EventPump)
     counters: ServerCounters = field(default_factory=ServerCounters)
     draining: bool = False

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from textual.message import Message
 
-from app.context_policy import Fitted, Summary, SummaryJob, default_chat_budget, fit
+from app.context_policy import Fitted, Summary, default_chat_budget, fit
+from app.context_summary import SummaryJob
 from app.documents.qa import Prepared
 from app.documents.sessions import DEFAULT_SESSION_TTL_S
 from app.engine_like import EngineLike, HandleLike

@@ -18,7 +18,8 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Collapsible, Static
 
-from app.context_policy import Summary, SummaryJob, default_chat_budget, summary_job
+from app.context_policy import Summary, default_chat_budget
+from app.context_summary import SummaryJob, summary_job
 from app.conversations import Conversation
 from app.tui.widgets.transcript import Transcript
 

@@ -1,0 +1,129 @@
+"""Summaries for the ``summarize`` context policy: the model condenses the oldest turns.
+
+A 135M-parameter model rewrites one short exchange faithfully (it mostly copies names and
+numbers) but loses facts when asked to summarize a long stretch at once, so a summary is
+built as notes: one background request per condensed turn writes that turn's note (one
+line); the notes are appended to the previous summary's. When the notes outgrow their
+cap (a quarter of the budget), one more request condenses the older half of them into a
+few lines. Every request runs at background priority: a question asked meanwhile is
+served first (`engine.request.Priority`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from app.context_policy import Summary, message_tokens, plan_summary
+
+SYSTEM = "You write concise, faithful notes."
+NOTE_ASK = "Rewrite this exchange as one short note, keeping every name and number exactly."
+CONDENSE_ASK = "Shorten these notes into a few lines. Keep every name and number exactly."
+NOTE_TOKENS = 48
+MAX_TURN_CHARS = 2000  # of one message, in a note's request (the rest is not read)
+
+
+def note_prompt(user: str, assistant: str) -> str:
+    return (f"User: {user[:MAX_TURN_CHARS]}\nAssistant: {assistant[:MAX_TURN_CHARS]}"
+            f"\n\n{NOTE_ASK}")
+
+
+def condense_prompt(notes: Sequence[str]) -> str:
+    return "Notes:\n" + "\n".join(notes) + f"\n\n{CONDENSE_ASK}"
+
+
+@dataclass(eq=False)
+class SummaryJob:
+    """The summary of ``history[:upto]``: `run` it (a thread), `wait` for it, `cancel` it.
+
+    Its result is None when it was cancelled or failed (``error`` says why).
+    """
+
+    engine: object
+    history: list[dict]
+    previous: Summary | None
+    upto: int  # history messages the new summary covers
+    max_tokens: int = 512  # the notes' cap, beyond which the older half is condensed
+    tenant: str = "local"
+    permission_version: int = 0
+    result: Summary | None = None
+    error: str | None = None
+    requests: int = 0  # model requests it made
+    _done: threading.Event = field(default_factory=threading.Event)
+    _handle: object | None = None
+    _cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _ask(self, prompt: str, max_tokens: int, stop: list[str]) -> str:
+        from engine import SamplingParams
+        from engine.generation import collect
+        from engine.request import Priority
+
+        if self._cancelled:
+            raise InterruptedError("cancelled")
+        ids = self.engine.encode_prompt(prompt, system=SYSTEM)
+        self._handle = handle = self.engine.submit(
+            ids, SamplingParams(max_tokens=max_tokens, stop=stop),
+            priority=Priority.BACKGROUND, tenant=self.tenant,
+            permission_version=self.permission_version)
+        self.requests += 1
+        if self._cancelled:
+            handle.cancel()
+        r = collect(handle)
+        if r.finish_reason not in ("stop", "length"):
+            raise InterruptedError(r.error or f"a summary request ended: {r.finish_reason}")
+        return " ".join(r.text.split())
+
+    def run(self) -> Summary | None:
+        from engine.errors import KVChatError
+
+        eng, prev = self.engine, self.previous
+        start = prev.messages if prev is not None else 0
+        notes = prev.text.splitlines() if prev is not None else []
+        try:
+            for i in range(start, self.upto, 2):
+                user = self.history[i].get("content") or ""
+                reply = self.history[i + 1].get("content") or "" if i + 1 < self.upto else ""
+                note = self._ask(note_prompt(user, reply), NOTE_TOKENS, ["\n"])
+                if note:
+                    notes.append(f"- {note}")
+            if eng.count_tokens("\n".join(notes)) > self.max_tokens and len(notes) > 2:
+                half = len(notes) // 2
+                short = self._ask(condense_prompt(notes[:half]), self.max_tokens // 2, [])
+                notes = [f"- {short}"] * bool(short) + notes[half:]
+            text = "\n".join(notes)
+            if not text:
+                raise InterruptedError("the model wrote no summary")
+            source = (prev.source_tokens if prev is not None else 0) + sum(
+                message_tokens(self.history[start:self.upto], eng.count_tokens))
+            self.result = Summary(self.upto, source, eng.count_tokens(text), text)
+        except (KVChatError, ValueError, RuntimeError, InterruptedError) as e:
+            self.error = str(e)
+        finally:
+            self._done.set()
+        return self.result
+
+    def wait(self, timeout: float | None = None) -> Summary | None:
+        self._done.wait(timeout)
+        return self.result
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        handle = self._handle
+        if handle is not None:
+            handle.cancel()
+
+
+def summary_job(engine, history: Sequence[dict], summary: Summary | None, *, budget: int,
+                system: str = "", **kwargs) -> SummaryJob | None:
+    """A `SummaryJob` (not started) when the conversation needs one, else None."""
+    upto = plan_summary(history, summary, budget=budget, count=engine.count_tokens,
+                        system=system)
+    if not upto:
+        return None
+    return SummaryJob(engine, list(history), summary, upto, max_tokens=max(64, budget // 4),
+                      **kwargs)
