@@ -287,3 +287,17 @@ def test_engines_implement_engine_like(impl):
     fake = FakeEngine()
     assert isinstance(fake, EngineLike)
     assert isinstance(fake.submit([1, 2], SamplingParams(max_tokens=1)), HandleLike)
+
+
+def test_cache_panel_rows_show_the_budget_and_what_used_it():
+    from app.tui.widgets.cache_panel import context_rows
+
+    engine = FakeEngine(max_prompt_tokens=10_000)
+    history = [{"role": r, "content": "w " * 10} for _ in range(4) for r in ("user", "assistant")]
+    turn, _ = run_turn(engine, "short question", history, budget=40, policy="truncate")
+    rows = dict(context_rows(turn.usage()))
+    assert rows["budget"].endswith("/40 tok · truncate")
+    text = " ".join(v for _, v in context_rows(turn.usage()))
+    assert "history 28 · docs 0" in text and "summary 0" in text
+    assert "3 oldest turn(s) left out" in text
+    assert context_rows(None) == []

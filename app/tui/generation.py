@@ -50,6 +50,21 @@ class Turn:
         """Oldest turns left out of the prompt (none summarized them)."""
         return self.fitted.truncated_turns if self.fitted is not None else 0
 
+    def usage(self) -> dict | None:
+        """The prompt's budget and what used it (tokens), for the cache panel."""
+        f, p = self.fitted, self.prepared
+        if f is None:
+            return None
+        budget, documents = f.budget, 0
+        if p is not None:  # a document question: the documents' budget is the prompt's
+            b = p.budget
+            budget = min(b.total - b.answer, b.prompt or b.total)
+            documents = p.placement.tokens
+        return {"policy": f.policy, "budget": budget, "history": f.history_tokens,
+                "documents": documents, "summary": f.summary.tokens if f.summary else 0,
+                "summarized_turns": f.summary.turns if f.summary else 0,
+                "left_out": f.truncated_turns, "prompt": len(p.ids) if p else f.prompt_tokens}
+
 
 @dataclass
 class TurnStarted(Message):

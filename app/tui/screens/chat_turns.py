@@ -55,6 +55,7 @@ class TurnEvents(Screen):
         if message.turn is not self.turn or self.answer is None:
             return
         self.answer.set_stats("")
+        self.query_one(CachePanel).context = message.turn.usage()
         if message.notice:
             self.notify(message.notice, severity="warning")
         if message.turn.dropped_turns:

@@ -73,7 +73,21 @@ def summary_line(m) -> str:
             f"hit {100 * m.hit_rate:.0f}%")
 
 
-def metrics_table(m, last_turn: tuple[int, int] | None, peak: int = 0) -> Table:
+def context_rows(usage: dict | None) -> list[tuple[str, str]]:
+    """The last prompt's budget and what used it: history, documents, the summary."""
+    if usage is None:  # no prompt on this engine yet
+        return []
+    rows = [("budget", f"{usage['prompt']:,}/{usage['budget']:,} tok · {usage['policy']}"),
+            ("", f"history {usage['history']:,} · docs {usage['documents']:,}"),
+            ("", f"summary {usage['summary']:,}" + (
+                f" (turns 1–{usage['summarized_turns']})" if usage["summarized_turns"] else ""))]
+    if usage["left_out"]:
+        rows.append(("", f"{usage['left_out']} oldest turn(s) left out"))
+    return rows
+
+
+def metrics_table(m, last_turn: tuple[int, int] | None, peak: int = 0,
+                  context: dict | None = None) -> Table:
     """The panel's numbers as a two-column grid (label, value).
 
     ``peak``: the most the pool held (used + cached) since the panel's engine came in; the
@@ -100,6 +114,8 @@ def metrics_table(m, last_turn: tuple[int, int] | None, peak: int = 0) -> Table:
         t.add_row("last turn", f"{cached:,}/{prompt:,} prompt tok cached{share}")
     else:  # none yet on this engine, or an answer is being written
         t.add_row("last turn", "–")
+    for label, value in context_rows(context):
+        t.add_row(label, value)
     t.add_row("sequences", f"{m.active_sequences} active · {m.waiting} waiting")
     t.add_row("evictions", f"{m.evictions} · preempted {m.preemptions} · "
                            f"rejected {getattr(m, 'rejections', 0)}")
@@ -130,6 +146,8 @@ class CachePanel(Vertical):
 
     last_turn: reactive[tuple[int, int] | None] = reactive(None)
     """(cached prompt tokens, prompt tokens) of the last finished turn."""
+    context: reactive[dict | None] = reactive(None)
+    """The last prompt's budget and its use (`app.tui.generation.Turn.usage`)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -150,6 +168,9 @@ class CachePanel(Vertical):
     def watch_last_turn(self) -> None:
         self.poll()
 
+    def watch_context(self) -> None:
+        self.poll()
+
     def poll(self) -> None:
         """Read a snapshot from the app's engine (cheap and thread-safe) and redraw."""
         if not self.display or not self.is_mounted:
@@ -164,7 +185,7 @@ class CachePanel(Vertical):
             self.engine, self.peak = engine, 0
         m = engine.metrics()
         self.peak = max(self.peak, held_bytes(m))
-        stats.update(Group(metrics_table(m, self.last_turn, self.peak)))
+        stats.update(Group(metrics_table(m, self.last_turn, self.peak, self.context)))
         self.query_one(BlockMap).update(engine.block_map())
 
 
