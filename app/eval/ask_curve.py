@@ -3,9 +3,11 @@
 A tuning set (generated documents of 1k-8k tokens, five needles each at depths 0.1-0.9)
 gives needle recall against document length for a plain whole-document prompt, and for
 ``kvchat ask`` with a prompt budget of 1k, 2k and 4k tokens (whole below it, retrieval
-above). The budget suggested is the one with the best recall over the set (the smaller
-on a tie: fewer tokens to prefill). A held-out set (other seeds, 4k-8k tokens) then
-checks the model's recorded default (`app.documents.budgets`) against the plain prompt.
+above). The budget suggested is the one with the best recall over the set (the larger
+on a tie: documents up to it stay whole, a pinned prefix the next question reuses, and a
+question that needs more than one passage gets more of the text). A held-out set (other
+seeds, 4k-8k tokens) then checks the model's recorded default (`app.documents.budgets`)
+against the plain prompt.
 """
 
 from __future__ import annotations
@@ -110,7 +112,7 @@ def run(args) -> int:
             tune_rows = recall(eng, tuning, Path(tmp), budgets)
             cols = ["plain", *map(str, budgets)]
             totals = {c: sum(r[c] for r in tune_rows) for c in map(str, budgets)}
-            best = max(budgets, key=lambda b: (totals[str(b)], -b))
+            best = max(budgets, key=lambda b: (totals[str(b)], b))
             held_budget = default if default is not None else best
             held = probe_set(HELD_OUT if not args.quick else (4096,), (7, 8)[:len(seeds)],
                              eng.count_tokens)
