@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from engine.constraint import GrammarMatcher
 from engine.sampling import SamplingParams
+from engine.verify import accepted_sampled
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -78,11 +79,26 @@ class Decoder:
         """The token is the argmax of the logits (after the grammar's mask, if any)."""
         return self.params.temperature == 0 and not self.processors
 
-    def sample(self, logits: mx.array, history: list[int]) -> int:
-        """One token from a (1, vocab) row of logits."""
+    @property
+    def speculable(self) -> bool:
+        """Drafts can be verified for it: no grammar and no logits processors (whose state
+        would have to follow each draft token)."""
+        return self.grammar is None and not self.processors
+
+    def _seed(self) -> None:
         if not self._seeded:  # seeded on the first sample, inside the request's own try
             mx.random.seed(self.params.seed)
             self._seeded = True
+
+    def sample_drafts(self, logits: mx.array, draft: list[int]) -> list[int]:
+        """The tokens a sampled step yields from ``len(draft) + 1`` rows of logits (the
+        rejection rule of `engine.verify`: the output distribution is unchanged)."""
+        self._seed()
+        return accepted_sampled(self.params, draft, logits)
+
+    def sample(self, logits: mx.array, history: list[int]) -> int:
+        """One token from a (1, vocab) row of logits."""
+        self._seed()
         if self.processors:
             ids = mx.array(history, dtype=mx.int32)
             for proc in self.processors:

@@ -18,7 +18,6 @@ from functools import partial
 
 import mlx.core as mx
 
-from engine import prompts
 from engine.config import EngineConfig
 from engine.constraint import Constraint, Grammars
 from engine.decoder import Decoder
@@ -30,14 +29,16 @@ from engine.metrics import EngineMetrics, MetricsRecorder, snapshot
 from engine.model.backend import cpu_compile_off
 from engine.model.loader import LoadedModel
 from engine.pacing import StepPacer
+from engine.prompts import PromptMixin
 from engine.request import Priority, Request, RequestHandle, RequestState
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
+from engine.speculation import SpecConfig, SpecCost, Speculator
 from engine.validation import check_ids, check_params, check_scope, check_ttl
 from engine.wiring import EngineParts, build_kv
 
 
-class Engine(EngineLoop):
+class Engine(PromptMixin, EngineLoop):
     """Serves generation requests for one model over a block-paged KV pool."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *,
@@ -65,6 +66,11 @@ class Engine(EngineLoop):
         self.executor = StepExecutor(self.runner, self.kv, self.blocks, self.recorder, pacer,
                                      pipeline=pipeline, fast_greedy=loaded.cpu_ext,
                                      unwanted=self._unwanted)
+        spec = config.speculate if self.blocks.window is None else "off"
+        if spec != config.speculate:
+            self.notices.append("speculative decoding is off: sliding-window layers")
+        self.speculator = Speculator(SpecConfig(spec), SpecCost(pacer), self.recorder)
+        self.executor.on_verify = self.speculator.cost.observe
         self._ids = itertools.count()
         self.grammars = Grammars(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids,
                                  self.vocab_size)  # constrained decoding, built on first use
@@ -72,30 +78,6 @@ class Engine(EngineLoop):
     @property
     def tokenizer(self):
         return self.loaded.tokenizer
-
-    # -- prompts -------------------------------------------------------------------
-    def encode_prompt(self, prompt: str, *, system: str | None = None, raw: bool = False,
-                      history: list[dict] | None = None) -> list[int]:
-        """Token ids for a user prompt: through the chat template unless ``raw``."""
-        return prompts.chat_ids(self.tokenizer, prompt, system=system, raw=raw, history=history)
-
-    def encode_pinned(self, document: str, question: str, *, system: str,
-                      history: list[dict] | None = None) -> tuple[list[int], int]:
-        """(ids, prefix_len): ``document`` first, so its blocks serve every question on it."""
-        return prompts.pinned_ids(self.tokenizer, document, question, system=system,
-                                  history=history)
-
-    def prefix_hashes(self, prompt_ids: list[int], *, tenant: str = "local",
-                      permission_version: int = 0) -> list[bytes]:
-        """Chained hashes of the full blocks of ``prompt_ids`` under this engine's salt
-        (what names them in the prefix cache and on disk)."""
-        check_scope(tenant, permission_version, None)
-        seq = self.prefix.new_sequence(tenant, permission_version)
-        return list(self.prefix.hashes(seq, check_ids(prompt_ids, self.vocab_size)))
-
-    def count_tokens(self, text: str) -> int:
-        """Tokens ``text`` takes alone (no chat template, no special tokens)."""
-        return len(prompts.plain_ids(self.tokenizer, text))
 
     # -- requests --------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
@@ -178,9 +160,13 @@ class Engine(EngineLoop):
         self.prefix.maybe_sweep()
         with self._lock:
             inbox_empty = not self._inbox
-        if self.executor.in_flight and not (inbox_empty and self.scheduler.can_plan_ahead()):
+        spec = self.speculator.active  # drafts follow the last token: nothing may be in flight
+        if self.executor.in_flight and (spec or not (inbox_empty
+                                                     and self.scheduler.can_plan_ahead())):
             for outcome in self.executor.resolve():
                 self._apply(outcome)
+        if spec:
+            self.speculator.assign(self.scheduler.running)
         plan = self.scheduler.schedule()
         self._admitted(plan)
         for outcome in self.executor.run(plan):
@@ -213,11 +199,19 @@ class Engine(EngineLoop):
             if o.error is not None:
                 raise RuntimeError(o.error)
             req.num_computed += o.computed
+            if o.drafted:  # the rejected drafts' slots go back; their K/V is never read
+                self.blocks.truncate(req.request_id, o.drafted - len(o.more))
+            if o.token is not None and self.speculator.active:
+                self.speculator.settle(req, o.token, len(o.more))
             self.executor.fault(req, "token" if o.token is not None else "computed")
+            # accepted drafts are not in all_ids yet: their blocks register next step
             self.prefix.on_computed(req.request_id, req.prefix, req.all_ids,
-                                    req.num_computed, len(req.prompt_ids))
+                                    min(req.num_computed, req.total_len), len(req.prompt_ids))
             if o.token is not None:
-                self._accept(req, o.token, time.perf_counter())
+                now = time.perf_counter()
+                for token in [o.token, *o.more]:
+                    if not req.finished:  # an accepted draft may end it (EOS, a stop string)
+                        self._accept(req, token, now)
             elif req.stats.preemptions == 0:
                 req.events.put(GenerationEvent(req.request_id, None, "",
                                                prefill=(req.num_computed, len(req.prompt_ids))))
@@ -266,6 +260,7 @@ class Engine(EngineLoop):
             rec.observe("decode_tps", s.decode_tps)
         with self._lock:
             self._requests.pop(req.request_id, None)
+        self.speculator.forget(req.request_id)
         req.events.put(GenerationEvent(req.request_id, token, text, finish_reason=reason,
                                        stats=s, error=error))
 

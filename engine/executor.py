@@ -16,21 +16,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import mlx.core as mx
 
-from engine import greedy
+from engine import greedy, verify
 from engine.constraint import mask_rows
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.metrics import MetricsRecorder
-from engine.model.attention import contiguous_run
-from engine.model.model_runner import PagedModel, StepBatch, StepInterrupted
+from engine.model.model_runner import PagedModel, StepInterrupted
 from engine.model.packed_batch import pack
 from engine.pacing import StepPacer
 from engine.request import Request
 from engine.scheduler import StepPlan
+from engine.step_inputs import build_batch
 
 FaultHook = Callable[[Request, str], None]
 Unwanted = Callable[[list[Request]], bool]
@@ -53,6 +54,8 @@ class Outcome:
     computed: int = 0  # tokens whose K/V this step wrote
     token: int | None = None  # the sampled next token (decode steps)
     error: str | None = None
+    more: list[int] = field(default_factory=list)  # accepted tokens after ``token``
+    drafted: int = 0  # draft tokens verified: ``drafted - len(more)`` slots go back
 
 
 def _error(e: Exception) -> str:
@@ -61,23 +64,6 @@ def _error(e: Exception) -> str:
 
 def _same(a: list[Request], b: list[Request]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
-
-
-def build_batch(blocks: BlockManager, seq_ids: list[int], input_ids: mx.array,
-                slots: list[list[int]]) -> StepBatch:
-    """The forward's inputs for sequences whose new tokens already have ``slots``."""
-    tables = [blocks.block_tables[i] for i in seq_ids]
-    lens = [blocks.num_tokens[i] for i in seq_ids]
-    L = input_ids.shape[1]
-    width = max(len(t) for t in tables)
-    return StepBatch(
-        input_ids=input_ids,
-        offsets=mx.array([n - L for n in lens], dtype=mx.int32),
-        slots=mx.array([s for ss in slots for s in ss], dtype=mx.int32),
-        block_tables=mx.array([t + [t[0]] * (width - len(t)) for t in tables], dtype=mx.int32),
-        context_lens=lens,
-        block_run=contiguous_run(tables[0]) if len(seq_ids) == 1 else None,
-    )
 
 
 class StepExecutor:
@@ -91,12 +77,13 @@ class StepExecutor:
         self.pacer = pacer or StepPacer(len(runner.layers))
         self.fault_hook: FaultHook | None = None  # tests: may raise for (request, phase)
         # True when none of these requests is wanted any more: their forward may stop
-        # between layer groups (None: forwards always run to the end)
-        self.unwanted = unwanted
+        self.unwanted = unwanted  # between layer groups (None: forwards run to the end)
         self.pipeline = pipeline  # launch greedy decodes ahead (see `run`)
         self.fast_greedy = fast_greedy  # the CPU extension's greedy pick (`engine.greedy`)
         self.flight: Flight | None = None
         self._last: dict[int, int] = {}  # tokens read from a flight, not yet applied
+        # times decode steps that verified drafts: (sequences, draft tokens, seconds)
+        self.on_verify: Callable[[int, int, float], None] | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -123,7 +110,8 @@ class StepExecutor:
     def _can_chain(self, plan: StepPlan) -> bool:
         """The plan decodes exactly the flight's requests: feed its tokens unread."""
         f = self.flight
-        return (f is not None and not plan.prefills and not any(s.copies for _, s in plan.decodes)
+        return (f is not None and not plan.prefills
+                and not any(s.copies or r.draft for r, s in plan.decodes)
                 and len(plan.decodes) == len(f.requests)
                 and all(r is q for (r, _), q in zip(plan.decodes, f.requests, strict=True)))
 
@@ -144,7 +132,8 @@ class StepExecutor:
             if self._can_chain(plan):
                 return self._decode(plan.decodes)
             out = self.resolve()
-            if plan.prefills and len(plan.prefills) + len(plan.decodes) > 1:
+            if (plan.prefills and len(plan.prefills) + len(plan.decodes) > 1
+                    or any(r.draft for r, _ in plan.decodes)):
                 return out + self._mixed(plan)
             out += [self._prefill(req, n, slots) for req, n, slots in plan.prefills]
             if plan.decodes:
@@ -199,7 +188,7 @@ class StepExecutor:
             return Outcome(req, error=_error(e))
 
     def _mixed(self, plan: StepPlan) -> list[Outcome]:
-        """Prefill chunks and decodes as one packed forward."""
+        """Prefill chunks and decodes (with any drafts they verify) as one packed forward."""
         out: list[Outcome] = []
         pre = [(r, n, s) for r, n, s in plan.prefills
                if self._prepare(r, "prefill", s.copies, out)]
@@ -210,20 +199,26 @@ class StepExecutor:
         batch = pack(
             [(r.all_ids[r.num_computed:r.num_computed + n], s.slots, tables[r.request_id],
               lens[r.request_id]) for r, n, s in pre],
-            [(self._last_token(r), s.slots[0], tables[r.request_id], lens[r.request_id])
-             for r, s in dec])
+            [row for r, s in dec for row in verify.rows(
+                self._last_token(r), r.draft, s.slots, tables[r.request_id],
+                lens[r.request_id])])
         reqs = [r for r, _, _ in pre] + [r for r, _ in dec]
         t = time.perf_counter()
         try:
             logits = self.runner.forward_packed(batch, self.kv, interrupt=self._interrupt(reqs),
                                                 group=self.pacer.layer_group(batch.num_tokens))
-            picked = self._pick([r for r, _ in dec], logits) if dec else []
+            picked = self._verify([r for r, _ in dec], logits) if dec else []
             mx.eval(self.kv.keys, self.kv.values)
         except StepInterrupted:
             return out
         except Exception as e:  # noqa: BLE001 - the packed forward failed: all of it
             return out + [Outcome(r, error=_error(e)) for r in reqs]
-        self._timed("mixed", batch.num_tokens, time.perf_counter() - t)
+        seconds, drafts = time.perf_counter() - t, sum(len(r.draft) for r, _ in dec)
+        self.recorder.time_forward("mixed" if pre else "decode", batch.num_tokens, seconds)
+        if pre or not drafts:
+            self.pacer.observe(batch.num_tokens, seconds, decode_only=not pre)
+        elif self.on_verify is not None:  # its extra tokens are timed apart from the pacer's
+            self.on_verify(len(dec), drafts, seconds)
         return out + [Outcome(r, computed=n) for r, n, _ in pre] + picked
 
     def _decode(self, decodes) -> list[Outcome]:
@@ -255,6 +250,28 @@ class StepExecutor:
             return out + self.resolve() + [Outcome(r, error=_error(e)) for r in reqs]
         self._timed("decode", len(reqs), time.perf_counter() - t)
         return out + picked
+
+    def _verify(self, reqs: list[Request], logits: mx.array) -> list[Outcome]:
+        """Outcomes of decode rows: one row per request, or ``1 + k`` for one with drafts."""
+        starts = list(accumulate((1 + len(r.draft) for r in reqs), initial=0))
+        if starts[-1] == len(reqs):
+            return self._pick(reqs, logits)
+        plain = [i for i, r in enumerate(reqs) if not r.draft]
+        out = self._pick([reqs[i] for i in plain], logits[mx.array([starts[i] for i in plain])]
+                         ) if plain else []
+        spec = [(r, starts[i]) for i, r in enumerate(reqs) if r.draft]
+        rows = [j for r, a in spec if r.decoder.argmax for j in range(a, a + 1 + len(r.draft))]
+        targets = iter(greedy.tokens(logits[mx.array(rows)], fast=self.fast_greedy,
+                                     wait=(self.kv.keys, self.kv.values)) if rows else [])
+        for r, a in spec:
+            try:
+                toks = (verify.accepted_greedy(r.draft, [next(targets) for _ in [0, *r.draft]])
+                        if r.decoder.argmax else
+                        r.decoder.sample_drafts(logits[a:a + 1 + len(r.draft)], r.draft))
+                out.append(Outcome(r, len(toks), toks[0], more=toks[1:], drafted=len(r.draft)))
+            except Exception as e:  # noqa: BLE001 - one request's failure stays its own
+                out.append(Outcome(r, error=_error(e)))
+        return out
 
     def _pick(self, reqs: list[Request], logits: mx.array) -> list[Outcome]:
         """Each request's next token from its row of ``logits`` (the pool is evaluated)."""

@@ -26,6 +26,8 @@ class RequestStats:
     kv_format: str = ""  # the pool's K/V format, e.g. "float32" or "k=q8g64,v=q4g64"
     bytes_used: int = 0  # blocks_used x bytes per block
     blocks_released: int = 0
+    spec_proposed: int = 0  # draft tokens verified (speculative decoding)
+    spec_accepted: int = 0  # of which accepted
     inter_token_s: list[float] = field(default_factory=list)
 
     @property

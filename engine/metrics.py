@@ -92,6 +92,8 @@ class EngineMetrics:
     preemptions: int = 0
     rejections: int = 0
     interrupted_forwards: int = 0  # stopped between layer groups: all their requests cancelled
+    spec_proposed: int = 0  # draft tokens verified (speculative decoding)
+    spec_accepted: int = 0  # of which accepted
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
     steps: int = 0
     prefill_forward: ForwardClock = field(default_factory=ForwardClock)
@@ -121,6 +123,7 @@ class MetricsRecorder:
         self.preemptions = 0
         self.rejections = 0
         self.interrupted_forwards = 0
+        self.spec_proposed = self.spec_accepted = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
         self.release_latency_ms = 0.0
@@ -200,6 +203,7 @@ def snapshot(blocks, recorder: MetricsRecorder, layout, scheduler, prefix,
         preemptions=rec.preemptions,
         rejections=rec.rejections,
         interrupted_forwards=rec.interrupted_forwards,
+        spec_proposed=rec.spec_proposed, spec_accepted=rec.spec_accepted,
         finished=dict(rec.finished),
         steps=rec.steps,
         **{f"{k}_forward": c for k, c in rec.forward_clocks().items()},

@@ -9,6 +9,7 @@ the document's cached KV blocks (the prefix cache matches whole blocks of equal 
 from __future__ import annotations
 
 from engine.errors import RequestError
+from engine.validation import check_ids, check_scope
 
 # Splits the rendered template at the document's end; never in a document (see pinned_ids).
 SPLIT_MARK = "\u241ekvchat-document-end\u241e"
@@ -70,3 +71,30 @@ def pinned_ids(tokenizer, document: str, question: str, *, system: str,
             raise RequestError("this model's chat template does not keep a system message")
     prefix = plain_ids(tokenizer, before)
     return prefix + plain_ids(tokenizer, after), len(prefix)
+
+
+class PromptMixin:
+    """The engine's prompt encoding (it provides ``tokenizer``, ``prefix`` and ``vocab_size``)."""
+
+    def encode_prompt(self, prompt: str, *, system: str | None = None, raw: bool = False,
+                      history: list[dict] | None = None) -> list[int]:
+        """Token ids for a user prompt: through the chat template unless ``raw``."""
+        return chat_ids(self.tokenizer, prompt, system=system, raw=raw, history=history)
+
+    def encode_pinned(self, document: str, question: str, *, system: str,
+                      history: list[dict] | None = None) -> tuple[list[int], int]:
+        """(ids, prefix_len): ``document`` first, so its blocks serve every question on it."""
+        return pinned_ids(self.tokenizer, document, question, system=system,
+                                  history=history)
+
+    def prefix_hashes(self, prompt_ids: list[int], *, tenant: str = "local",
+                      permission_version: int = 0) -> list[bytes]:
+        """Chained hashes of the full blocks of ``prompt_ids`` under this engine's salt
+        (what names them in the prefix cache and on disk)."""
+        check_scope(tenant, permission_version, None)
+        seq = self.prefix.new_sequence(tenant, permission_version)
+        return list(self.prefix.hashes(seq, check_ids(prompt_ids, self.vocab_size)))
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens ``text`` takes alone (no chat template, no special tokens)."""
+        return len(plain_ids(self.tokenizer, text))

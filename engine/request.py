@@ -54,6 +54,7 @@ class Request:
     notice: str | None = None  # e.g. "max_tokens reduced from 512 to 100 to fit the pool"
     cancel_at: float | None = None  # perf_counter() of the cancel() call
     swap: SwappedKV | None = None  # host copy of the K/V while SWAPPED
+    draft: list[int] = field(default_factory=list)  # tokens this step verifies (speculation)
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
     @property

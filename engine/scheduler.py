@@ -169,11 +169,14 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             req = self.running[i]
-            n = 1 if not req.in_prefill else self._prefill_len(req, budget)
+            n = 1 + len(req.draft) if not req.in_prefill else self._prefill_len(req, budget)
             if n == 0:
                 i += 1
                 continue
             while not self.blocks.can_append(req.request_id, n):
+                if n > 1 and not req.in_prefill:  # its drafts go before anyone's blocks
+                    req.draft, n = [], 1
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, plan)
                 if victim is req:
@@ -196,6 +199,7 @@ class Scheduler:
         """Give back a running request's blocks: swap them to host, or recompute later."""
         self.running.remove(victim)
         victim.stats.preemptions += 1
+        victim.draft = []
         if (self.config.preempt_mode == "swap"
                 and self.swap.can_swap_out(victim.num_computed)):
             victim.swap = self.swap.swap_out(victim.request_id, victim.num_computed)

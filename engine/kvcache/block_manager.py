@@ -144,6 +144,24 @@ class BlockManager:
             self.window.track(seq_id, table, n + num_new_tokens, fresh)
         return SlotPlan(self.slots(seq_id, n, n + num_new_tokens), copies)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> int:
+        """Give back the last ``num_tokens`` slots of ``seq_id`` (drafts that were rejected);
+        returns the blocks freed. Only slots reserved by the latest `append` may go back."""
+        if self.window is not None:
+            raise ValueError("a sliding-window pool cannot give slots back")
+        n = self.num_tokens[seq_id] - num_tokens
+        if num_tokens < 0 or n < 0:
+            raise ValueError(f"cannot give back {num_tokens} slots of sequence {seq_id}")
+        table, freed = self.block_tables[seq_id], 0
+        while len(table) > self.blocks_needed(n):
+            b = table.pop()
+            assert self.ref_counts[b] == 1 and b not in self.block_hash, b
+            self.ref_counts[b] = 0
+            self.free_block_ids.appendleft(b)  # the next append takes it again
+            freed += 1
+        self.num_tokens[seq_id] = n
+        return freed
+
     def slots(self, seq_id: int, start: int, stop: int) -> list[int]:
         """Flat pool slots (block_id * block_size + offset) of tokens start..stop-1."""
         bs, table = self.block_size, self.block_tables[seq_id]

@@ -1,0 +1,196 @@
+"""Speculative decoding: draft tokens by prompt lookup, and how many to verify per sequence.
+
+A decoding sequence may feed, besides its last token, ``k`` draft tokens guessed from
+n-grams that already occurred in its prompt or answer (prompt lookup: document Q&A
+copies spans of the document). The step verifies them in the same batched forward as
+every other sequence's decode (`engine.verify`): one forward yields up to ``k + 1``
+tokens. How many drafts a sequence gets is decided per step from what was measured: each
+sequence's recent acceptance rate and the cost of an extra token in a forward against
+the step's fixed cost (`SpecCost`); a draft token is added only while its expected yield
+per second beats the step's (so in a large batch, where every extra token costs as
+much as a whole sequence's decode, speculation switches itself off).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from engine.metrics import MetricsRecorder
+from engine.pacing import StepPacer, _ema
+from engine.request import Request
+
+MODES = ("off", "lookup")
+
+
+@dataclass(slots=True)
+class SpecConfig:
+    """Speculative decoding settings (`EngineConfig.speculate`)."""
+
+    mode: str = "off"  # "off" or "lookup"
+    max_draft: int = 6  # drafts verified per sequence and step at most
+    min_ngram: int = 2  # shortest suffix n-gram a lookup matches on
+    max_ngram: int = 4
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"speculate must be one of {', '.join(MODES)}")
+        if not 1 <= self.max_draft <= 16:
+            raise ValueError("max_draft must be in 1..16")
+        if not 1 <= self.min_ngram <= self.max_ngram <= 8:
+            raise ValueError("need 1 <= min_ngram <= max_ngram <= 8")
+
+
+class LookupIndex:
+    """Where each n-gram of a token list last ended, kept up to date as tokens are added."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in ``last_end``
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+        suffix n-gram of ``ids`` (none if no suffix of ``min_n`` tokens occurred)."""
+        end = len(ids) - 1
+        for e in range(self.indexed, end):  # every n-gram ending before the last token
+            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
+                self.last_end[tuple(ids[e - n + 1:e + 1])] = e
+        self.indexed = max(self.indexed, end)
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
+            e = self.last_end.get(tuple(ids[len(ids) - n:]))
+            if e is not None:
+                return ids[e + 1:e + 1 + k]
+        return []
+
+
+@dataclass(slots=True)
+class SpecState:
+    """One sequence's speculation: its lookup index and its measured acceptance."""
+
+    index: LookupIndex
+    accept_rate: float  # EMA of the share of drafts accepted
+    proposed: int = 0
+    accepted: int = 0
+
+
+@dataclass(slots=True)
+class SpecCost:
+    """A decode step's measured cost: fixed part and the extra seconds per draft token."""
+
+    pacer: StepPacer
+    per_draft_s: float | None = None  # measured on steps that verified drafts
+
+    def per_token(self) -> float | None:
+        return self.per_draft_s if self.per_draft_s is not None else self.pacer.per_token_s
+
+    def observe(self, rows: int, drafts: int, seconds: float) -> None:
+        """A decode step of ``rows`` sequences that also verified ``drafts`` tokens."""
+        fixed = self.pacer.fixed_s
+        if drafts > 0 and fixed is not None:
+            self.per_draft_s = _ema(self.per_draft_s, max(seconds - fixed, 0.0) / drafts)
+
+
+@dataclass(slots=True)
+class Speculator:
+    """Proposes each decoding sequence's drafts for the next step."""
+
+    config: SpecConfig
+    cost: SpecCost
+    recorder: MetricsRecorder | None = None  # engine-wide spec_proposed / spec_accepted
+    states: dict[int, SpecState] = field(default_factory=dict)
+    prior: float = 0.5  # acceptance of a sequence not yet measured: the engine-wide EMA
+    # the first draft of a sequence that verifies none this step: checked against the
+    # token it gets, so a sequence's rate keeps being measured while it does not speculate
+    shadow: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def active(self) -> bool:
+        return self.config.mode != "off"
+
+    def plan(self, decoding: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+        """Drafts for sequences given as (id, all token ids, tokens it may still produce
+        after the next one); sequences left out of the result feed no drafts."""
+        self.shadow.clear()
+        if not self.active or not decoding:
+            return {}
+        cands: dict[int, list[int]] = {}
+        for seq, ids, room in decoding:
+            st = self.states.get(seq)
+            if st is None:
+                c = self.config
+                st = self.states[seq] = SpecState(LookupIndex(c.min_ngram, c.max_ngram),
+                                                  self.prior)
+            draft = st.index.propose(ids, min(self.config.max_draft, room))
+            if draft:
+                cands[seq] = draft
+        drafts = self._allot(cands, len(decoding))
+        self.shadow = {s: d[0] for s, d in cands.items() if s not in drafts}
+        return drafts
+
+    def _allot(self, cands: dict[int, list[int]], rows: int) -> dict[int, list[int]]:
+        """Keep the draft tokens whose expected yield per second beats the step's.
+
+        Draft i of a sequence is accepted with probability ~ rate^i (all before it must be);
+        a step's yield is its rows plus the accepted drafts, its cost fixed + per-token x
+        tokens. Greedily add the draft with the highest acceptance while that raises the
+        step's expected tokens per second."""
+        fixed, per = self.cost.pacer.fixed_s, self.cost.per_token()
+        if not cands or fixed is None or per is None:
+            # unmeasured: verify one draft each, which measures the cost of a draft token
+            return {s: d[:1] for s, d in cands.items()} if fixed is not None else {}
+        tokens, seconds = float(rows), fixed
+        heap = [(-self.states[s].accept_rate, s, 1) for s in cands]
+        heapq.heapify(heap)
+        taken: dict[int, int] = {}
+        while heap:
+            neg_p, s, i = heapq.heappop(heap)
+            p = -neg_p
+            if (tokens + p) / (seconds + per) <= tokens / seconds:
+                break
+            tokens, seconds = tokens + p, seconds + per
+            taken[s] = i
+            if i < len(cands[s]):
+                heapq.heappush(heap, (-(p * self.states[s].accept_rate), s, i + 1))
+        return {s: cands[s][:n] for s, n in taken.items()}
+
+    def observe(self, seq: int, proposed: int, accepted: int) -> None:
+        """``accepted`` of ``proposed`` drafts of ``seq`` held (or would have)."""
+        st = self.states.get(seq)
+        if st is None or proposed == 0:
+            return
+        st.proposed += proposed
+        st.accepted += accepted
+        st.accept_rate = _ema(st.accept_rate, accepted / proposed)
+        self.prior = _ema(self.prior, accepted / proposed)
+
+    def forget(self, seq: int) -> SpecState | None:
+        """Drop a finished (or preempted) sequence's state; returns it."""
+        return self.states.pop(seq, None)
+
+    def assign(self, running: list[Request]) -> None:
+        """Set the drafts each running request verifies in the next step (none for one that
+        prefills, or whose grammar or logits processors would have to follow the drafts)."""
+        ready = [r for r in running if not r.in_prefill and r.decoder.speculable]
+        drafts = self.plan([(r.request_id, r.all_ids,
+                             r.max_new - r.stats.generation_tokens - 1) for r in ready])
+        for r in running:
+            r.draft = drafts.get(r.request_id, [])
+
+    def settle(self, req: Request, token: int, accepted: int) -> None:
+        """A step of ``req`` gave ``token`` first, and ``accepted`` of its drafts held."""
+        guess = self.shadow.pop(req.request_id, None)
+        if not req.draft:
+            if guess is not None:
+                self.observe(req.request_id, 1, int(guess == token))
+            return
+        s = req.stats
+        s.spec_proposed += len(req.draft)
+        s.spec_accepted += accepted
+        self.observe(req.request_id, len(req.draft), accepted)
+        if self.recorder is not None:
+            self.recorder.spec_proposed += len(req.draft)
+            self.recorder.spec_accepted += accepted
+        req.draft = []

@@ -1,0 +1,151 @@
+"""Speculative decoding's parts: prompt lookup, the measured draft allotment, giving slots
+back, and the sampling rule (its output distribution is the plain sampler's)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.kvcache.block_manager import BlockManager
+from engine.pacing import StepPacer
+from engine.sampling import SamplingParams
+from engine.speculation import LookupIndex, SpecConfig, SpecCost, Speculator
+from engine.verify import accepted_greedy, accepted_sampled, rows, target_logits
+
+
+def test_lookup_takes_the_latest_longest_match():
+    idx = LookupIndex(2, 3)
+    ids = [1, 2, 3, 9, 1, 2, 4, 7, 5, 1, 2]
+    # suffix (1, 2): last seen ending at 5 -> continues 4, 7, 5
+    assert idx.propose(ids, 2) == [4, 7]
+    # a longer suffix wins over a later, shorter one: (4, 1, 2)? no; (5, 1, 2)? no
+    ids2 = [8, 1, 2, 6, 6, 8, 1, 2, 3, 3, 8, 1, 2]
+    assert LookupIndex(2, 3).propose(ids2, 3) == [3, 3, 8]  # (8, 1, 2) last ended at 7
+    assert LookupIndex(2, 3).propose([5, 6, 7, 8], 4) == []  # nothing repeats
+    assert idx.propose(ids, 0) == []
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=60), st.integers(1, 6))
+@settings(max_examples=150, deadline=None)
+def test_lookup_incremental_equals_fresh(ids, k):
+    """Growing one index token by token proposes what a fresh index proposes."""
+    grown = LookupIndex(1, 3)
+    for n in range(1, len(ids) + 1):
+        got = grown.propose(ids[:n], k)
+        assert got == LookupIndex(1, 3).propose(ids[:n], k)
+        if got:  # a real continuation of an earlier occurrence of the suffix
+            assert len(got) <= k
+            text = ids[:n]
+            assert any(text[e + 1:e + 1 + len(got)] == got and text[e] == text[-1]
+                       for e in range(n - 1))
+
+
+def speculator(fixed, per):
+    pacer = StepPacer(4)
+    pacer.fixed_s, pacer.per_token_s = fixed, per
+    return Speculator(SpecConfig("lookup", max_draft=4, min_ngram=1), SpecCost(pacer))
+
+
+def copying(n=3):
+    """A sequence whose suffix repeats: lookup has 4 tokens to offer."""
+    return [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2][:12 + n]
+
+
+def test_allotment_follows_measured_cost_and_acceptance():
+    sp = speculator(0.020, 0.002)
+    sp.prior = 0.9
+    assert sp.plan([(0, copying(), 10)]) == {0: [3, 4, 5, 6]}  # cheap and likely: all 4
+    dear = speculator(0.020, 0.030)  # a draft token costs more than a whole step
+    dear.prior = 0.9
+    assert dear.plan([(0, copying(), 10)]) == {}
+    assert dear.shadow == {0: 3}  # still measured against the token the step gives
+    # at batch 16 the step's own tokens are worth more than a 60 % guess
+    big = speculator(0.040, 0.004)
+    big.prior = 0.6
+    assert big.plan([(s, copying(), 10) for s in range(16)]) == {}
+    assert big.plan([(0, copying(), 10)])[0][:1] == [3]
+    # room left caps the drafts; unmeasured cost proposes nothing
+    assert sp.plan([(1, copying(), 2)]) == {1: [3, 4]}
+    assert speculator(None, None).plan([(0, copying(), 10)]) == {}
+
+
+def test_shadow_measurement_turns_speculation_back_on():
+    sp = speculator(0.020, 0.008)
+    sp.prior = 0.1
+    assert sp.plan([(0, copying(), 10)]) == {}
+    for steps in range(1, 9):  # noqa: B007 - the unverified guesses keep coming true
+        sp.observe(0, 1, int(sp.shadow.pop(0) == 3))
+        drafts = sp.plan([(0, copying(), 10)])
+        if drafts:
+            break
+    assert drafts[0][0] == 3 and steps > 1
+    assert sp.states[0].accept_rate > 0.008 / 0.020
+
+
+def test_truncate_gives_back_only_what_the_append_took():
+    bm = BlockManager(8, 4)
+    bm.allocate(0, 6)
+    before = list(bm.free_block_ids)
+    bm.append(0, 7)  # 13 tokens: 4 blocks
+    assert len(bm.block_tables[0]) == 4
+    assert bm.truncate(0, 6) == 2  # back to 7 tokens: 2 blocks
+    assert bm.num_tokens[0] == 7 and sorted(bm.free_block_ids) == sorted(before)
+    bm.check_invariants()
+    with pytest.raises(ValueError):
+        bm.truncate(0, 8)
+    assert bm.free(0) == 2 and bm.num_free_blocks == 8
+
+
+def test_rows_and_greedy_acceptance():
+    assert rows(7, [8, 9], [40, 41, 42], [10], 12) == [
+        (7, 40, [10], 10), (8, 41, [10], 11), (9, 42, [10], 12)]
+    assert accepted_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accepted_greedy([5, 6, 7], [5, 1, 7, 8]) == [5, 1]
+    assert accepted_greedy([5], [2, 3]) == [2]
+
+
+LOGITS = mx.array([[2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2]])
+
+
+def chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True) if p > 0)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=1.3, top_k=4, min_p=0.05),
+])
+def test_target_distribution_is_mlx_lm_samplers(params):
+    """`target_logits` is what mlx-lm's sampler draws from (chi-square, fixed seed)."""
+    probs = mx.softmax(target_logits(params, LOGITS), axis=-1)[0].tolist()
+    sampler = params.make_sampler()
+    lp = LOGITS - mx.logsumexp(LOGITS, axis=-1, keepdims=True)
+    mx.random.seed(1)
+    draws = mx.concatenate([sampler(lp) for _ in range(3000)]).tolist()
+    counts = [draws.count(t) for t in range(LOGITS.shape[1])]
+    assert all(c == 0 for c, p in zip(counts, probs, strict=True) if p == 0)
+    assert chi_square(counts, probs) < 24.3  # df <= 7, p = 0.001
+
+
+@pytest.mark.parametrize("draft", [0, 1, 5])  # the likeliest token, a middling, an unlikely
+def test_speculative_sampling_keeps_the_distribution(draft):
+    """First token of a step with one draft: same distribution as plain sampling, whether
+    the draft is accepted or not (the rejection rule), and the second token only when the
+    draft was accepted."""
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    two = mx.concatenate([LOGITS, LOGITS[:, ::-1]])
+    probs = mx.softmax(target_logits(params, LOGITS), axis=-1)[0].tolist()
+    mx.random.seed(7)
+    firsts, seconds = [], 0
+    for _ in range(3000):
+        out = accepted_sampled(params, [draft], two)
+        firsts.append(out[0])
+        assert len(out) == (2 if out[0] == draft else 1)
+        seconds += len(out) == 2
+    counts = [firsts.count(t) for t in range(LOGITS.shape[1])]
+    assert chi_square(counts, probs) < 24.3
+    assert abs(seconds / 3000 - probs[draft]) < 0.04
