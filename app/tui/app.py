@@ -7,6 +7,7 @@ chats through `ChatsHost` (open, new, rename, export, reopen the last one); F6 t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from textual.app import App, SystemCommand
@@ -19,15 +20,17 @@ from app.engine_like import EngineLike
 from app.tui.chats import ChatsHost
 from app.tui.commands import KVChatCommands
 from app.tui.engine_factory import EngineFactory, default_engine_factory
-from app.tui.model_host import ModelHost, finish_mlx_work
+from app.tui.model_host import LoadThreads, ModelHost, finish_mlx_work
 from app.tui.screens.chat import ChatScreen
 from app.tui.screens.dialogs import SystemPromptScreen
 from app.tui.screens.help import HelpScreen
 from app.tui.screens.models import ModelsScreen
 from app.tui.settings_host import SettingsHost
 from app.tui.widgets.cache_panel import CachePanel
+from app.tui.widgets.transcript import MessageBox
 
 DROPPED_SYSTEM_COMMANDS = frozenset({"Quit", "Keys"})
+SETTLE_S = 30.0  # the longest quit waits for the chat to take in a turn's end
 
 __all__ = ["ChatApp", "EngineFactory", "default_engine_factory", "run"]
 
@@ -78,6 +81,9 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
         self.model_name: str | None = None
         self.loading_spec: str | None = None  # the spec of the load in progress
         self.kv_cache: str | None = None  # the settings' KV format for engines; None: the config's
+        self.load_threads = LoadThreads()
+        self.double_ctrl_c_s = 1.0  # a second Ctrl+C within this always quits
+        self._last_ctrl_c = float("-inf")
 
     def on_mount(self) -> None:
         saved = settings.load_settings() if self.remember else settings.AppSettings()
@@ -103,28 +109,45 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
 
     # -- actions -------------------------------------------------------------------
     def action_interrupt(self) -> None:
-        """Ctrl+C: copy the selected text; else cancel a running answer; else quit."""
-        selected = self.screen.get_selected_text()
+        """Ctrl+C: copy the selection (text, or a message selected with ↑); else cancel the
+        question on; else quit. A second Ctrl+C within a second always quits."""
+        now = time.monotonic()
+        double, self._last_ctrl_c = now - self._last_ctrl_c <= self.double_ctrl_c_s, now
+        if double:
+            self.call_later(self.action_quit)
+            return
+        # decided once the focused widget has handled the keys before this one (an Enter
+        # just typed is a question on its way: Ctrl+C cancels it rather than quitting)
+        (self.focused or self.screen).call_later(self._interrupt)
+
+    async def _interrupt(self) -> None:
+        if self.closing:
+            return
         focused = self.focused
+        selected = self.screen.get_selected_text()
         if not selected and focused is not None:
             selected = getattr(focused, "selected_text", "")  # the prompt's selection
+        if not selected and isinstance(focused, MessageBox):
+            selected = focused.text
         if selected:
             self.copy_to_clipboard(selected)
-            self.notify(f"Copied {len(selected):,} characters.", timeout=2)
+            self.notify(f"Copied {len(selected):,} characters (Ctrl+C twice quits).",
+                        timeout=2)
             return
-        if self.is_screen_installed("chat") and self.chat.generating:
-            self.chat.action_cancel_generation()
+        if self.is_screen_installed("chat") and self.chat.cancel_turn():
             return
-        self.call_later(self.action_quit)
+        await self.action_quit()
 
     async def action_quit(self) -> None:
         """Save the chat, stop the engine and wait for MLX work, then exit.
 
         It runs in a worker, so the UI stays live (and says so) while a model load that
-        cannot be interrupted finishes.
+        cannot be interrupted finishes. From here on no question is sent and no model
+        installed; the chat settles (a turn's end taken in) before the screen goes.
         """
         if self.closing:
             return  # a second Ctrl+C while the engine stops: the first quit goes on
+        self.closing = True
         if self.is_screen_installed("chat"):
             self.chat.save()
         self.model_status = "quitting…"
@@ -133,6 +156,8 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
     async def _quit(self) -> None:
         try:
             await self.finish_work()
+            if self.is_screen_installed("chat"):
+                await self.chat.settle(SETTLE_S)
         finally:
             self.exit()
 

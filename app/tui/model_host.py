@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from textual import work
@@ -29,6 +32,8 @@ from engine.errors import KVChatError
 
 # the thread workers that may be inside MLX when the user quits
 MLX_GROUPS = ("model", "generation")
+BUILDING = "building kvchat's CPU extension (first run only)"
+QUIT_WAIT_S = 120.0  # the longest quit waits for a model load still running in a thread
 
 
 def model_label(spec: str | None) -> str:
@@ -38,6 +43,31 @@ def model_label(spec: str | None) -> str:
 
         return DEFAULT_GGUF_FILE.split(".")[0] + " (default)"
     return Path(spec).name if Path(spec).exists() else spec
+
+
+class LoadThreads:
+    """Counts the threads loading a model. A load replaced by another (its worker
+    cancelled, so Textual counts it finished) goes on in its thread: quit waits for it."""
+
+    def __init__(self):
+        self._done = threading.Condition()
+        self._running = 0
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        with self._done:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._done:
+                self._running -= 1
+                self._done.notify_all()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until no load runs (False: still one after ``timeout`` seconds)."""
+        with self._done:
+            return self._done.wait_for(lambda: self._running == 0, timeout)
 
 
 def finish_mlx_work() -> None:
@@ -61,6 +91,7 @@ class ModelHost(App):
     loading_spec: str | None
     remember: bool
     closing: bool = False  # set when quitting: a load that ends now is shut down, not installed
+    load_threads: LoadThreads
 
     def load_model(self, spec: str | None, *, fallback: bool = False) -> None:
         """Load a model in a worker; ``fallback``: on failure, load the default instead."""
@@ -72,12 +103,14 @@ class ModelHost(App):
 
     @work(thread=True, exclusive=True, group="model", exit_on_error=False)
     def _load_worker(self, spec: str | None, fallback: bool, kv_cache: str | None) -> None:
-        worker = get_current_worker()
+        with self.load_threads.running():
+            self._load(get_current_worker(), spec, fallback, kv_cache)
+
+    def _load(self, worker, spec: str | None, fallback: bool, kv_cache: str | None) -> None:
         from engine.model.cpu_ext.build import build_pending
 
         if build_pending():  # the first launch on this machine compiles it: say why it waits
-            self.call_from_thread(setattr, self, "model_status",
-                                  "building kvchat's CPU extension (first run only, ~30 s)…")
+            self.call_from_thread(self._start_build_clock)
         try:
             engine = self.engine_factory(spec, kv_cache=kv_cache)
             engine.start()
@@ -93,10 +126,24 @@ class ModelHost(App):
         try:
             old = self.call_from_thread(self._install_engine, engine, spec)
         except RuntimeError:  # the app stopped meanwhile: nobody will shut it down but us
-            engine.shutdown()
-            return
-        if old is not None and old is not engine:
-            old.shutdown()  # cancels its requests and releases its whole pool
+            old = engine
+        if old is not None:
+            # the one replaced (its requests cancelled, its pool released), or this one
+            # when the app began to quit meanwhile: its thread must not outlive the app
+            old.shutdown()
+
+    def _start_build_clock(self) -> None:
+        """Say how long the CPU extension's build has taken so far (~20 s to minutes)."""
+        started = time.monotonic()
+
+        def tick() -> None:
+            if not self.model_loading or not self.model_status.startswith(BUILDING):
+                clock.stop()  # the load ended (or another began): the status moved on
+                return
+            self.model_status = f"{BUILDING}: {time.monotonic() - started:.0f} s so far…"
+
+        self.model_status = f"{BUILDING}: 0 s so far…"
+        clock = self.set_interval(1.0, tick)
 
     def _install_engine(self, engine: EngineLike, spec: str | None) -> EngineLike | None:
         if self.closing:
@@ -162,6 +209,7 @@ class ModelHost(App):
             if worker.group in MLX_GROUPS and not worker.is_finished:
                 with contextlib.suppress(Exception):  # its failure was reported already
                     await worker.wait()
+        await asyncio.to_thread(self.load_threads.wait, QUIT_WAIT_S)
         await asyncio.to_thread(finish_mlx_work)
 
     def on_unmount(self) -> None:

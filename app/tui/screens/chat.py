@@ -1,30 +1,26 @@
 """The chat screen: transcript, prompt, prefill bar, status line and the cache panel.
 
-How a turn ends (and what of it the chat keeps) is `chat_turns`; what can be done with a
-message (copy, retry, edit, delete) is `chat_actions`.
+How a question is sent (and cancelled before it reaches the engine) is `chat_send`; how a
+turn ends (and what of it the chat keeps) is `chat_turns`; what can be done with a message
+(copy, retry, edit, delete) is `chat_actions`.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, cast
 
-from textual import on, work
+from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, LoadingIndicator, ProgressBar, Static
-from textual.worker import get_current_worker
 
 from app.conversations import ChatMessage, Conversation, ConversationStore
 from app.engine_like import EngineLike
-from app.tui.documents import parse_doc_command
-from app.tui.generation import (
-    Turn,
-    TurnFinished,
-    stream_turn,
-)
+from app.tui.generation import Turn
 from app.tui.screens.chat_actions import MessageActions
+from app.tui.screens.chat_send import TurnStart
 from app.tui.screens.chat_summary import SummaryEvents, summary_marker
 from app.tui.screens.chat_turns import TurnEvents
 from app.tui.widgets.cache_panel import CachePanel, CacheSummary
@@ -56,7 +52,7 @@ class ChatHost(Protocol):
     def remember_chat(self, conversation_id: str | None) -> None: ...
 
 
-class ChatScreen(TurnEvents, SummaryEvents, MessageActions, Screen):
+class ChatScreen(TurnStart, TurnEvents, SummaryEvents, MessageActions, Screen):
     """One conversation with the loaded model; generation runs in a thread worker."""
 
     BINDINGS = [Binding("escape", "cancel_generation", "Cancel")]
@@ -70,14 +66,11 @@ class ChatScreen(TurnEvents, SummaryEvents, MessageActions, Screen):
         self.user_box: MessageBox | None = None
         self.editing: ChatMessage | None = None
         self.cache_expanded: bool | None = None  # None: by the width; F2 sets it
+        self.prompt_input = PromptInput(id="prompt", placeholder="Ask anything…")
 
     @property
     def chat_app(self) -> ChatHost:
         return cast(ChatHost, self.app)
-
-    @property
-    def generating(self) -> bool:
-        return self.turn is not None
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="body"):
@@ -87,7 +80,7 @@ class ChatScreen(TurnEvents, SummaryEvents, MessageActions, Screen):
                     yield Static("prefill", id="prefill-label")
                     yield ProgressBar(id="prefill-bar", show_eta=False)
                 yield DocumentBar(id="doc-bar")
-                yield PromptInput(id="prompt", placeholder="Ask anything…")
+                yield self.prompt_input
                 yield CacheSummary(id="cache-summary")
                 with Horizontal(id="status-row"):
                     yield LoadingIndicator(id="model-spinner")
@@ -102,7 +95,7 @@ class ChatScreen(TurnEvents, SummaryEvents, MessageActions, Screen):
         await self.show_conversation(self.conversation)
         self.watch(self.app, "model_status", self.update_status)
         self.watch(self.app, "model_loading", self._show_spinner)
-        self.query_one(PromptInput).focus()
+        self.prompt_input.focus()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "cancel_generation":  # Esc: cancel an answer, an edit, or leave a message
@@ -137,17 +130,23 @@ class ChatScreen(TurnEvents, SummaryEvents, MessageActions, Screen):
     # -- status ------------------------------------------------------------------
     def _show_spinner(self, loading: bool) -> None:
         self.query_one("#model-spinner").display = loading
+        if not loading:  # loaded (or failed): a question waiting for the model goes (or back)
+            self.call_later(self.dispatch)
 
     def update_status(self, *_) -> None:
-        parts = [self.chat_app.model_status]
+        # the state comes first: a narrow terminal cuts the line's end, never it
+        parts = []
+        if self.waiting_for_model:
+            parts.append("question queued: sent when the model is loaded — Esc cancels")
+        elif self.generating:
+            parts.append("generating — Esc cancels")
+        elif self.editing is not None:
+            parts.append("editing a question — Enter resends it, Esc cancels")
+        parts.append(self.chat_app.model_status)
         if self.conversation.system_prompt:
             parts.append("system prompt set")
         if self.conversation.params:
             parts.append("own sampling (F6)")
-        if self.generating:
-            parts.append("generating — Esc cancels")
-        elif self.editing is not None:
-            parts.append("editing a question — Enter resends it, Esc cancels")
         self.query_one("#status", Static).update(" · ".join(p for p in parts if p))
 
     # -- conversations -----------------------------------------------------------
@@ -185,72 +184,23 @@ class ChatScreen(TurnEvents, SummaryEvents, MessageActions, Screen):
             return
         self.chat_app.remember_chat(self.conversation.id)
 
-    # -- sending -----------------------------------------------------------------
-    @on(PromptInput.Submitted)
-    async def send(self, event: PromptInput.Submitted) -> None:
-        text = event.text
-        if not text.strip():
-            self.notify("The prompt is empty.", severity="warning")
-            return
-        command = parse_doc_command(text)
-        if command is not None:  # not for the model: attach, pick or detach a document
-            self.query_one(PromptInput).clear()
-            self.documents.run(command)
-            return
-        if self.generating:
-            self.notify("An answer is still being written: Esc cancels it.", severity="warning")
-            return
-        if self.chat_app.engine is None:
-            self.notify("No model is loaded yet.", severity="warning")
-            return
-        await self.end_edit()  # an edited question replaces the old one and what followed
-        await self.start_turn(text)
-
-    async def start_turn(self, text: str) -> None:
-        """Show the question, and write its answer in a worker."""
-        engine = self.chat_app.engine
-        if engine is None:
-            return
-        self.query_one(PromptInput).clear()
-        transcript = self.query_one(Transcript)
-        for hint in transcript.query(".hint"):
-            await hint.remove()
-        self.user_box = await transcript.add("user", text)
-        self.answer = await transcript.add("assistant")
-        self.answer.set_stats("waiting for the model…")
-        self.turn = Turn(text, engine, self.conversation.system_prompt,
-                         self.conversation.history(), documents=self.documents.attached,
-                         policy=self.chat_policy(), budget=self.chat_budget(engine),
-                         summary=self.current_summary(), pending=self.summary_running)
-        self.query_one(CachePanel).last_turn = None  # this turn's line comes when it ends
-        self.refresh_bindings()
-        self.update_status()
-        self.run_turn(self.turn)
-
-    @work(thread=True, exclusive=True, group="generation", exit_on_error=False)
-    def run_turn(self, turn: Turn) -> None:
-        worker = get_current_worker()
-        try:
-            stream_turn(turn, self.chat_app.sampling(), self.post_message,
-                        lambda: worker.is_cancelled)
-        except Exception as e:  # an engine bug must not leave the chat stuck "generating"
-            self.post_message(TurnFinished(turn, "error", None, f"{type(e).__name__}: {e}"))
+    # -- sending (`chat_send`) -------------------------------------------------------
+    def new_turn(self, text: str, engine: EngineLike) -> Turn:
+        """The turn for ``text`` on ``engine``, with the chat as it is now."""
+        return Turn(text, engine, self.conversation.system_prompt,
+                    self.conversation.history(), documents=self.documents.attached,
+                    policy=self.chat_policy(), budget=self.chat_budget(engine),
+                    summary=self.current_summary(), pending=self.summary_running)
 
     def action_cancel_generation(self) -> bool:
-        """Esc: cancel the running answer (the engine stops within one step), else the edit
-        in progress, else go back from a focused message to the prompt."""
-        turn = self.turn
-        if turn is None:
-            if self.editing is not None:
-                self.cancel_edit()
-            self.query_one(PromptInput).focus()
-            return False
-        turn.cancel_requested = True
-        if turn.request_id is not None:
-            turn.engine.cancel(turn.request_id)
-        if self.answer is not None:
-            self.answer.set_stats("cancelling…")
-        return True
+        """Esc: cancel the question on (see `generating`), else the edit in progress, else
+        go back from a focused message to the prompt."""
+        if self.cancel_turn():
+            return True
+        if self.editing is not None:
+            self.cancel_edit()
+        self.prompt_input.focus()
+        return False
 
     @on(PromptInput.UpFromTop)
     def _up_from_prompt(self) -> None:

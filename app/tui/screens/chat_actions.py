@@ -27,7 +27,7 @@ class MessageActions(Screen):
         def generating(self) -> bool: ...
         def save(self) -> None: ...
         def update_status(self, *_) -> None: ...
-        async def start_turn(self, text: str) -> None: ...
+        async def start_turn(self, text: str, *, drop_from: int | None = None) -> None: ...
 
     @property
     def transcript(self) -> Transcript:
@@ -103,9 +103,8 @@ class MessageActions(Screen):
         question = self.conversation.messages[start]
         if question.role != "user":
             return
-        await self.remove_messages(start)
         self.query_one(PromptInput).focus()
-        await self.start_turn(question.content)
+        await self.start_turn(question.content, drop_from=start)  # running from the start
 
     def edit(self, box: MessageBox) -> None:
         """Put a question back in the prompt; sending it drops it and every later turn."""

@@ -1,5 +1,8 @@
 """The prompt: a multi-line text area where Enter sends and Ctrl+J / Alt+Enter add a newline.
 
+Ctrl+R brings back the questions sent before (each press an older one), Ctrl+L clears the
+prompt (Ctrl+Z undoes it).
+
 A paste of `LARGE_PASTE_CHARS` or more is not inserted: the prompt posts `LargePaste`,
 and the chat offers to attach it as a document (a whole book does not fit in a message,
 and as a document it is placed by the budget policy and its prefix is cached).
@@ -29,6 +32,8 @@ class PromptInput(TextArea):
     BINDINGS = [
         Binding("enter", "submit", "Send", key_display="⏎"),
         Binding("ctrl+j,alt+enter", "newline", "Newline", key_display="^j", show=False),
+        Binding("ctrl+r", "recall", "Previous question", key_display="^r", show=False),
+        Binding("ctrl+l", "clear_prompt", "Clear the prompt", key_display="^l", show=False),
     ]
 
     @dataclass
@@ -68,6 +73,9 @@ class PromptInput(TextArea):
         kwargs.setdefault("show_line_numbers", False)
         kwargs.setdefault("tab_behavior", "focus")
         super().__init__(**kwargs)
+        self.submits_in_flight = 0  # Submitted posted, not yet handled (the chat counts it)
+        self.sent: list[str] = []  # the questions sent, oldest first (Ctrl+R recalls them)
+        self._recalled: int | None = None  # the index in `sent` shown now
 
     async def _on_key(self, event: events.Key) -> None:
         if event.key == "enter":
@@ -95,7 +103,23 @@ class PromptInput(TextArea):
         # a small paste: TextArea's handler (next in the MRO) inserts it as usual
 
     def action_submit(self) -> None:
+        if self.text.strip() and (not self.sent or self.sent[-1] != self.text):
+            self.sent.append(self.text)
+        self._recalled = None
+        self.submits_in_flight += 1
         self.post_message(self.Submitted(self, self.text))
+
+    def action_recall(self) -> None:
+        """Show the question sent before the one shown (after the oldest: empty)."""
+        if not self.sent:
+            return
+        shown = len(self.sent) if self._recalled is None else self._recalled
+        self._recalled = shown - 1 if shown > 0 else None
+        self.text = self.sent[self._recalled] if self._recalled is not None else ""
+        self.move_cursor(self.document.end)
+
+    def action_clear_prompt(self) -> None:
+        self.clear()
 
     def action_newline(self) -> None:
         self.insert("\n")
