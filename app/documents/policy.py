@@ -129,15 +129,18 @@ def render_chunks(docs: Sequence[Document], chunks: Sequence[Chunk],
 
 
 def place(docs: Sequence[Document], chunks: Callable[[], list[Chunk]], question: str,
-          budget: int, count: Callable[[str], int]) -> Placement:
+          budget: int, count: Callable[[str], int], *, at_least: int = 0) -> Placement:
     """Whole documents if they fit ``budget`` tokens, else the most relevant chunks.
 
-    ``chunks`` is called only when retrieval is needed (cutting costs tokenizer time).
+    ``chunks`` is called only when retrieval is needed (cutting costs tokenizer time);
+    ``at_least`` bounds the whole documents' tokens from below (their own counts): past
+    the budget, the whole is neither rendered nor counted again (seconds per MB of text).
     """
-    whole = render_whole(docs)
-    n = count(whole)
-    if n <= budget:
-        return Placement("whole", whole, n)
+    if at_least <= budget:
+        whole = render_whole(docs)
+        n = count(whole)
+        if n <= budget:
+            return Placement("whole", whole, n)
     every = chunks()
     ranked = rank(every, question)
     best = ranked[0][1] if ranked else 0.0

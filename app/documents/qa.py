@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from app.context_policy import Fitted, Summary, fit
 from app.documents import budgets
 from app.documents.chunks import DEFAULT_CHUNK_TOKENS, Chunk, split_document
+from app.documents.counting import sliced_counter
 from app.documents.load import Document
 from app.documents.policy import HISTORY_SHARE, Budget, Placement, place
 from app.engine_like import EngineLike
@@ -65,7 +66,8 @@ class DocumentQA:
         self.prompt_budget, self.budget_source = budgets.prompt_budget(engine.loaded,
                                                                        prompt_budget)
         self.chunk_tokens = chunk_tokens
-        self.doc_tokens = [engine.count_tokens(d.text) for d in self.docs]
+        self.count = sliced_counter(engine.count_tokens)  # memory bounded by a slice
+        self.doc_tokens = [self.count(d.text) for d in self.docs]
         self._chunks: list[Chunk] | None = None
 
     @property
@@ -76,7 +78,7 @@ class DocumentQA:
         """Every document cut into chunks (computed once)."""
         if self._chunks is None:
             self._chunks = [c for i, d in enumerate(self.docs)
-                            for c in split_document(d, i, self.engine.count_tokens,
+                            for c in split_document(d, i, self.count,
                                                     self.chunk_tokens)]
         return self._chunks
 
@@ -95,7 +97,7 @@ class DocumentQA:
         (`app.context_policy`) applies: a summary stands for the oldest, or they are left
         out, or (``error``) the question is refused.
         """
-        count = self.engine.count_tokens
+        count = self.count
         base = count(self.system) + count(question) + TEMPLATE_TOKENS
         budget = self.budget(answer_tokens, base)  # one metrics snapshot per question
         room = budget.total - answer_tokens
@@ -108,7 +110,8 @@ class DocumentQA:
             kept = [{"role": "user", "content": fitted.system},
                     {"role": "assistant", "content": "Noted."}, *kept]
         budget = replace(budget, fixed=base + sum(count(m["content"]) + 4 for m in kept))
-        placement = place(self.docs, self.chunks, question, budget.documents, count)
+        placement = place(self.docs, self.chunks, question, budget.documents, count,
+                          at_least=self.total_tokens)
         ids, prefix = self.engine.encode_pinned(placement.text, question, system=self.system,
                                                 history=kept)
         return Prepared(ids, prefix if placement.mode == "whole" else 0, budget, placement,
