@@ -237,6 +237,7 @@ def test_stream_turn_keeps_to_its_budget_by_policy(policy):
     turn, posted = run_turn(engine, "short question", history, budget=40, policy=policy)
     if policy == "error":  # nothing is cut: the prompt is refused
         assert isinstance(posted[-1], TurnRejected) and "over its budget" in posted[-1].error
+        assert not posted[-1].too_large  # not a paste to offer as a document
         return
     assert isinstance(posted[-1], TurnFinished)
     assert turn.dropped_turns == 3 and engine.histories[-1] == history[6:]

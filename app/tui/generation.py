@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from textual.message import Message
 
-from app.context_policy import Fitted, Summary, default_chat_budget, fit
+from app.context_policy import ContextBudgetError, Fitted, Summary, default_chat_budget, fit
 from app.context_summary import SummaryJob
 from app.documents.qa import Prepared
 from app.documents.sessions import DEFAULT_SESSION_TTL_S
@@ -173,7 +173,9 @@ def stream_turn(turn: Turn, params: SamplingParams, post: Callable[[Message], ob
         else:
             handle = submit_fitting(engine, turn, params)
     except (KVChatError, ValueError) as e:
-        post(TurnRejected(turn, str(e), isinstance(e, RequestTooLargeError)))
+        # over the chat's budget (error policy): the history is long, not the prompt
+        too_large = isinstance(e, RequestTooLargeError) and not isinstance(e, ContextBudgetError)
+        post(TurnRejected(turn, str(e), too_large))
         return
     turn.request_id = handle.request_id
     post(TurnStarted(turn, getattr(handle, "notice", None)))
