@@ -18,6 +18,7 @@ import time
 from app import arg_types
 from app.context_policy import Summary, add_context_args
 from app.context_summary import summary_job
+from app.disk_state import disk_cache_json
 from app.documents.load import Document, load_document
 from app.documents.qa import DocumentQA, Prepared
 from app.documents.sessions import DEFAULT_SESSION_TTL_S, DocSession, SessionRegistry
@@ -101,6 +102,7 @@ class AskSession:
             "ttft_s": s.ttft_s, "decode_tps": s.decode_tps,
             "left_out": prepared.report(self.docs), "notice": notice,
             "summarized": summarized,
+            "disk_cache": disk_cache_json(self.eng.metrics()),  # on / read-only / off, why
             **prepared.to_dict(),
         }
 

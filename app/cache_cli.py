@@ -59,6 +59,7 @@ def cmd_stats(args) -> int:
         "tenant_ttl_s": store.ttls.by_tenant,
         "write_errors": st.write_errors,
         "degraded": store.degraded,
+        "state": store.state,  # on / read-only / off (why: degraded)
     }
     store.close()
     if args.json:

@@ -21,6 +21,7 @@ import engine  # noqa: F401  (preloads OpenBLAS before anything imports mlx.core
 from app import arg_types
 from app.constraint_args import read_constraint
 from app.context_policy import add_context_args
+from app.disk_state import disk_cache_json
 from app.distributed import add_distributed_args, print_rank_lines, run_if_worker
 from app.echo import echo_events
 from app.engine_args import add_engine_args, add_scope_args, build_engine, check_kv_budget
@@ -110,12 +111,7 @@ def print_result(eng: EngineLike, result, *, as_json: bool, metrics=None) -> Non
             "cached_tokens": stats.cached_tokens,
             "cache_source": stats.cache_source,
             "kv": stats.kv_dict(),
-            "disk_cache": {
-                "entries": metrics.disk_entries,
-                "bytes": metrics.disk_bytes,
-                "write_errors": metrics.disk_write_errors,
-                "warning": metrics.disk_warning,
-            },
+            "disk_cache": disk_cache_json(metrics),  # state: on / read-only / off, and why
             "model": {
                 "name": loaded.name,
                 "path": str(loaded.path),

@@ -85,6 +85,7 @@ class EngineMetrics:
     disk_bytes: int = 0
     disk_write_errors: int = 0  # writes that failed (full or read-only disk, ...)
     disk_warning: str | None = None  # why the disk store runs degraded or off, once known
+    disk_state: str = ""  # "on", "read-only" or "off" (`DiskPrefixStore.state`; off: none)
     # scheduler
     waiting: int = 0
     running: int = 0
@@ -220,7 +221,8 @@ def _kernel_fallback() -> str | None:
 
 def _disk_metrics(store) -> dict:
     if store is None:
-        return {}
+        return {"disk_state": "off"}
     st = store.stats()
     return {"disk_entries": st.entries, "disk_bytes": st.bytes,
-            "disk_write_errors": st.write_errors, "disk_warning": store.degraded}
+            "disk_write_errors": st.write_errors, "disk_warning": store.degraded,
+            "disk_state": store.state}

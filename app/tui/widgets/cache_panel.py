@@ -14,6 +14,7 @@ from textual.containers import Vertical
 from textual.reactive import reactive
 from textual.widgets import Static
 
+from app.disk_state import disk_line
 from app.tui.widgets.block_map import BlockLegend, BlockMap
 
 REFRESH_S = 0.25  # 4 updates a second
@@ -121,9 +122,9 @@ def metrics_table(m, last_turn: tuple[int, int] | None, peak: int = 0,
                            f"rejected {getattr(m, 'rejections', 0)}")
     t.add_row("freed in", f"{m.release_latency_ms:.2f} ms (last cancel or finish)")
     errors, warning = getattr(m, "disk_write_errors", 0), getattr(m, "disk_warning", None)
-    if errors or warning:  # only when the disk cache is not working as asked
-        t.add_row("disk", Text(f"{errors} write errors" + (f" · {warning}" if warning else ""),
-                               style="bold yellow", overflow="fold"))
+    if getattr(m, "disk_state", "") or errors or warning:  # on / read-only / off, and why
+        t.add_row("disk", Text(disk_line(m), style="bold yellow" if errors or warning else "",
+                               overflow="fold", no_wrap=False))  # the reason in full
     latency = getattr(m, "latency", {}) or {}
     for key, label in (("ttft_s", "TTFT"), ("itl_s", "ITL")):
         p = latency.get(key)

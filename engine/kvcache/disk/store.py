@@ -71,6 +71,13 @@ class DiskPrefixStore:
         return self.files.degraded
 
     @property
+    def state(self) -> str:
+        """"on" (entries read and written), "read-only" (served, none written: a read-only,
+        full or symlinked directory) or "off" (a directory that cannot be used); ``degraded``
+        says why."""
+        return "on" if self.files.writable else "read-only" if self.files.readable else "off"
+
+    @property
     def writable(self) -> bool:
         """Whether new entries are written (False: a read-only, full or foreign directory)."""
         return self.files.writable
