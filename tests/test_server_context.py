@@ -90,6 +90,10 @@ def test_summarize_sends_a_summary_of_what_truncate_would_cut():
     assert "the user's code is 4817" in parsed.messages[0]["content"]
     assert parsed.messages[0]["content"].startswith("be brief")
     assert parsed.context["summarized_turns"] >= 1 and len(ids) <= 150
+    reply = Reply("chat", "m", "f", 16, context=parsed.context,
+                  notice="; ".join(parsed.context["notes"]))
+    assert "summarized" in reply.headers()["X-Kvchat-Notice"]
+    reply.headers()["X-Kvchat-Notice"].encode("latin-1")  # a header's charset: no 1–6 dash
 
 
 def test_error_leaves_it_to_the_engine_unless_a_budget_is_given():

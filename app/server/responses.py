@@ -61,7 +61,8 @@ class Reply:
         if stats is not None:
             out.update(cached_tokens=stats.cached_tokens, cache_source=stats.cache_source,
                        blocks_used=stats.blocks_used, queue_s=round(stats.queue_s, 6),
-                       ttft_s=round(stats.ttft_s, 6), preemptions=stats.preemptions)
+                       ttft_s=round(stats.ttft_s, 6), preemptions=stats.preemptions,
+                       spec_proposed=stats.spec_proposed, spec_accepted=stats.spec_accepted)
         return out
 
     def _head(self, obj: str) -> dict:
@@ -133,6 +134,7 @@ class Reply:
     def headers(self) -> dict[str, str]:
         """Sent before the body: the granted max_tokens and, if reduced, why."""
         out = {"X-Kvchat-Max-Tokens": str(self.max_tokens)}
-        if self.notice:
-            out["X-Kvchat-Notice"] = self.notice
+        if self.notice:  # a header is latin-1: "turns 1–6 summarized (a → b)" in ASCII
+            ascii_notice = self.notice.replace("–", "-").replace("→", "->")
+            out["X-Kvchat-Notice"] = ascii_notice.encode("ascii", "replace").decode()
         return out
