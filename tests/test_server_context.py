@@ -102,3 +102,22 @@ def test_error_leaves_it_to_the_engine_unless_a_budget_is_given():
     with pytest.raises(APIError) as info:
         run("error", 100)
     assert info.value.code == "context_length_exceeded"
+
+
+@pytest.mark.subprocess
+def test_a_served_truncation_is_in_the_body_and_the_header(tmp_path):
+    import httpx
+    from test_server_process import ServerProcess
+
+    srv = ServerProcess(tmp_path, "--no-disk-cache", "--kv-budget", "64M",
+                        "--context-policy", "truncate", "--context-budget", "96").start()
+    try:
+        body = {"model": "kvchat", "max_tokens": 4, "temperature": 0, "messages": chat(3)}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        k = r.json()["kvchat"]
+        assert k["truncated_turns"] >= 1 and k["context"]["policy"] == "truncate"
+        assert r.json()["usage"]["prompt_tokens"] <= 96
+        assert "left out" in r.headers["X-Kvchat-Notice"] and "left out" in k["notice"]
+    finally:
+        assert srv.stop() == 0, srv.log()
