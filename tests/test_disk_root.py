@@ -154,19 +154,20 @@ def test_full_or_read_only_disk_stops_writes_with_one_warning(tmp_path, clock, m
     s.close()
 
 
-def test_a_directory_at_an_entry_path_costs_that_block_only(tmp_path, clock):
+def test_a_directory_at_an_entry_path_is_a_miss_then_cleared(tmp_path, clock):
+    # issue 33 item 13: it used to cost that block for good (every write failed); kvchat
+    # never makes a directory there, in its private shard: cleared (tests/test_disk_recovery.py)
     root = tmp_path / "prefix"
     s = DiskPrefixStore(root, clock=clock)
     b = make_block(16)
     blocker = entry_path(s, b)
     (blocker / "inside").mkdir(parents=True)
     assert get(s, b) is None and s.stats().misses_by_reason == {"io_error": 1}
-    assert not put(s, b)
-    assert s.stats().write_errors == 1 and s.writable and s.degraded is None
-    assert put(s, same_shard_block(b))  # the same shard still takes writes
+    assert not blocker.exists() and s.stats().removed_by_reason == {"io_error": 1}
+    assert put(s, b) and same(get(s, b), b.arrays)
+    assert s.stats().write_errors == 0 and s.writable and s.degraded is None
+    assert put(s, same_shard_block(b))  # the same shard takes writes
     assert [p.name for p in blocker.parent.iterdir() if disk_root.TEMP_NAME.fullmatch(p.name)] == []
-    s2 = DiskPrefixStore(root, clock=clock)
-    assert s2.purge(all=True) == 1 and (blocker / "inside").is_dir()  # never ours to delete
 
 
 def test_fifo_at_an_entry_path_is_a_miss_without_hanging(tmp_path, clock):
@@ -194,8 +195,12 @@ def test_symlinked_shard_is_never_followed(tmp_path, clock):
     s = DiskPrefixStore(root, clock=clock)
     assert s.entries() == []
     assert get(s, b) is None and s.stats().misses_by_reason == {"unsafe_dir": 1}
-    assert not put(s, same_shard_block(b)) and s.stats().write_errors == 1
-    assert s.writable and s.degraded is None  # one bad shard does not stop the store
+    # the link itself is gone (issue 33 item 13: it kept the shard off disk for good), and
+    # the shard is a real private directory again at the next write
+    assert not shard.is_symlink()
+    assert put(s, same_shard_block(b)) and s.stats().write_errors == 0
+    assert mode(shard) == 0o700 and not shard.is_symlink()
+    assert s.writable and s.degraded is None
     s.purge(all=True)
     s.sweep()
     assert all_files(outside) == [planted]  # nothing written, nothing deleted out there

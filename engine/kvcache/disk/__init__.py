@@ -20,7 +20,8 @@ promises:
 - Private files: directories kvchat creates are 0700 and entries 0600; entries are read only
   from directories owned by the user (or root) and writable by no one else, never written
   through a symlink, and only entry-named or kvchat temp files are ever deleted (`root`,
-  `files`).
+  `files`) -- and, in a writable root, what kvchat never makes and would block it for good:
+  a symlink at a shard's name (unlinked, never followed) or a directory at an entry's name.
 
 No MLX in this package: its modules load without it (a crash test runs them in a bare child).
 """

@@ -59,12 +59,16 @@ class Catalog:
         self.files.touch(header.block_hash, now)
 
     def miss(self, block_hash: bytes, reason: str, inode: int | None = None) -> None:
-        """Count a miss; forget an absent entry, delete the file judged (``inode``)."""
+        """Count a miss; forget an absent entry, delete the file judged (``inode``), clear
+        a symlinked shard or a directory at the entry's path (`EntryFiles.reclaim`)."""
         self.stats.count_miss(reason)
         if reason == "absent":
             self.index.pop(block_hash)
         elif inode is not None:  # only the file judged: our writer may have replaced it
             self.drop(block_hash, reason, inode)
+        elif reason in ("unsafe_dir", "io_error") and self.files.clear_blockers(block_hash):
+            self.index.pop(block_hash)
+            self.stats.count_removal(reason)
 
     def written(self, header: EntryHeader, size: int) -> None:
         """Index an entry just committed, then make room for it within the budget."""

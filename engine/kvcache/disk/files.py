@@ -1,6 +1,11 @@
 """The entry files of the disk prefix store: read, judged, written and deleted within what the
 store's root allows (`root.open_root`); shards that are symlinks or writable by others are
 never used, and only files named like entries or kvchat temp files are ever deleted.
+
+What kvchat never makes is cleared where it blocks the store for good (`EntryFiles.reclaim`):
+a symlink at a shard's name is unlinked (never followed: what it points to is untouched) and
+a directory at an entry's name in a private shard is removed (no link inside followed), so
+a block, or the 1/256 of blocks of a shard, is not kept off disk forever (issue 33 item 13).
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import stat
 import time
 from collections.abc import Iterator, Sequence
@@ -128,12 +134,7 @@ class EntryFiles:
         """
         path = self.path(header.block_hash)
         try:
-            try:
-                os.mkdir(path.parent, 0o700)
-                os.chmod(path.parent, 0o700)  # ours: exact mode whatever the umask
-            except FileExistsError:
-                if not checked_dir(path.parent):
-                    raise UnsafeDirError(f"{path.parent} is not a private directory") from None
+            self._make_shard(path.parent)
             return write_temp(path, lambda f: entry.write_entry(f, header, arrays),
                               header.created)
         except OSError as e:
@@ -143,17 +144,64 @@ class EntryFiles:
                 self.degraded = self.degraded or msg
             raise
 
+    def _make_shard(self, shard: Path) -> None:
+        for _ in range(2):
+            try:
+                os.mkdir(shard, 0o700)
+                os.chmod(shard, 0o700)  # ours: exact mode whatever the umask
+                return
+            except FileExistsError:
+                if checked_dir(shard):
+                    return
+                if not self.reclaim(shard, stat.S_IFLNK):  # a symlink goes; else refuse
+                    break
+        raise UnsafeDirError(f"{shard} is not a private directory")
+
     def commit(self, tmp: Path, block_hash: bytes) -> None:
-        """Rename a `write_temp` file into place; on failure it is removed.
+        """Rename a `write_temp` file into place (clearing a directory that sits at the
+        entry's path, `reclaim`); on failure it is removed.
 
         Raises:
-            OSError: e.g. a directory sits at the entry's path.
+            OSError: the rename failed (a directory that could not be cleared, ...).
         """
+        path = self.path(block_hash)
         try:
-            os.replace(tmp, self.path(block_hash))
+            try:
+                os.replace(tmp, path)
+            except OSError:
+                if not self.reclaim(path, stat.S_IFDIR):
+                    raise
+                os.replace(tmp, path)
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
+
+    def reclaim(self, path: Path, kind: int) -> bool:
+        """Clear what blocks the store at ``path``, only if it is ``kind``: a symlink at a
+        shard's name (`stat.S_IFLNK`: the link itself is unlinked, its target untouched) or
+        a directory at an entry's name in a private shard (`stat.S_IFDIR`: removed with
+        what it holds, never following a link, where the platform's `shutil.rmtree` resists
+        symlink attacks). Nothing in a root that may not be tidied. True if cleared."""
+        if not self.tidy:
+            return False
+        try:
+            st = os.lstat(path)
+            if kind == stat.S_IFLNK and stat.S_ISLNK(st.st_mode):
+                os.unlink(path)
+            elif (kind == stat.S_IFDIR and stat.S_ISDIR(st.st_mode)
+                  and shutil.rmtree.avoids_symlink_attacks and checked_dir(path.parent)):
+                shutil.rmtree(path)
+            else:
+                return False
+        except OSError:
+            return False
+        return True
+
+    def clear_blockers(self, block_hash: bytes) -> bool:
+        """`reclaim` a symlinked shard or a directory at the entry of ``block_hash`` (a read
+        found one); True if one was cleared."""
+        path = self.path(block_hash)
+        return self.reclaim(path.parent, stat.S_IFLNK) or self.reclaim(path, stat.S_IFDIR)
 
     def touch(self, block_hash: bytes, t: float) -> None:
         """Set the entry's mtime (its "last used"), best effort; not in a read-only root."""
