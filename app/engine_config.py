@@ -29,5 +29,6 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
         v_bits=getattr(args, "v_bits", None),
         kv_rotation=not getattr(args, "no_kv_rotation", False),
         window_pool=not getattr(args, "full_window_layers", False),
+        speculate=getattr(args, "speculate", "off"),
     )
     return dataclasses.replace(config, **overrides)

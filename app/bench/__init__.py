@@ -7,6 +7,7 @@
 - `load`: ``bench load`` — throughput and latency under concurrent load (`load_report`)
 - `prefix`: ``bench prefix`` — TTFT with a long shared prefix, cold vs warm RAM vs warm disk
 - `decode`: ``bench decode`` — aggregate decode tok/s of B streams vs one
+- `speculate`: ``bench spec`` — speculative decoding (prompt lookup) vs plain on document Q&A
 - `kernel`: ``bench kernel`` — the paged decode kernel vs the reference (Metal/CUDA only)
 - `common`: machine info, prompt token ids, timing and summaries shared by all
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 def add_parser(sub) -> None:
     """Register ``bench`` (the comparison) and its modes on the CLI's subparsers object."""
-    from app.bench import compare, decode, kernel, load, prefix
+    from app.bench import compare, decode, kernel, load, prefix, speculate
 
     p = sub.add_parser(
         "bench",
@@ -30,6 +31,6 @@ def add_parser(sub) -> None:
     # An optional sub-command: plain `kvchat bench [flags]` stays the comparison, and
     # `kvchat bench load|prefix|decode|kernel [flags]` (flags after the mode) runs another.
     modes = p.add_subparsers(dest="bench_mode", title="other benchmarks",
-                             metavar="{load,prefix,decode,kernel}")
-    for mode in (load, prefix, decode, kernel):
+                             metavar="{load,prefix,decode,spec,kernel}")
+    for mode in (load, prefix, decode, speculate, kernel):
         mode.add_parser(modes)

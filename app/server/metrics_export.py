@@ -76,6 +76,9 @@ class EngineCollector:
         yield _counter("kvchat_preemptions", "running sequences preempted", m.preemptions)
         yield _counter("kvchat_rejections", "requests the engine refused at submit",
                        m.rejections)
+        yield _counter("kvchat_spec_proposed", "draft tokens verified (speculative decoding)",
+                       m.spec_proposed)
+        yield _counter("kvchat_spec_accepted", "draft tokens accepted", m.spec_accepted)
         finished = CounterMetricFamily("kvchat_requests_finished", "requests by how they "
                                        "ended", labels=["reason"])
         for reason, n in sorted(m.finished.items()):
