@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from engine.kvcache.disk.entry import EntryHeader
@@ -123,10 +123,18 @@ class TenantTTLs:
 
 
 class EntryIndex:
-    """Indexed entries by block hash, with their total size in ``bytes``."""
+    """Indexed entries by block hash, with their total size in ``bytes``.
+
+    The index holds every entry's header for as long as its file lives (thousands within the
+    disk budget), so the parts equal across entries (salt, spec, the tensors' dtypes and
+    shapes: ~11 KiB for a 30-layer block, parsed or built anew for each one) are kept once.
+    """
+
+    MAX_SHARED = 256  # distinct salts/specs/tensor lists remembered; then start over
 
     def __init__(self):
         self._entries: dict[bytes, IndexedEntry] = {}
+        self._shared: dict[object, object] = {}
         self.bytes = 0
 
     def __contains__(self, block_hash: bytes) -> bool:
@@ -141,6 +149,12 @@ class EntryIndex:
     def add(self, block_hash: bytes, size: int, last_used: float, header: EntryHeader) -> None:
         """Index an entry (replacing one of the same hash)."""
         self.pop(block_hash)
+        if len(self._shared) > self.MAX_SHARED:
+            self._shared.clear()
+        share = self._shared.setdefault
+        header = replace(header, salt=share(header.salt, header.salt),
+                         spec=share(header.spec, header.spec),
+                         tensors=share(tuple(header.tensors), header.tensors))
         self._entries[block_hash] = IndexedEntry(size, last_used, header)
         self.bytes += size
 
