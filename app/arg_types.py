@@ -156,6 +156,13 @@ def non_empty(text: str) -> str:
     return utf8(text)
 
 
+def speculate(text: str) -> str:
+    """--speculate: off, lookup or draft:MODEL (a model name, dir, .gguf or hub id)."""
+    if text in ("off", "lookup") or (text.startswith("draft:") and text[6:].strip()):
+        return utf8(text)
+    raise _fail("must be off, lookup or draft:MODEL", text[:80])
+
+
 def lengths(text: str) -> list[int]:
     """'128,1024' -> [128, 1024]: positive integers, de-duplicated, in order."""
     values = [_int(x, "a comma-separated list of positive integers")

@@ -100,6 +100,7 @@ class AskSession:
             "prompt_tokens": s.prompt_tokens, "generation_tokens": s.generation_tokens,
             "cached_tokens": s.cached_tokens, "cache_source": s.cache_source,
             "ttft_s": s.ttft_s, "decode_tps": s.decode_tps,
+            "speculation": {"proposed": s.spec_proposed, "accepted": s.spec_accepted},
             "left_out": prepared.report(self.docs), "notice": notice,
             "summarized": summarized,
             "disk_cache": disk_cache_json(self.eng.metrics()),  # on / read-only / off, why

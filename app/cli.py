@@ -110,6 +110,7 @@ def print_result(eng: EngineLike, result, *, as_json: bool, metrics=None) -> Non
             "decode_tps": stats.decode_tps,
             "cached_tokens": stats.cached_tokens,
             "cache_source": stats.cache_source,
+            "speculation": {"proposed": stats.spec_proposed, "accepted": stats.spec_accepted},
             "kv": stats.kv_dict(),
             "disk_cache": disk_cache_json(metrics),  # state: on / read-only / off, and why
             "model": {

@@ -47,9 +47,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
     p.add_argument("--no-kv-rotation", action="store_true",
                    help="store quantized K/V rows as they are (default: rotated first, "
                         "which keeps more of their precision)")
-    p.add_argument("--speculate", choices=["off", "lookup"], default="off",
+    p.add_argument("--speculate", type=arg_types.speculate, default="off",
+                   metavar="{off,lookup,draft:MODEL}",
                    help="speculative decoding: lookup verifies draft tokens copied from "
-                        "the prompt and answer so far (same greedy output; drafts only "
+                        "the prompt and answer so far, draft:MODEL tokens a smaller model "
+                        "of the same tokenizer guesses (same greedy output; drafts only "
                         "while measured to pay off); off: one token per step (off)")
     p.add_argument("--full-window-layers", action="store_true",
                    help="sliding-window layers keep every block, as global ones do "

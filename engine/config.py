@@ -77,8 +77,9 @@ class EngineConfig:
     variable KVCHAT_KERNELS=0) keeps every step on the pure-MLX reference path."""
     speculate: str = "off"
     """Speculative decoding: "lookup" verifies draft tokens copied from n-grams of the prompt
-    and answer (`engine.speculation`; greedy output is unchanged, sampled output keeps its
-    distribution), "off" decodes one token per step."""
+    and answer, "draft:MODEL" tokens a smaller model of the same tokenizer guesses
+    (`engine.speculation`; greedy output is unchanged, sampled output keeps its
+    distribution); "off" decodes one token per step."""
     pipeline: bool | None = None
     """Launch greedy decode steps ahead (`mx.async_eval`) while the next one is built.
     None: on a GPU backend only. On the CPU the kernels already keep every core busy, so
@@ -104,8 +105,9 @@ class EngineConfig:
             raise ValueError("watermark must be in [0, 1)")
         if self.preempt_mode not in (None, "recompute", "swap"):
             raise ValueError("preempt_mode must be recompute or swap")
-        if self.speculate not in ("off", "lookup"):
-            raise ValueError("speculate must be off or lookup")
+        if self.speculate not in ("off", "lookup") and not (
+                self.speculate.startswith("draft:") and len(self.speculate) > 6):
+            raise ValueError("speculate must be off, lookup or draft:MODEL")
         if self.overflow not in ("truncate", "reject"):
             raise ValueError("overflow must be truncate or reject")
         for name in ("kv_bits", "k_bits", "v_bits"):

@@ -33,7 +33,7 @@ from engine.prompts import PromptMixin
 from engine.request import Priority, Request, RequestHandle, RequestState
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
-from engine.speculation import SpecConfig, SpecCost, Speculator
+from engine.speculation import SpecCost, build_speculator
 from engine.validation import check_ids, check_params, check_scope, check_ttl
 from engine.wiring import EngineParts, build_kv
 
@@ -42,9 +42,10 @@ class Engine(PromptMixin, EngineLoop):
     """Serves generation requests for one model over a block-paged KV pool."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None, *,
-                 parts: EngineParts | None = None):
-        """``parts``: the runner, pool and prefix cache to serve over, when the caller
-        built them (`engine.wiring.build_kv`) to put its own around them first (the
+                 parts: EngineParts | None = None, draft: LoadedModel | None = None):
+        """``draft``: the loaded draft model of ``speculate="draft:..."`` (else it is loaded
+        from the name). ``parts``: the runner, pool and prefix cache to serve over, when the
+        caller built them (`engine.wiring.build_kv`) to put its own around them first (the
         distributed leader); by default they are built here from ``config``."""
         super().__init__()
         cpu_compile_off()
@@ -66,10 +67,8 @@ class Engine(PromptMixin, EngineLoop):
         self.executor = StepExecutor(self.runner, self.kv, self.blocks, self.recorder, pacer,
                                      pipeline=pipeline, fast_greedy=loaded.cpu_ext,
                                      unwanted=self._unwanted)
-        spec = config.speculate if self.blocks.window is None else "off"
-        if spec != config.speculate:
-            self.notices.append("speculative decoding is off: sliding-window layers")
-        self.speculator = Speculator(SpecConfig(spec), SpecCost(pacer), self.recorder)
+        self.speculator = build_speculator(config.speculate, SpecCost(pacer), self.recorder,
+                                           self.blocks, self.vocab_size, self.notices, draft)
         self.executor.on_verify = self.speculator.cost.observe
         self._ids = itertools.count()
         self.grammars = Grammars(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids,

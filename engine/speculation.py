@@ -16,21 +16,26 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from engine.draft_model import DraftModel
+from engine.kvcache.block_manager import BlockManager
 from engine.metrics import MetricsRecorder
+from engine.model.loader import LoadedModel, load_model
 from engine.pacing import StepPacer, _ema
 from engine.request import Request
 
-MODES = ("off", "lookup")
+MODES = ("off", "lookup", "draft")
+PROBE_EVERY = 8  # steps between one-draft probes while a draft model is measured not to pay
 
 
 @dataclass(slots=True)
 class SpecConfig:
     """Speculative decoding settings (`EngineConfig.speculate`)."""
 
-    mode: str = "off"  # "off" or "lookup"
+    mode: str = "off"  # "off", "lookup" or "draft" (a `DraftModel` proposes)
     max_draft: int = 6  # drafts verified per sequence and step at most
     min_ngram: int = 2  # shortest suffix n-gram a lookup matches on
     max_ngram: int = 4
+    fixed: int | None = None  # verify this many drafts every step, unmeasured (A/B, tests)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -70,7 +75,7 @@ class LookupIndex:
 class SpecState:
     """One sequence's speculation: its lookup index and its measured acceptance."""
 
-    index: LookupIndex
+    index: LookupIndex | None
     accept_rate: float  # EMA of the share of drafts accepted
     proposed: int = 0
     accepted: int = 0
@@ -100,6 +105,8 @@ class Speculator:
     config: SpecConfig
     cost: SpecCost
     recorder: MetricsRecorder | None = None  # engine-wide spec_proposed / spec_accepted
+    draft: DraftModel | None = None  # mode "draft": who proposes
+    idle_steps: int = 0  # draft mode: steps since drafts were last verified
     states: dict[int, SpecState] = field(default_factory=dict)
     prior: float = 0.5  # acceptance of a sequence not yet measured: the engine-wide EMA
     # the first draft of a sequence that verifies none this step: checked against the
@@ -116,17 +123,21 @@ class Speculator:
         self.shadow.clear()
         if not self.active or not decoding:
             return {}
+        c = self.config
+        for seq, _, _ in decoding:
+            if seq not in self.states:
+                self.states[seq] = SpecState(
+                    LookupIndex(c.min_ngram, c.max_ngram) if self.draft is None else None,
+                    self.prior)
+        if self.draft is not None:
+            return self._plan_draft(decoding)
         cands: dict[int, list[int]] = {}
         for seq, ids, room in decoding:
-            st = self.states.get(seq)
-            if st is None:
-                c = self.config
-                st = self.states[seq] = SpecState(LookupIndex(c.min_ngram, c.max_ngram),
-                                                  self.prior)
-            draft = st.index.propose(ids, min(self.config.max_draft, room))
+            draft = self.states[seq].index.propose(ids, min(c.max_draft, room))
             if draft:
                 cands[seq] = draft
-        drafts = self._allot(cands, len(decoding))
+        drafts = ({s: d[:c.fixed] for s, d in cands.items()} if c.fixed
+                  else self._allot(cands, len(decoding)))
         self.shadow = {s: d[0] for s, d in cands.items() if s not in drafts}
         return drafts
 
@@ -156,6 +167,29 @@ class Speculator:
                 heapq.heappush(heap, (-(p * self.states[s].accept_rate), s, i + 1))
         return {s: cands[s][:n] for s, n in taken.items()}
 
+    def _plan_draft(self, decoding: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+        """One draft length for the batch (the draft model decodes the sequences together):
+        the k whose expected tokens per second, draft forwards included, is highest."""
+        ready = [(s, ids, room) for s, ids, room in decoding if room > 0]
+        fixed, per, ds = self.cost.pacer.fixed_s, self.cost.per_token(), self.draft.step_s
+        if not ready or (fixed is None and not self.config.fixed):
+            return {}
+        best = self.config.fixed or 1  # unmeasured: one draft each measures both costs
+        if per is not None and ds is not None and not self.config.fixed:
+            rates = [self.states[s].accept_rate for s, _, _ in ready]
+
+            def rate(k: int) -> float:
+                tokens = len(decoding) + sum(sum(r ** i for i in range(1, k + 1)) for r in rates)
+                return tokens / (fixed + k * (per * len(ready) + ds))
+
+            best = max(range(self.config.max_draft + 1), key=rate)
+        self.idle_steps = 0 if best else self.idle_steps + 1
+        if not best and self.idle_steps % PROBE_EVERY:
+            return {}
+        drafts = self.draft.propose([(s, ids) for s, ids, _ in ready], max(best, 1))
+        rooms = {s: room for s, _, room in ready}
+        return {s: d[:rooms[s]] for s, d in drafts.items() if d}
+
     def observe(self, seq: int, proposed: int, accepted: int) -> None:
         """``accepted`` of ``proposed`` drafts of ``seq`` held (or would have)."""
         st = self.states.get(seq)
@@ -167,7 +201,9 @@ class Speculator:
         self.prior = _ema(self.prior, accepted / proposed)
 
     def forget(self, seq: int) -> SpecState | None:
-        """Drop a finished (or preempted) sequence's state; returns it."""
+        """Drop a finished sequence's state (and its draft-model blocks); returns it."""
+        if self.draft is not None:
+            self.draft.forget(seq)
         return self.states.pop(seq, None)
 
     def assign(self, running: list[Request]) -> None:
@@ -194,3 +230,19 @@ class Speculator:
             self.recorder.spec_proposed += len(req.draft)
             self.recorder.spec_accepted += accepted
         req.draft = []
+
+
+def build_speculator(speculate: str, cost: SpecCost, recorder: MetricsRecorder | None,
+                     blocks: BlockManager, vocab_size: int, notices: list[str],
+                     draft: LoadedModel | None = None) -> Speculator:
+    """The engine's speculator for `EngineConfig.speculate` ("off", "lookup" or
+    "draft:MODEL"); off, with a notice, where the pool cannot give slots back."""
+    mode, _, name = speculate.partition(":")
+    if mode != "off" and blocks.window is not None:
+        notices.append("speculative decoding is off: the model has sliding-window layers")
+        mode = "off"
+    drafter = None
+    if mode == "draft":
+        drafter = DraftModel(draft or load_model(name), num_blocks=blocks.num_blocks,
+                             block_size=blocks.block_size, vocab_size=vocab_size)
+    return Speculator(SpecConfig(mode), cost, recorder, drafter)

@@ -136,3 +136,21 @@ def test_sampled_and_stopped_requests_speculate(quick_model, every_draft):
     cut = engine.generate_text(ids, params(stop=[stop]))
     assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
     check_clean(engine)
+
+
+@pytest.mark.parametrize("which", ["self", "tiny"])
+def test_draft_model_equals_plain(quick_model, tiny_model, plain, which):
+    ids, ref = plain
+    draft = quick_model if which == "self" else tiny_model
+    engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8,
+                                              speculate="draft:given"), draft=draft)
+    engine.speculator.config.fixed = 3  # every step drafts: verification is what is tested
+    assert engine.generate_text(ids[0], params()).tokens == ref[0]  # alone
+    assert run(engine, ids) == ref  # batched, sequences at different lengths
+    m = engine.metrics()
+    assert m.spec_proposed > 0
+    if which == "self":  # the same weights guess right (batched rows may round apart)
+        assert m.spec_accepted > 0.8 * m.spec_proposed
+    check_clean(engine)
+    d = engine.speculator.draft
+    assert d.blocks.num_free_blocks == d.blocks.num_blocks and not d.fed
