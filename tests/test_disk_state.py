@@ -94,3 +94,13 @@ def test_ask_and_cache_stats_json_say_it_too(tmp_path, kvchat_cli):
     assert disk["state"] == "off" and "not private" in disk["reason"]
     code, out, err = kvchat_cli("cache", "stats", "--json", "--cache-dir", loose)
     assert json.loads(out)["state"] == "off"
+
+
+def test_the_server_metrics_say_it():
+    from app.server.metrics_export import _disk
+
+    m = dataclasses.replace(fake_metrics(), disk_state="read-only",
+                            disk_warning="disk cache read-only: /h/prefix is not writable")
+    (info,) = [f for f in _disk(m) if f.name == "kvchat_disk_cache"]
+    assert info.samples[0].labels == {"state": "read-only",
+                                      "reason": "disk cache read-only: /h/prefix is not writable"}

@@ -15,6 +15,7 @@ import socket
 
 from app import arg_types
 from app.context_policy import add_context_args
+from app.disk_state import disk_reason
 from app.distributed import add_distributed_args
 from app.engine_args import add_engine_args, build_engine, check_kv_budget
 from app.engine_config import config_from_args
@@ -102,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         raise
     for notice in engine.notices:
         log(f"note: {notice}")
+    if (m := engine.metrics()).disk_warning:  # a directory it cannot use: say so, and why
+        log(f"disk prefix cache {m.disk_state or 'off'}: {disk_reason(m)}")
     try:
         from app.server.runner import serve  # uvicorn and starlette: only for `serve`
 

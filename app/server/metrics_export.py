@@ -12,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
+from app.disk_state import disk_reason
 from app.server.state import ServerState
 
 QUANTILES = {"p50": "0.5", "p95": "0.95", "p99": "0.99"}
@@ -117,6 +118,10 @@ def _latencies(m):
 
 
 def _disk(m):
+    state = InfoMetricFamily("kvchat_disk_cache", "the disk prefix cache: on, read-only "
+                             "(served, not written) or off, and why")
+    state.add_metric([], {"state": m.disk_state or "off", "reason": disk_reason(m) or ""})
+    yield state
     yield _gauge("kvchat_disk_entries", "entries in the disk prefix store", m.disk_entries)
     yield _gauge("kvchat_disk_bytes", "bytes in the disk prefix store", m.disk_bytes)
     yield _counter("kvchat_disk_hits", "prefix blocks restored from disk", m.disk_hits)
