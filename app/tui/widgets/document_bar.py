@@ -13,6 +13,7 @@ from collections.abc import Callable
 from textual import work
 from textual.widgets import Static
 
+from app.documents.counting import sliced_counter
 from app.documents.load import Document, document_from_text, load_document
 from app.documents.qa import Prepared
 from app.tui.documents import AttachedDocuments, DocCommand, bar_text, tokens_text
@@ -95,7 +96,8 @@ class DocumentBar(Static):
         engine = getattr(self.app, "engine", None)
         try:
             doc = load()
-            tokens = engine.count_tokens(doc.text) if engine is not None else None
+            tokens = (sliced_counter(engine.count_tokens)(doc.text)  # bounded: a slice at once
+                      if engine is not None else None)
         except (KVChatError, ValueError, OSError) as e:  # DocumentError above all
             line = str(e).splitlines()[0] if str(e) else type(e).__name__
             self.app.call_from_thread(self.notify, line, title="Cannot attach",
