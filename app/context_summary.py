@@ -1,12 +1,14 @@
 """Summaries for the ``summarize`` context policy: the model condenses the oldest turns.
 
 A 135M-parameter model rewrites one short exchange faithfully (it mostly copies names and
-numbers) but loses facts when asked to summarize a long stretch at once, so a summary is
-built as notes: one background request per condensed turn writes that turn's note (one
-line); the notes are appended to the previous summary's. When the notes outgrow their
-cap (a quarter of the budget), one more request condenses the older half of them into a
-few lines. Every request runs at background priority: a question asked meanwhile is
-served first (`engine.request.Priority`).
+numbers) but loses facts when asked to summarize a long stretch at once, and its greedy
+output loops when asked to merge many notes, so a summary is built as notes: one
+background request per condensed turn writes that turn's note (its first sentence); the
+notes are appended to the previous summary's. When the notes outgrow their cap (half the
+budget), the long ones of the older half are shortened one by one (a short input it
+copies from); only if that is not enough does one request condense the older half.
+Every request runs at background priority: a question asked meanwhile is served first
+(`engine.request.Priority`).
 """
 
 from __future__ import annotations
@@ -19,14 +21,24 @@ from app.context_policy import Summary, message_tokens, plan_summary
 
 SYSTEM = "You write concise, faithful notes."
 NOTE_ASK = "Rewrite this exchange as one short note, keeping every name and number exactly."
+SHORTEN_ASK = "Shorten this note to a few words, keeping every name and number exactly."
 CONDENSE_ASK = "Shorten these notes into a few lines. Keep every name and number exactly."
-NOTE_TOKENS = 48
+NOTE_TOKENS = 24
+SHORT_TOKENS = NOTE_TOKENS  # notes that ran to their limit are shortened first, when needed
+LABELS = ("User: ", "Assistant: ")  # a note that copies the exchange starts with one
+# a condensing request's greedy 135M output loops ("1788, 1788, 1788, ...") without it; a
+# note's must not have it: it copies numbers, and 8566 came out as 856 under it
+REPETITION_PENALTY = 1.3
 MAX_TURN_CHARS = 2000  # of one message, in a note's request (the rest is not read)
 
 
 def note_prompt(user: str, assistant: str) -> str:
     return (f"User: {user[:MAX_TURN_CHARS]}\nAssistant: {assistant[:MAX_TURN_CHARS]}"
             f"\n\n{NOTE_ASK}")
+
+
+def shorten_prompt(note: str) -> str:
+    return f"Note: {note.removeprefix('- ')}\n\n{SHORTEN_ASK}"
 
 
 def condense_prompt(notes: Sequence[str]) -> str:
@@ -58,7 +70,8 @@ class SummaryJob:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def _ask(self, prompt: str, max_tokens: int, stop: list[str]) -> str:
+    def _ask(self, prompt: str, max_tokens: int, stop: list[str],
+             repetition_penalty: float | None = None) -> str:
         from engine import SamplingParams
         from engine.generation import collect
         from engine.request import Priority
@@ -67,7 +80,8 @@ class SummaryJob:
             raise InterruptedError("cancelled")
         ids = self.engine.encode_prompt(prompt, system=SYSTEM)
         self._handle = handle = self.engine.submit(
-            ids, SamplingParams(max_tokens=max_tokens, stop=stop),
+            ids, SamplingParams(max_tokens=max_tokens, stop=stop,
+                                repetition_penalty=repetition_penalty),
             priority=Priority.BACKGROUND, tenant=self.tenant,
             permission_version=self.permission_version)
         self.requests += 1
@@ -88,12 +102,21 @@ class SummaryJob:
             for i in range(start, self.upto, 2):
                 user = self.history[i].get("content") or ""
                 reply = self.history[i + 1].get("content") or "" if i + 1 < self.upto else ""
-                note = self._ask(note_prompt(user, reply), NOTE_TOKENS, ["\n"])
+                note = self._ask(note_prompt(user, reply), NOTE_TOKENS, ["\n", ". "])
+                for label in LABELS:
+                    note = note.removeprefix(label)
                 if note:
                     notes.append(f"- {note}")
+            if eng.count_tokens("\n".join(notes)) > self.max_tokens:
+                for j in range(len(notes) // 2):  # the older half, a note at a time
+                    if eng.count_tokens(notes[j]) > SHORT_TOKENS:
+                        short = self._ask(shorten_prompt(notes[j]), SHORT_TOKENS // 2,
+                                          ["\n", ". "])
+                        notes[j] = f"- {short}" if short else notes[j]
             if eng.count_tokens("\n".join(notes)) > self.max_tokens and len(notes) > 2:
                 half = len(notes) // 2
-                short = self._ask(condense_prompt(notes[:half]), self.max_tokens // 2, [])
+                short = self._ask(condense_prompt(notes[:half]), self.max_tokens // 2, [],
+                                  REPETITION_PENALTY)
                 notes = [f"- {short}"] * bool(short) + notes[half:]
             text = "\n".join(notes)
             if not text:
@@ -125,5 +148,5 @@ def summary_job(engine, history: Sequence[dict], summary: Summary | None, *, bud
                         system=system)
     if not upto:
         return None
-    return SummaryJob(engine, list(history), summary, upto, max_tokens=max(64, budget // 4),
+    return SummaryJob(engine, list(history), summary, upto, max_tokens=max(64, budget // 2),
                       **kwargs)
