@@ -141,7 +141,7 @@ def run(args) -> int:
     loaded = load_model(args.model)
     eng = Engine(loaded, EngineConfig(kv_budget_bytes=1 << 30, disk_cache=False))
     budget = args.budget or default_chat_budget(eng.max_context)
-    seeds = range(1, 1 + (1 if args.quick else args.conversations))
+    seeds = range(args.seed, args.seed + (1 if args.quick else args.conversations))
     results = []
     try:
         for scale in (2, 4):
@@ -156,6 +156,7 @@ def run(args) -> int:
     finally:
         eng.shutdown()
     result = {"model": loaded.name or "default", "budget": budget, "context": eng.max_context,
+              "seeds": list(seeds),
               "facts_per_conversation": FACTS, "table": tally(results),
               "conversations": results, "seconds": round(time.perf_counter() - started, 1)}
     out = Path(args.out)
@@ -179,6 +180,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the chat budget (default: the chat's, a quarter of the context)")
     p.add_argument("--conversations", type=arg_types.int_in(1, 50), default=3,
                    help="scripted conversations per length (3)")
+    p.add_argument("--seed", type=arg_types.int_in(1, 10_000), default=1,
+                   help="first conversation's seed (1; 1-3 were looked at while building the "
+                        "summaries, so held-out figures start past them)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every figure as JSON")
     p.add_argument("--out", default="chat-eval", metavar="DIR",
                    help="directory for chat_eval.md (chat-eval)")
