@@ -144,3 +144,17 @@ def test_a_failed_summary_has_no_result_and_says_why():
     cancelled = SummaryJob(_Engine("x"), chat(4), None, 4)
     cancelled.cancel()
     assert cancelled.run() is None and cancelled.requests == 0
+
+
+def test_each_command_has_the_policy_flags_with_its_default():
+    from app.cli import UsageError, make_parser
+
+    parse = make_parser().parse_args
+    assert parse(["chat"]).context_policy == "summarize"
+    assert parse(["ask", "--doc", "f"]).context_policy == "summarize"
+    assert parse(["serve"]).context_policy == "error"  # OpenAI's behaviour
+    args = parse(["chat", "--context-policy", "truncate", "--context-budget", "1000"])
+    assert (args.context_policy, args.context_budget) == ("truncate", 1000)
+    for bad in (["chat", "--context-policy", "shift"], ["serve", "--context-budget", "10"]):
+        with pytest.raises(UsageError):
+            parse(bad)
