@@ -193,6 +193,26 @@ class GrammarMatcher:
         """(vocab_size,) bool: the tokens the grammar admits next."""
         bits = (self._next.result() if self._next is not None else self._m.compute_bitmask())
         self._next = None
+        return self._unpack(bits)
+
+    def draft_masks(self, draft: list[int]) -> np.ndarray:
+        """(len(draft) + 1, vocab_size) bool: what the grammar admits before each draft token
+        and after the last (speculative decoding's verify rows); the state does not move.
+        ``draft`` must be one the grammar takes (`accepts`)."""
+        rows = [self.allowed()]
+        taken = 0
+        try:
+            for t in draft:
+                if not self._m.consume_token(t):
+                    raise RuntimeError(f"draft token {t} is outside the grammar")
+                taken += 1
+                rows.append(self._unpack(self._m.compute_bitmask()))
+        finally:
+            if taken:
+                self._m.rollback(taken)
+        return np.stack(rows)
+
+    def _unpack(self, bits) -> np.ndarray:
         if self._m.is_error():
             raise RuntimeError(f"grammar matcher failed: {self._m.get_error()[:200]}")
         mask = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")

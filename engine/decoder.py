@@ -81,9 +81,9 @@ class Decoder:
 
     @property
     def speculable(self) -> bool:
-        """Drafts can be verified for it: no grammar and no logits processors (whose state
-        would have to follow each draft token)."""
-        return self.grammar is None and not self.processors
+        """Drafts can be verified for it: no logits processors (penalties, whose history
+        would have to follow each draft token); a grammar masks each verify row."""
+        return not self.processors
 
     def _seed(self) -> None:
         if not self._seeded:  # seeded on the first sample, inside the request's own try

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from itertools import accumulate
 
 import mlx.core as mx
@@ -28,6 +27,7 @@ from engine.kvcache.kv_cache import PagedKVCache
 from engine.metrics import MetricsRecorder
 from engine.model.model_runner import PagedModel, StepInterrupted
 from engine.model.packed_batch import pack
+from engine.outcome import Flight, Outcome, error_text, same_requests
 from engine.pacing import StepPacer
 from engine.request import Request
 from engine.scheduler import StepPlan
@@ -35,35 +35,6 @@ from engine.step_inputs import build_batch
 
 FaultHook = Callable[[Request, str], None]
 Unwanted = Callable[[list[Request]], bool]
-
-
-@dataclass(slots=True)
-class Flight:
-    """A greedy decode step launched (`mx.async_eval`) whose tokens are not read yet."""
-
-    requests: list[Request]
-    tokens: mx.array  # (B,) lazy argmax
-    started: float
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What a step did for one request: K/V computed, a token sampled, or an error."""
-
-    request: Request
-    computed: int = 0  # tokens whose K/V this step wrote
-    token: int | None = None  # the sampled next token (decode steps)
-    error: str | None = None
-    more: list[int] = field(default_factory=list)  # accepted tokens after ``token``
-    drafted: int = 0  # draft tokens verified: ``drafted - len(more)`` slots go back
-
-
-def _error(e: Exception) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
-def _same(a: list[Request], b: list[Request]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 class StepExecutor:
@@ -97,7 +68,7 @@ class StepExecutor:
         try:
             tokens = flight.tokens.tolist()
         except Exception as e:  # noqa: BLE001 - the batch forward failed: all of it
-            return [Outcome(r, error=_error(e)) for r in flight.requests]
+            return [Outcome(r, error=error_text(e)) for r in flight.requests]
         self._timed("decode", len(flight.requests), time.perf_counter() - flight.started)
         self._last.update((r.request_id, t) for r, t in zip(flight.requests, tokens,
                                                             strict=True))
@@ -165,7 +136,7 @@ class StepExecutor:
             self.kv.copy_blocks(copies)
             return True
         except Exception as e:  # noqa: BLE001 - one request's failure stays its own
-            out.append(Outcome(req, error=_error(e)))
+            out.append(Outcome(req, error=error_text(e)))
             return False
 
     def _prefill(self, req: Request, n: int, slots) -> Outcome | None:
@@ -185,7 +156,7 @@ class StepExecutor:
         except StepInterrupted:
             return None
         except Exception as e:  # noqa: BLE001 - one request's failure stays its own
-            return Outcome(req, error=_error(e))
+            return Outcome(req, error=error_text(e))
 
     def _mixed(self, plan: StepPlan) -> list[Outcome]:
         """Prefill chunks and decodes (with any drafts they verify) as one packed forward."""
@@ -212,7 +183,7 @@ class StepExecutor:
         except StepInterrupted:
             return out
         except Exception as e:  # noqa: BLE001 - the packed forward failed: all of it
-            return out + [Outcome(r, error=_error(e)) for r in reqs]
+            return out + [Outcome(r, error=error_text(e)) for r in reqs]
         seconds, drafts = time.perf_counter() - t, sum(len(r.draft) for r, _ in dec)
         self.recorder.time_forward("mixed" if pre else "decode", batch.num_tokens, seconds)
         if pre or not drafts:
@@ -227,7 +198,7 @@ class StepExecutor:
         if not ok:
             return out + self.resolve()
         reqs = [r for r, _ in ok]
-        if self.flight is not None and not _same(reqs, self.flight.requests):
+        if self.flight is not None and not same_requests(reqs, self.flight.requests):
             out += self.resolve()  # one failed its own checks: feed the tokens read back
         chained = self.flight is not None  # `_can_chain`: feed the flight's unread tokens
         t = time.perf_counter()
@@ -247,7 +218,7 @@ class StepExecutor:
                 return out
             picked = self._pick(reqs, logits)
         except Exception as e:  # noqa: BLE001 - the batch forward failed: all of it
-            return out + self.resolve() + [Outcome(r, error=_error(e)) for r in reqs]
+            return out + self.resolve() + [Outcome(r, error=error_text(e)) for r in reqs]
         self._timed("decode", len(reqs), time.perf_counter() - t)
         return out + picked
 
@@ -260,17 +231,22 @@ class StepExecutor:
         out = self._pick([reqs[i] for i in plain], logits[mx.array([starts[i] for i in plain])]
                          ) if plain else []
         spec = [(r, starts[i]) for i, r in enumerate(reqs) if r.draft]
-        rows = [j for r, a in spec if r.decoder.argmax for j in range(a, a + 1 + len(r.draft))]
-        targets = iter(greedy.tokens(logits[mx.array(rows)], fast=self.fast_greedy,
-                                     wait=(self.kv.keys, self.kv.values)) if rows else [])
+        masks, failed = verify.draft_masks([r for r, _ in spec])
+        argmax = [r for r, _ in spec if r.decoder.argmax and r.request_id not in failed]
+        rows = [j for r, a in spec if r in argmax for j in range(a, a + 1 + len(r.draft))]
+        targets = iter(greedy.tokens(
+            verify.masked(logits[mx.array(rows)], verify.stacked(masks, argmax, logits.shape[-1])),
+            fast=self.fast_greedy, wait=(self.kv.keys, self.kv.values)) if rows else [])
         for r, a in spec:
             try:
+                if r.request_id in failed:
+                    raise failed[r.request_id]
                 toks = (verify.accepted_greedy(r.draft, [next(targets) for _ in [0, *r.draft]])
-                        if r.decoder.argmax else
-                        r.decoder.sample_drafts(logits[a:a + 1 + len(r.draft)], r.draft))
+                        if r.decoder.argmax else r.decoder.sample_drafts(verify.masked(
+                            logits[a:a + 1 + len(r.draft)], masks.get(r.request_id)), r.draft))
                 out.append(Outcome(r, len(toks), toks[0], more=toks[1:], drafted=len(r.draft)))
             except Exception as e:  # noqa: BLE001 - one request's failure stays its own
-                out.append(Outcome(r, error=_error(e)))
+                out.append(Outcome(r, error=error_text(e)))
         return out
 
     def _pick(self, reqs: list[Request], logits: mx.array) -> list[Outcome]:
@@ -283,7 +259,7 @@ class StepExecutor:
             if any(g is not None for g in grammars):  # constrained greedy: masked, batched
                 some, failed = mask_rows(some, grammars)
                 for j, e in failed.items():
-                    out[rows[j]] = Outcome(reqs[rows[j]], error=_error(e))
+                    out[rows[j]] = Outcome(reqs[rows[j]], error=error_text(e))
             tokens = greedy.tokens(some, fast=self.fast_greedy,
                                    wait=(self.kv.keys, self.kv.values))
             for i, tok in zip(rows, tokens, strict=True):
@@ -297,4 +273,4 @@ class StepExecutor:
             return Outcome(req, 1, req.decoder.sample(row, req.all_ids))
         except Exception as e:  # noqa: BLE001
             # the forward wrote this row's K/V; the request ends, so it does not matter
-            return Outcome(req, error=_error(e))
+            return Outcome(req, error=error_text(e))

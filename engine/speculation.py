@@ -214,6 +214,9 @@ class Speculator:
                              r.max_new - r.stats.generation_tokens - 1) for r in ready])
         for r in running:
             r.draft = drafts.get(r.request_id, [])
+            g = r.decoder.grammar
+            if r.draft and g is not None:  # only what the grammar takes can be verified
+                r.draft = r.draft[:g.accepts(r.draft)]
 
     def settle(self, req: Request, token: int, accepted: int) -> None:
         """A step of ``req`` gave ``token`` first, and ``accepted`` of its drafts held."""

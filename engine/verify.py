@@ -15,8 +15,10 @@ renormalized, so every token comes from the distribution plain sampling draws fr
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from engine.constraint import forbidden
 from engine.sampling import SamplingParams
 
 
@@ -70,3 +72,34 @@ def accepted_sampled(params: SamplingParams, draft: list[int], logits: mx.array)
         return out
     out.append(int(mx.random.categorical(scaled[k]).item()))
     return out
+
+
+def masked(logits: mx.array, allowed) -> mx.array:
+    """``logits`` rows with what ``allowed`` (bool rows, or None: all) forbids at the
+    grammar's forbidden value (`engine.constraint.forbidden`)."""
+    if allowed is None:
+        return logits
+    return mx.where(mx.array(allowed[:, : logits.shape[-1]]), logits, forbidden(logits.dtype))
+
+
+def draft_masks(reqs) -> tuple[dict[int, np.ndarray], dict[int, Exception]]:
+    """The grammar masks of every verify row of the requests with a grammar (computed
+    before any token is picked), by request id; and the requests whose matcher failed."""
+    masks: dict[int, np.ndarray] = {}
+    failed: dict[int, Exception] = {}
+    for r in reqs:
+        if r.decoder.grammar is not None:
+            try:
+                masks[r.request_id] = r.decoder.grammar.draft_masks(r.draft)
+            except Exception as e:  # noqa: BLE001 - that request fails, alone
+                failed[r.request_id] = e
+    return masks, failed
+
+
+def stacked(masks: dict[int, np.ndarray], reqs, vocab: int) -> np.ndarray | None:
+    """The masks of ``reqs``' verify rows one under another (all allowed where a request
+    has no grammar); None when none has one."""
+    if not any(r.request_id in masks for r in reqs):
+        return None
+    return np.concatenate([masks.get(r.request_id, np.ones((1 + len(r.draft), vocab), bool))
+                           for r in reqs])
