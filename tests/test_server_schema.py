@@ -311,6 +311,19 @@ async def test_pump_delivers_events_in_order():
     assert got == ["a", "b", "c"] and pump.num_live == 0
 
 
+async def test_tokens_waiting_together_go_out_as_one_event():
+    """A speculative step yields several tokens at once: one event (text joined), the
+    final event kept apart from the tokens before it only when it came later."""
+    pump, h = EventPump(interval_s=0.001), FakeHandle(3)
+    h.queue += [GenerationEvent(3, 5, "Par"), GenerationEvent(3, 6, "is"),
+                GenerationEvent(3, 7, " is")]
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.02, h.queue.extend, [GenerationEvent(3, 8, " big"),
+                                           GenerationEvent(3, None, ".", finish_reason="stop")])
+    got = [(e.token, e.text, e.finish_reason) async for e in pump.events(h)]
+    assert got == [(7, "Paris is", None), (None, " big.", "stop")]
+
+
 async def test_leaving_early_cancels_and_reads_the_final_event():
     pump, h = EventPump(interval_s=0.001), FakeHandle(2)
 

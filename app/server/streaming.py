@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import Response
@@ -47,7 +48,9 @@ class EventPump:
         return len(self._live)
 
     async def events(self, handle: RequestHandle) -> AsyncIterator[GenerationEvent]:
-        """The request's events up to its final one; leaving early cancels the request."""
+        """The request's events up to its final one; leaving early cancels the request.
+        Tokens already waiting when one is read come with it, as one event (its text
+        joined): a speculative step yields several at once."""
         wake = asyncio.Event()
         self._abandoned.pop(handle.request_id, None)  # this consumer reads the end itself
         self._live[handle.request_id] = (handle, wake)
@@ -60,6 +63,10 @@ class EventPump:
                     if not handle.ready:  # it may have become ready since poll()
                         await wake.wait()
                     continue
+                while event.finish_reason is None and event.token is not None and (
+                        handle.ready):  # tokens of one step (accepted drafts): one event
+                    more = handle.poll()
+                    event = dataclasses.replace(more, text=event.text + more.text)
                 yield event
                 if event.finish_reason is not None:
                     return
