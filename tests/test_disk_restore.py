@@ -8,6 +8,7 @@ the shape of the work and its result.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import pytest
@@ -80,3 +81,38 @@ def test_batches_are_bounded_and_a_bad_entry_ends_the_restore(tmp_path, monkeypa
     assert stored(reader, 12) == stored(writer, 12)
     assert reader.store.stats().misses_by_reason == {"corrupt": 1}
     assert len(entries(tmp_path)) == 5  # the bad one deleted, the rest rewritten by prefill
+
+
+def test_blocks_are_read_and_checksummed_ahead_once_and_judged_in_order(tmp_path, monkeypatch):
+    from engine.kvcache.disk import entry as disk_entry
+    from engine.kvcache.disk import files as disk_files
+
+    writer = prefix_cache("f32", tmp_path)
+    prefill(writer, IDS)
+    hashes = writer.hashes(writer.new_sequence("local", 0), IDS)
+    second = writer.store.files.path(hashes[1])
+    data = bytearray(second.read_bytes())
+    data[-40] ^= 1  # the second block's payload is damaged
+    second.write_bytes(bytes(data))
+    threads, checks = [], []
+    read_checked, checksum_ok = disk_files.EntryFiles.read_checked, disk_entry.checksum_ok
+
+    def spy_read(self, *args):
+        threads.append(threading.current_thread().name)
+        return read_checked(self, *args)
+
+    def spy_checksum(data):
+        checks.append(len(data))
+        return checksum_ok(data)
+
+    monkeypatch.setattr(disk_files.EntryFiles, "read_checked", spy_read)
+    monkeypatch.setattr(disk_entry, "checksum_ok", spy_checksum)
+    reader = prefix_cache("f32", tmp_path)
+    assert prefill(reader, IDS, seed=1) == (4, "disk")  # block 0; block 1 is corrupt
+    assert threads and all(t.startswith("kvchat-prefix-reader") for t in threads)
+    assert len(checks) == len(threads)  # one checksum per read, none again when judged
+    st = reader.store.stats()
+    # blocks read ahead past the miss were neither counted nor touched nor deleted
+    assert (st.hits, st.misses_by_reason) == (1, {"corrupt": 1})
+    assert stored(reader, 4) == stored(writer, 4)
+    reader.store.close()

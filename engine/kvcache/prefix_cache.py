@@ -14,6 +14,7 @@ full format (`EntrySpec.kv_format`), so no block is served to a pool of another 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from engine.kvcache.prefix_key import CacheSalt, chain_hash
 
 SWEEP_EVERY_S = 60.0  # expired entries leave the disk while the app runs, not only at start
 RESTORE_BATCH_BYTES = 32 << 20  # host copies a disk restore holds at once, before the pool
+READ_AHEAD = 4  # blocks read and checksummed ahead of the one being judged (~1.4 MB here)
 MAX_SLICE_RUNS = 8  # a batch in more runs of consecutive blocks is one scatter per tensor
 
 
@@ -127,11 +129,16 @@ class PrefixCache:
         hashes, restored = self._hashes(seq, token_ids), 0
         per_batch = max(1, RESTORE_BATCH_BYTES // self.kv.layout.bytes_per_block)
         batch: list[list[np.ndarray]] = []
-        for i in range(seq.registered, usable):
-            if not self.store.contains(hashes[i]) or not self.blocks.can_append(seq_id, bs):
+        run = list(itertools.takewhile(lambda i: self.store.contains(hashes[i]),
+                                       range(seq.registered, usable)))
+        ahead = {i: self.store.prefetch(hashes[i]) for i in run[:READ_AHEAD]}
+        for k, i in enumerate(run):
+            if k + READ_AHEAD < len(run):  # the reader thread reads and hashes ahead
+                ahead[run[k + READ_AHEAD]] = self.store.prefetch(hashes[run[k + READ_AHEAD]])
+            if not self.blocks.can_append(seq_id, bs):
                 break
             arrays = self.store.get(seq.salt, hashes[i], self._block_tokens(token_ids, i),
-                                    expect=self.entry_spec)
+                                    expect=self.entry_spec, prefetched=ahead.pop(i))
             if arrays is None:  # corrupt, foreign or expired: a miss, removed by the store
                 break
             self.blocks.append(seq_id, bs)
@@ -139,6 +146,8 @@ class PrefixCache:
             if len(batch) == per_batch:
                 restored += self._put_blocks(seq_id, seq, token_ids, batch)
                 batch = []
+        for unused in ahead.values():  # reads only: nothing was judged or counted for them
+            unused.cancel()
         if batch:
             restored += self._put_blocks(seq_id, seq, token_ids, batch)
         self.disk_hits += restored

@@ -35,8 +35,8 @@ from engine.kvcache.disk.spec import DTYPES, EntrySpec, dtype_name
 from engine.kvcache.prefix_key import HASH_SIZE, CacheSalt, chain_hash
 
 __all__ = ["DTYPES", "EntryError", "EntryHeader", "EntrySpec", "check_entry", "check_structure",
-           "decode_entry", "dtype_name", "make_header", "parse_header", "read_header",
-           "write_entry"]
+           "checksum_ok", "decode_entry", "dtype_name", "make_header", "parse_header",
+           "read_header", "write_entry"]
 
 MAGIC = b"KVCB"
 FORMAT_VERSION = 2  # 2: the header records the KV format; quantized blocks (1: float only)
@@ -207,15 +207,25 @@ def read_header(f: BinaryIO, file_size: int) -> EntryHeader:
     return header
 
 
-def decode_entry(data: bytearray) -> tuple[EntryHeader, list[np.ndarray]]:
-    """Verify a whole entry file and return its header and tensors (views into ``data``)."""
+def checksum_ok(data: bytearray) -> bool:
+    """Whether the last `DIGEST_SIZE` bytes are the SHA-256 of all before them."""
+    view = memoryview(data)
+    return (len(data) >= DIGEST_SIZE
+            and hashlib.sha256(view[:-DIGEST_SIZE]).digest() == bytes(view[-DIGEST_SIZE:]))
+
+
+def decode_entry(data: bytearray, checked: bool | None = None
+                 ) -> tuple[EntryHeader, list[np.ndarray]]:
+    """Verify a whole entry file and return its header and tensors (views into ``data``);
+    ``checked`` is `checksum_ok` of these very bytes when it was computed ahead (a reader
+    thread), None to compute it here."""
     header_len = _check_prefix(bytes(data[: PREFIX.size]))
     start = PREFIX.size + header_len
     if len(data) < start + DIGEST_SIZE:
         raise EntryError("corrupt", "short file")
-    view = memoryview(data)
-    if hashlib.sha256(view[:-DIGEST_SIZE]).digest() != bytes(view[-DIGEST_SIZE:]):
+    if not (checksum_ok(data) if checked is None else checked):
         raise EntryError("corrupt", "checksum")
+    view = memoryview(data)
     header = parse_header(bytes(view[PREFIX.size : start]))
     if len(data) != start + header.payload_bytes + DIGEST_SIZE:
         raise EntryError("corrupt", "payload size does not match shapes")

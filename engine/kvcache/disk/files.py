@@ -93,10 +93,22 @@ class EntryFiles:
             data = bytearray(st.st_size)
             return (data if f.readinto(data) == st.st_size else None), st
 
+    def read_checked(self, block_hash: bytes, max_bytes: int) -> tuple:
+        """`read` and `entry.checksum_ok` of what was read, as ``(data, stat, ok)``, or the
+        OSError ``read`` raised as ``(error, None, False)``: the I/O and hashing a reader
+        thread does ahead of `load` (both run without the GIL). Judges nothing."""
+        try:
+            data, st = self.read(block_hash, max_bytes)
+        except OSError as e:
+            return e, None, False
+        return data, st, data is not None and entry.checksum_ok(data)
+
     def load(self, block_hash: bytes, max_bytes: int, salt: CacheSalt, token_ids: Sequence[int],
-             expect: EntrySpec | None) -> tuple[EntryHeader, list[np.ndarray], os.stat_result]:
+             expect: EntrySpec | None, read: tuple | None = None
+             ) -> tuple[EntryHeader, list[np.ndarray], os.stat_result]:
         """Read and check an entry: the whole file (`entry.decode_entry`), then the
-        block asked for (`entry.check_entry`); all but expiry.
+        block asked for (`entry.check_entry`); all but expiry. ``read`` is `read_checked`
+        of this block done ahead, if it was.
 
         Raises:
             EntryError: the miss reason. With ``inode`` None nothing was judged ("disabled",
@@ -105,18 +117,15 @@ class EntryFiles:
         """
         if not self.readable:
             raise EntryError("disabled")
-        try:
-            data, st = self.read(block_hash, max_bytes)
-        except FileNotFoundError:
-            raise EntryError("absent") from None
-        except UnsafeDirError:
-            raise EntryError("unsafe_dir") from None
-        except OSError:  # e.g. a directory where the entry belongs: not ours to delete
-            raise EntryError("io_error") from None
+        data, st, ok = read if read is not None else self.read_checked(block_hash, max_bytes)
+        if isinstance(data, OSError):
+            reason = ("absent" if isinstance(data, FileNotFoundError) else "unsafe_dir"
+                      if isinstance(data, UnsafeDirError) else "io_error")  # io: a directory..
+            raise EntryError(reason)
         try:
             if data is None:
                 raise EntryError("corrupt", "size")
-            header, arrays = entry.decode_entry(data)
+            header, arrays = entry.decode_entry(data, checked=ok)
             entry.check_entry(header, salt, block_hash, token_ids, expect)
         except EntryError as e:
             e.inode = st.st_ino

@@ -10,6 +10,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,7 @@ class DiskPrefixStore:
         self._catalog = Catalog(self.files, budget_bytes)
         self._writing: set[bytes] = set()  # blocks a `put` is writing now
         self._writer = BackgroundWriter(self.put, max_pending)
+        self._reader: ThreadPoolExecutor | None = None  # `prefetch`, started on first use
         now = self._clock() if expire_at_open else -math.inf
         with self._lock:
             self._catalog.load(self.files.scan(), self.ttls.expiry, now)
@@ -83,20 +85,36 @@ class DiskPrefixStore:
         return self.files.writable
 
     def get(self, salt: CacheSalt, block_hash: bytes, token_ids: Sequence[int], *,
-            expect: EntrySpec | None = None) -> list[np.ndarray] | None:
+            expect: EntrySpec | None = None,
+            prefetched: Future | None = None) -> list[np.ndarray] | None:
         """The block's arrays (``list[np.ndarray]`` in `EntrySpec.tensors` order), or None.
 
         Verifies the whole file (`entry.decode_entry`), then salt, block hash, token ids,
         format and tensors (`entry.check_entry`; with ``expect``, only an entry of exactly
         that spec is served), then expiry. A failing entry is deleted and counted in
         ``stats().misses_by_reason``. Never raises: anything unforeseen is a miss ("error").
+        ``prefetched`` is this block's `prefetch`: its bytes and checksum, judged here.
         """
         try:
-            return self._read(salt, block_hash, token_ids, expect)
+            read = prefetched.result() if prefetched is not None else None
+            return self._read(salt, block_hash, token_ids, expect, read)
         except Exception:  # a surprise must cost a miss, never the request (or its neighbours)
             with self._lock:
                 self._catalog.stats.count_miss("error")
             return None
+
+    def prefetch(self, block_hash: bytes) -> Future:
+        """Read the block's file and check its checksum on the store's reader thread (I/O
+        and SHA-256 overlap the caller's work): pass the future to `get`, which judges it.
+        Nothing is counted, touched or deleted before that."""
+        with self._lock:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvchat-prefix-reader")
+            return self._reader.submit(self.files.read_checked, block_hash, self._read_limit)
+
+    @property
+    def _read_limit(self) -> int:
+        return max(self.budget_bytes, 1 << 20)  # no valid entry is bigger
 
     def contains(self, block_hash: bytes) -> bool:
         """Whether the index holds ``block_hash`` (no disk access, no verification)."""
@@ -167,6 +185,10 @@ class DiskPrefixStore:
     def close(self) -> None:
         """Drain the queue and stop the writer; later `put_async` calls are dropped."""
         self._writer.close()
+        with self._lock:
+            reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.shutdown(cancel_futures=True)
 
     def __enter__(self) -> DiskPrefixStore:
         return self
@@ -249,10 +271,10 @@ class DiskPrefixStore:
         with self._lock:
             return self._catalog.snapshot(self._writer)
 
-    def _read(self, salt, block_hash, token_ids, expect) -> list[np.ndarray] | None:
-        limit = max(self.budget_bytes, 1 << 20)
+    def _read(self, salt, block_hash, token_ids, expect, read) -> list[np.ndarray] | None:
         try:
-            header, arrays, st = self.files.load(block_hash, limit, salt, token_ids, expect)
+            header, arrays, st = self.files.load(block_hash, self._read_limit, salt, token_ids,
+                                                 expect, read)
             if self._clock() >= self.ttls.expiry(header):
                 raise EntryError("expired", inode=st.st_ino)
         except EntryError as e:
