@@ -25,14 +25,14 @@ from app.tui.app import ChatApp
 from app.tui.widgets.prompt_input import PromptInput
 
 RUNS = int(os.environ.get("KVCHAT_SOAK_RUNS", "24"))
-CHARS = {"enter": "\r", "escape": "\x1b", "ctrl+c": "\x03", "ctrl+q": "\x11"}
+CHARS = {"enter": "\r", "escape": "\x1b", "ctrl+c": "\x03", "ctrl+q": "\x11", "slash": "/"}
 FINALES = (("ctrl+q",), ("ctrl+c", "ctrl+c"), ("ctrl+c",))
 
 
 def post_keys(app: ChatApp, *keys: str) -> None:
     """Queue ``keys`` on the app at once, not waiting for one to be handled first."""
     for key in keys:
-        app.post_message(events.Key(key, CHARS.get(key)))
+        app.post_message(events.Key(key, CHARS.get(key, key if len(key) == 1 else None)))
 
 
 async def until(predicate, timeout: float = 30.0) -> None:

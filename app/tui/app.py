@@ -7,9 +7,14 @@ chats through `ChatsHost` (open, new, rename, export, reopen the last one); F6 t
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
+from platformdirs import user_downloads_path
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
@@ -99,6 +104,14 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
     def on_engine_installed(self) -> None:
         if self.is_screen_installed("chat"):
             self.chat.query_one(CachePanel).last_turn = None  # it was the old engine's
+
+    def deliver_screenshot(self, filename: str | None = None, path: str | None = None,
+                           time_format: str | None = None) -> str | None:
+        """Ctrl+P → Screenshot: to ~/Downloads, or the home folder where there is none."""
+        if path is None:
+            downloads = user_downloads_path()
+            path = str(downloads if downloads.is_dir() else Path.home())
+        return super().deliver_screenshot(filename, path, time_format)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         # Textual's "Quit" exits at once (no save, no engine stop) and its "Keys" panel
@@ -215,11 +228,25 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
         self.push_screen(SystemPromptScreen(self.chat.conversation.system_prompt), done)
 
 
-def run(**kwargs) -> int:
-    """Run the chat until the user quits; MLX work is finished before returning."""
+def run(*, exit_process: bool = True, **kwargs) -> int:
+    """Run the chat until the user quits; MLX work is finished before it ends.
+
+    With ``exit_process`` (the CLI) the process ends here, by ``os._exit`` with the app's
+    status, once the chat is saved, every engine shut down (its thread joined), every
+    model load waited for and MLX synchronized: all that is left is the interpreter's
+    finalization, and a native thread still running then (an MLX stream thread finishing
+    work a loader queued, a BLAS or extension pool) aborts the process with "terminate
+    called without an active exception", exit 134, a quit that was otherwise clean.
+    """
     app = ChatApp(**kwargs)
     try:
         app.run()
     finally:
         finish_mlx_work()  # nothing may still run in MLX while the interpreter exits
-    return app.return_code or 0
+    code = app.return_code or 0
+    if exit_process:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

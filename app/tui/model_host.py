@@ -36,13 +36,20 @@ BUILDING = "building kvchat's CPU extension (first run only)"
 QUIT_WAIT_S = 120.0  # the longest quit waits for a model load still running in a thread
 
 
-def model_label(spec: str | None) -> str:
-    """The model's own name for the status line: the default's file name, a path's last part."""
+def model_name(spec: str | None) -> str:
+    """The model's own name (chats, exports): the embedded default's file name, a path's
+    last part, a repo id."""
     if not spec or spec == models_hub.DEFAULT_MODEL:
         from engine.model.loader import DEFAULT_GGUF_FILE
 
-        return DEFAULT_GGUF_FILE.split(".")[0] + " (default)"
+        return DEFAULT_GGUF_FILE.split(".")[0]
     return Path(spec).name if Path(spec).exists() else spec
+
+
+def model_label(spec: str | None) -> str:
+    """The model's name for the status line and F3, the default marked as such."""
+    default = not spec or spec == models_hub.DEFAULT_MODEL
+    return model_name(spec) + (" (default)" if default else "")
 
 
 class LoadThreads:

@@ -21,8 +21,10 @@ from engine import SamplingParams
 def describe_generation(g: GenerationSettings) -> str:
     """One line: "temperature 0.7 · top-p 0.9 · max 512 tokens · repetition penalty 1.1"."""
     parts = [f"temperature {g.temperature:g}"]
-    if g.top_p:
+    if 0 < g.top_p < 1:  # 0 and 1 both keep every token: off
         parts.append(f"top-p {g.top_p:g}")
+    else:
+        parts.append("top-p off")
     parts.append(f"max {g.max_tokens:,} tokens")
     if g.repetition_penalty != 1.0:
         parts.append(f"repetition penalty {g.repetition_penalty:g}")

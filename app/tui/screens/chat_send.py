@@ -44,7 +44,7 @@ class TurnStart(Screen):
     answer: MessageBox | None
     user_box: MessageBox | None
     pending: Pending | None = None
-    mounting: int = 0  # questions being put on screen (awaited mounts)
+    mounting: int = 0  # a question's boxes being mounted or removed (awaited)
     cancelled_submits: int = 0  # Enters cancelled before their `Submitted` arrived
 
     if TYPE_CHECKING:  # provided by ChatScreen and its other mixins
@@ -145,7 +145,11 @@ class TurnStart(Screen):
         if pending.cancelled or closing or engine is None:
             why = ("Cancelled before it was sent" if pending.cancelled or closing
                    else "No model could be loaded (F3 picks one)")
-            await self._drop_turn_boxes()
+            self.mounting += 1  # the screen is not settled until its boxes are gone
+            try:
+                await self._drop_turn_boxes()
+            finally:
+                self.mounting -= 1
             self.restore_prompt(pending.prompt)
             self.notify(f"{why}: the question is back in the prompt.", timeout=4)
             self._end_turn()
@@ -168,8 +172,11 @@ class TurnStart(Screen):
             self.post_message(TurnFinished(turn, "error", None, f"{type(e).__name__}: {e}"))
 
     def cancel_turn(self) -> bool:
-        """Cancel whatever question is on (see `generating`); False when none is."""
+        """Cancel whatever question is on (see `generating`); False when none is, or it is
+        being cancelled already (then Ctrl+C quits: nothing is left to cancel)."""
         if self.pending is not None:
+            if self.pending.cancelled:
+                return False
             self.pending.cancelled = True
             if self.answer is not None:
                 self.answer.set_stats("cancelling…")
@@ -181,6 +188,8 @@ class TurnStart(Screen):
             if in_flight > self.cancelled_submits:
                 self.cancelled_submits = in_flight
                 return True
+            return False
+        if turn.cancel_requested:
             return False
         turn.cancel_requested = True
         if turn.request_id is not None:

@@ -24,6 +24,7 @@ from app.tui.generation import (
     TurnStarted,
     stats_line,
 )
+from app.tui.model_host import model_name
 from app.tui.widgets.cache_panel import CachePanel
 from app.tui.widgets.document_bar import DocumentBar
 from app.tui.widgets.prompt_input import PromptInput
@@ -102,7 +103,7 @@ class TurnEvents(Screen):
         if reason in ("cancelled", "shutdown"):
             line += " · the partial answer stays in the chat (select it, d deletes the turn)"
         await self.answer.finish(line, error=reason == "error")
-        self.conversation.model = self.chat_app.model_name
+        self.conversation.model = model_name(self.chat_app.model_name)
         self.user_box.attach(self.conversation.add("user", turn.prompt))
         self.answer.attach(self.conversation.add("assistant", self.answer.text,
                                                  finish_reason=reason, stats=line))

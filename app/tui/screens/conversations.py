@@ -19,6 +19,7 @@ from textual.widgets import DataTable, Footer, Input, Static
 
 from app.conversations import ConversationError, ConversationStore, fit_cells
 from app.tui.export import ask_export
+from app.tui.model_host import model_name
 from app.tui.screens.dialogs import ConfirmScreen, TextInputScreen
 
 NEW = "new"
@@ -36,13 +37,15 @@ class ConversationsScreen(ModalScreen[str | None]):
     """Lists saved chats; dismisses with a conversation id, "new", or None.
 
     Typing in the search box (``/``) keeps the chats whose title or text holds every word;
-    the one-letter keys act on the selected row while the list has the focus.
+    the one-letter keys act on the selected row while the list has the focus. ``/`` moves
+    the focus at once (a priority binding), so the keys typed right after it, in the same
+    burst, go to the search box and never act on a chat.
     """
 
     BINDINGS = [
         Binding("escape", "dismiss(None)", "Back"),
         Binding("enter", "open", "Open", priority=True),
-        Binding("slash,ctrl+f", "search", "Search", key_display="/"),
+        Binding("slash,ctrl+f", "search", "Search", key_display="/", priority=True),
         Binding("r", "rename", "Rename"),
         Binding("e", "export", "Export"),
         Binding("d,delete", "delete", "Delete"),
@@ -104,7 +107,8 @@ class ConversationsScreen(ModalScreen[str | None]):
             updated = time.strftime("%Y-%m-%d %H:%M", time.localtime(s.updated))
             mark = "▸ " if s.id == self.current else ""  # the chat on screen
             table.add_row(Text(fit_cells(mark + s.title, title), no_wrap=True),
-                          Text(fit_cells(s.model or "", model), no_wrap=True),
+                          Text(fit_cells(model_name(s.model) if s.model else "", model),
+                               no_wrap=True),
                           str(s.num_messages), updated, key=s.id)
         if keep is not None and keep in table.rows:
             table.move_cursor(row=table.get_row_index(keep))
@@ -121,7 +125,11 @@ class ConversationsScreen(ModalScreen[str | None]):
         self.query_one(DataTable).focus()
 
     def action_search(self) -> None:
-        self.query_one("#conversation-search", Input).focus()
+        search = self.query_one("#conversation-search", Input)
+        if self.focused is search:  # a "/" typed in the search box is text (after the keys
+            search.call_later(search.insert_text_at_cursor, "/")  # before it, queued there)
+            return
+        self.set_focus(search)  # now, not after the keys already queued behind "/"
 
     def on_key(self, event) -> None:
         # ↓ in the search box goes to the list, as Enter does

@@ -10,7 +10,8 @@ from textual.widgets import Button, Input, Static, TextArea
 
 
 class ConfirmScreen(ModalScreen[bool]):
-    """Ask a yes/no question; dismisses with True on yes.
+    """Ask a yes/no question; dismisses with True on yes. The question is plain text (a
+    file name's or a key's brackets are not markup).
 
     ``default``: the answer Enter gives (the focused button). No by default, as for a
     delete; an offer (attach a paste as a document) defaults to yes.
@@ -25,7 +26,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Static(self.question, classes="question")
+            yield Static(self.question, classes="question", markup=False)
             with Horizontal(classes="buttons"):
                 yield Button("Yes", variant="primary" if self.default else "error", id="yes")
                 yield Button("No", variant="default" if self.default else "primary", id="no")

@@ -15,6 +15,7 @@ from textual.widgets import Button, DataTable, Footer, Input, ProgressBar, Stati
 
 from app import models_hub
 from app.models_hub import DownloadProgress, HubError, LocalModel
+from app.tui.model_host import model_label
 from app.tui.screens.dialogs import ConfirmScreen
 from app.tui.widgets.cache_panel import fmt_bytes
 
@@ -76,8 +77,8 @@ class ModelsScreen(ModalScreen[str | None]):
         self.models = {m.name: m for m in models_hub.list_local_models()}
         for m in self.models.values():
             note = "loaded" if m.name == self.current else ("" if m.loadable else "no config.json")
-            table.add_row(m.name, m.architecture, m.source, fmt_bytes(m.size_bytes), note,
-                          key=m.name)
+            table.add_row(model_label(m.name), m.architecture, m.source,
+                          fmt_bytes(m.size_bytes), note, key=m.name)
 
     def _selected(self) -> LocalModel | None:
         table = self.query_one(DataTable)

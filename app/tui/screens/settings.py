@@ -95,7 +95,9 @@ class SettingsScreen(ModalScreen[SettingsChoice | None]):
                 yield Button("Cancel (esc)", id="cancel")
 
     def on_mount(self) -> None:
-        self.query_one(RadioSet).focus()
+        formats = self.query_one(RadioSet)
+        formats.focus()
+        formats._selected = formats.pressed_index  # the cursor on the format in use
 
     def selected(self) -> str:
         """The format whose button is on."""

@@ -10,7 +10,7 @@ from app.settings import GenerationSettings
 
 FIELDS = [  # (name, label, what it does)
     ("temperature", "temperature", "0 = always the likeliest token; 0.7 = varied"),
-    ("top_p", "top-p", "0 = off; 0.9 keeps the likeliest 90%"),
+    ("top_p", "top-p", "0 or 1 = off; 0.9 keeps the likeliest 90%"),
     ("max_tokens", "max tokens", "the longest answer"),
     ("repetition_penalty", "repetition penalty", "1 = off; 1.1 curbs a looping model"),
 ]

@@ -1,0 +1,157 @@
+"""The newcomer's papercuts of issue 32 (defects 5-10), each with the keys that showed it."""
+
+from __future__ import annotations
+
+import pytest
+from test_tui_app import SIZE, boxes, make_app, wait_for
+from test_tui_fakes import FakeEngine
+from test_tui_soak import post_keys
+
+from app.conversations import ConversationStore
+from app.settings import GenerationSettings
+from app.tui.export import close_fences, markdown
+from app.tui.screens.conversations import ConversationsScreen
+from app.tui.screens.dialogs import ConfirmScreen, TextInputScreen
+from app.tui.screens.settings import SettingsScreen
+from app.tui.settings_host import describe_generation
+from app.tui.widgets.prompt_input import LARGE_PASTE_CHARS, PromptInput
+
+DEFAULT_NAME = "SmolLM2-135M-Instruct"  # the embedded default's own name
+
+
+@pytest.fixture
+def store(tmp_path):
+    return ConversationStore(tmp_path / "conversations")
+
+
+async def test_paste_dialog_shows_its_keys(store):
+    app = make_app(store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        prompt = app.chat.query_one(PromptInput)
+        prompt.post_message(PromptInput.LargePaste(prompt, "x" * LARGE_PASTE_CHARS))
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        question = str(app.screen.query_one(".question").render())
+        assert question.endswith("[Enter] yes / [Esc] no")
+
+
+async def test_fast_slash_query_goes_to_the_search_box(store):
+    """"/lighthouse" typed in one burst: the keys after "/" must not reach the list, whose
+    one-letter keys act on the selected chat (e exported it)."""
+    conv = store.new()
+    conv.add("user", "about lighthouses")
+    conv.add("assistant", "They guide ships.")
+    store.save(conv)
+    app = make_app(store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        await pilot.press("f4")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen))
+        screen = app.screen
+        post_keys(app, "slash", *"lighthouse", "slash")
+        await wait_for(pilot, lambda: screen.query_text == "lighthouse/")
+        await pilot.pause(0.05)
+        assert app.screen is screen  # no export (e), rename or delete dialog opened
+        assert not isinstance(app.screen, TextInputScreen)
+
+
+def test_export_closes_an_open_code_fence_and_names_the_model(store):
+    conv = store.new()
+    conv.model = "default"  # as chats were saved before
+    conv.add("user", "show code")
+    conv.add("assistant", "Here:\n```python\nprint('cut off", finish_reason="cancelled")
+    conv.add("user", "and more")
+    conv.add("assistant", "~~~~\nx\n~~~\n")
+    text = markdown(conv)
+    assert f"kvchat · {DEFAULT_NAME} ·" in text
+    assert "print('cut off\n```\n" in text
+    assert "~~~\n~~~~\n" in text  # a shorter fence does not close a longer one
+    assert close_fences("```\nclosed\n```") == "```\nclosed\n```"
+    assert conv.messages[1].content.endswith("cut off")  # the chat itself is unchanged
+
+
+async def test_answers_are_saved_with_the_models_name(store):
+    app = make_app(store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        app.chat.query_one(PromptInput).text = "hi"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(boxes(app)) == 2 and not app.chat.generating)
+    assert store.load(store.list()[0].id).model == DEFAULT_NAME
+
+
+@pytest.mark.parametrize("width", [60, 80, 130])
+async def test_status_line_keeps_the_generating_state(store, width):
+    conv = store.new(system_prompt="Be brief.")
+    app = make_app(store, FakeEngine(" ".join(["word"] * 400), delay=0.01),
+                   conversation_id=conv.id)
+    store.save(conv)
+    async with app.run_test(size=(width, 30)) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        app.chat.query_one(PromptInput).text = "go"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(boxes(app)) == 2 and boxes(app)[1].text)
+        status = app.chat.query_one("#status")
+        assert str(status.render()).startswith("generating — Esc cancels")
+        assert status.content_region.width >= len("generating — Esc cancels")
+        await pilot.press("escape")
+
+
+async def test_settings_cursor_starts_on_the_format_in_use(store):
+    app = make_app(store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        app.kv_cache = "q8"
+        await pilot.press("f6")
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen))
+        await pilot.press("enter")  # presses the button under the cursor
+        assert app.screen.selected() == "q8"
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is app.chat)
+        assert app.kv_cache == "q8" and len(app.engines) == 1  # no reload
+
+
+def test_top_p_one_is_off():
+    assert "top-p off" in describe_generation(GenerationSettings(top_p=1.0))
+    assert "top-p off" in describe_generation(GenerationSettings(top_p=0.0))
+    assert "top-p 0.9" in describe_generation(GenerationSettings(top_p=0.9))
+
+
+async def test_leading_blank_lines_are_not_sent(store):
+    engine = FakeEngine()
+    app = make_app(store, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        app.chat.query_one(PromptInput).text = "\n  \nhello\n  indented"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(boxes(app)) == 2 and not app.chat.generating)
+        assert boxes(app)[0].text == "hello\n  indented"
+
+
+async def test_prompt_history_and_clear(store):
+    app = make_app(store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        prompt = app.chat.query_one(PromptInput)
+        for text in ("first", "second"):
+            prompt.text = text
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: not app.chat.generating)
+        await pilot.press("ctrl+r")
+        assert prompt.text == "second"
+        await pilot.press("ctrl+r")
+        assert prompt.text == "first"
+        await pilot.press("ctrl+l")
+        assert prompt.text == ""
+
+
+async def test_screenshot_without_a_downloads_folder(store, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_DOWNLOAD_DIR", raising=False)
+    app = make_app(store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        app.deliver_screenshot()
+        await wait_for(pilot, lambda: list(home.glob("*.svg")), timeout=10)
