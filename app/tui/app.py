@@ -49,7 +49,7 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
     # The footer shows what fits in 80 columns; F1 (help) lists every key, these included.
     BINDINGS = [
         Binding("ctrl+c", "interrupt", "Quit", priority=True, key_display="^c",
-                tooltip="Copies the selected text; else cancels an answer; else quits"),
+                tooltip="Copies the selection; else cancels; else quits (twice: quits)"),
         Binding("ctrl+q", "quit", "Quit (always)", priority=True, show=False),
         Binding("f1,question_mark", "help", "Help", key_display="f1"),
         Binding("f2", "toggle_cache", "Cache",

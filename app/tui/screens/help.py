@@ -57,7 +57,7 @@ def help_sections(app_bindings: list[BindingType]) -> dict[str, list[tuple[str, 
     from app.tui.screens.chat import ChatScreen  # the chat screen imports the screens here
 
     prompt = [b for b in PromptInput.BINDINGS if isinstance(b, Binding)
-              and b.action in ("submit", "newline")]
+              and b.action in ("submit", "newline", "recall", "clear_prompt")]
     sections = {
         "Chat": key_rows(app_bindings) + key_rows(ChatScreen.BINDINGS),
         "The prompt": key_rows(prompt),
