@@ -79,14 +79,17 @@ def test_batched_every_draft_equals_plain(quick_model, plain, every_draft):
     check_clean(engine)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preempted_speculating_sequences_resume_exactly(quick_model, plain, every_draft, mode):
+@pytest.mark.parametrize(("mode", "source"), [("recompute", "lookup"), ("swap", "lookup"),
+                                              ("recompute", "draft:given")])
+def test_preempted_speculating_sequences_resume_exactly(quick_model, plain, every_draft, mode,
+                                                        source):
     ids, ref = plain
     probe = Engine(quick_model, EngineConfig(kv_budget_bytes=1 << 20))
     need = sum(-(-(len(i) + GEN) // 16) for i in ids)
     engine = Engine(quick_model, EngineConfig(
         kv_budget_bytes=need // 3 * probe.layout.bytes_per_block, max_running=5,
-        preempt_mode=mode, speculate="lookup"))
+        preempt_mode=mode, speculate=source), draft=quick_model)
+    engine.speculator.config.fixed = 2 if source != "lookup" else None
     assert run(engine, ids) == ref
     m = engine.metrics()
     assert m.preemptions > 0 and m.spec_accepted > 0
