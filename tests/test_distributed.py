@@ -111,6 +111,9 @@ def test_rank_config_recomputes_and_sizes_for_the_largest_slice():
     assert (config.disk_cache, config.preempt_mode, config.kv_budget_bytes) == (
         True, "recompute", 500)
     assert len(notices) == 1 and "recomputes" in notices[0]
+    config, notices = rank_config(EngineConfig(speculate="lookup"), part_layers=5,
+                                  max_layers=5)
+    assert config.speculate == "off" and notices == ["distributed: speculative decoding is off"]
 
 
 def test_handshake_round_trip_and_refusals():

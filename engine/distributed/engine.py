@@ -34,13 +34,15 @@ from engine.wiring import build_kv
 
 def rank_config(config: EngineConfig, *, part_layers: int, max_layers: int,
                 ) -> tuple[EngineConfig, list[str]]:
-    """Rank 0's engine config: swap (not mirrored) turned off, and the KV budget scaled so
+    """Rank 0's engine config: swap and speculation (not mirrored) off, the KV budget scaled so
     that rank 0 gets the block count the rank with the most layers can hold."""
     notices = []
-    changes: dict = {"preempt_mode": "recompute"}
+    changes: dict = {"preempt_mode": "recompute", "speculate": "off"}
     if config.preempt_mode == "swap":
         notices.append("distributed: preemption recomputes (swapping K/V to host is not "
                        "mirrored across ranks)")
+    if config.speculate != "off":  # a rejected draft's slots going back is not mirrored
+        notices.append("distributed: speculative decoding is off")
     if part_layers < max_layers:
         changes["kv_budget_bytes"] = config.kv_budget_bytes * part_layers // max_layers
     return dataclasses.replace(config, **changes), notices
