@@ -76,9 +76,7 @@ class SpecState:
     """One sequence's speculation: its lookup index and its measured acceptance."""
 
     index: LookupIndex | None
-    accept_rate: float  # EMA of the share of drafts accepted
-    proposed: int = 0
-    accepted: int = 0
+    accept_rate: float  # EMA of the share of tried drafts accepted
 
 
 @dataclass(slots=True)
@@ -190,15 +188,13 @@ class Speculator:
         rooms = {s: room for s, _, room in ready}
         return {s: d[:rooms[s]] for s, d in drafts.items() if d}
 
-    def observe(self, seq: int, proposed: int, accepted: int) -> None:
-        """``accepted`` of ``proposed`` drafts of ``seq`` held (or would have)."""
+    def observe(self, seq: int, tried: int, accepted: int) -> None:
+        """``accepted`` of ``tried`` drafts of ``seq`` held (or would have)."""
         st = self.states.get(seq)
-        if st is None or proposed == 0:
+        if st is None or tried == 0:
             return
-        st.proposed += proposed
-        st.accepted += accepted
-        st.accept_rate = _ema(st.accept_rate, accepted / proposed)
-        self.prior = _ema(self.prior, accepted / proposed)
+        st.accept_rate = _ema(st.accept_rate, accepted / tried)
+        self.prior = _ema(self.prior, accepted / tried)
 
     def forget(self, seq: int) -> SpecState | None:
         """Drop a finished sequence's state (and its draft-model blocks); returns it."""
@@ -228,7 +224,8 @@ class Speculator:
         s = req.stats
         s.spec_proposed += len(req.draft)
         s.spec_accepted += accepted
-        self.observe(req.request_id, len(req.draft), accepted)
+        # drafts after the first rejected one were never tried: the rate is per tried draft
+        self.observe(req.request_id, accepted + (accepted < len(req.draft)), accepted)
         if self.recorder is not None:
             self.recorder.spec_proposed += len(req.draft)
             self.recorder.spec_accepted += accepted
