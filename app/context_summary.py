@@ -5,8 +5,10 @@ numbers) but loses facts when asked to summarize a long stretch at once, and its
 output loops when asked to merge many notes, so a summary is built as notes: one
 background request per condensed turn writes that turn's note (its first sentence); the
 notes are appended to the previous summary's. When the notes outgrow their cap (half the
-budget), the long ones of the older half are shortened one by one (a short input it
-copies from); only if that is not enough does one request condense the older half.
+budget), the notes that ran on to their length limit are shortened one by one, oldest
+first (a short input it copies from; a stated fact's note ends its sentence before the
+limit, so it is left as written); only if that is not enough does one request condense
+the older half.
 Every request runs at background priority: a question asked meanwhile is served first
 (`engine.request.Priority`).
 """
@@ -24,7 +26,8 @@ NOTE_ASK = "Rewrite this exchange as one short note, keeping every name and numb
 SHORTEN_ASK = "Shorten this note to a few words, keeping every name and number exactly."
 CONDENSE_ASK = "Shorten these notes into a few lines. Keep every name and number exactly."
 NOTE_TOKENS = 24
-SHORT_TOKENS = NOTE_TOKENS  # notes that ran to their limit are shortened first, when needed
+SHORT_TOKENS = 12  # a ran-on note is shortened to this, when the notes outgrow their cap
+RAN_ON = "…"  # ends a note cut at its length limit (a fact's note ends its sentence first)
 LABELS = ("User: ", "Assistant: ")  # a note that copies the exchange starts with one
 # a condensing request's greedy 135M output loops ("1788, 1788, 1788, ...") without it; a
 # note's must not have it: it copies numbers, and 8566 came out as 856 under it
@@ -90,7 +93,8 @@ class SummaryJob:
         r = collect(handle)
         if r.finish_reason not in ("stop", "length"):
             raise InterruptedError(r.error or f"a summary request ended: {r.finish_reason}")
-        return " ".join(r.text.split())
+        text = " ".join(r.text.split())
+        return f"{text} {RAN_ON}" if text and r.finish_reason == "length" else text
 
     def run(self) -> Summary | None:
         from engine.errors import KVChatError
@@ -107,12 +111,13 @@ class SummaryJob:
                     note = note.removeprefix(label)
                 if note:
                     notes.append(f"- {note}")
-            if eng.count_tokens("\n".join(notes)) > self.max_tokens:
-                for j in range(len(notes) // 2):  # the older half, a note at a time
-                    if eng.count_tokens(notes[j]) > SHORT_TOKENS:
-                        short = self._ask(shorten_prompt(notes[j]), SHORT_TOKENS // 2,
-                                          ["\n", ". "])
-                        notes[j] = f"- {short}" if short else notes[j]
+            for j, note in enumerate(notes):  # over the cap: the ran-on notes, oldest first
+                if eng.count_tokens("\n".join(notes)) <= self.max_tokens:
+                    break
+                if note.endswith(RAN_ON):
+                    short = self._ask(shorten_prompt(note.removesuffix(RAN_ON)), SHORT_TOKENS,
+                                      ["\n", ". "]).removesuffix(RAN_ON).rstrip()
+                    notes[j] = f"- {short}" if short else note
             if eng.count_tokens("\n".join(notes)) > self.max_tokens and len(notes) > 2:
                 half = len(notes) // 2
                 short = self._ask(condense_prompt(notes[:half]), self.max_tokens // 2, [],

@@ -158,3 +158,12 @@ def test_each_command_has_the_policy_flags_with_its_default():
     for bad in (["chat", "--context-policy", "shift"], ["serve", "--context-budget", "10"]):
         with pytest.raises(UsageError):
             parse(bad)
+
+
+def test_ran_on_notes_are_shortened_oldest_first_until_under_the_cap():
+    eng = _Engine("a note of five words", finish="length")  # every note runs on
+    job = SummaryJob(eng, chat(8), None, 16, max_tokens=52)
+    s = job.run()
+    lines = s.text.splitlines()  # 8 notes of 7 words ("…" marks a ran-on one): 56 > 52
+    assert [line.endswith("…") for line in lines] == [False] * 4 + [True] * 4
+    assert job.requests == 8 + 4 and s.tokens <= 52
