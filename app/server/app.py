@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.server import anthropic, metrics_export, openai_responses, serving
 from app.server.errors import EXCEPTION_HANDLERS, APIError
+from app.server.native_heap import Trimmer
 from app.server.openai_schema import parse_request
 from app.server.request_in import _state, authenticate, read_json
 from app.server.state import ServerState
@@ -65,10 +66,12 @@ async def metrics(request: Request) -> Response:
 
 
 class CountResponses:
-    """ASGI middleware: counts responses by route and status for /metrics."""
+    """ASGI middleware: counts responses by route and status for /metrics, and requests in
+    flight for the native heap's trims (`native_heap.Trimmer`)."""
 
     def __init__(self, app: ASGIApp, state: ServerState):
         self.app, self.state = app, state
+        self.trimmer = Trimmer()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -80,7 +83,11 @@ class CountResponses:
                 self.state.counters.responses[(path, message["status"])] += 1
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        self.trimmer.started()
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.trimmer.ended()
 
 
 def _loopback(host: str) -> bool:

@@ -19,6 +19,7 @@ from app.disk_state import disk_reason
 from app.distributed import add_distributed_args
 from app.engine_args import add_engine_args, build_engine, check_kv_budget
 from app.engine_config import config_from_args
+from app.server import native_heap
 from app.server.log import log
 from engine.errors import KVChatError
 
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     check_host(args.host, keys.required)
     check_kv_budget(config_from_args(args).kv_budget_bytes)
     sock = bind(args.host, args.port)
+    native_heap.tune()  # before the load: every big block after it is mapped, not carved
     try:
         engine = build_engine(args, max_running=args.max_running,
                               prefill_chunk=args.prefill_chunk)
