@@ -45,6 +45,8 @@ wait_for_screen() {  # $2 on the screen (max ~60 s); false if the app ended firs
   return 1
 }
 
+# one server for the whole soak (else a new session can race the exit of the last one)
+tmux new-session -d -s keeper -x 20 -y 5 "sleep 100000"
 launches=0 tracebacks=0 aborts=0 nonzero=0 hangs=0
 declare -A codes=()
 for i in $(seq "$N"); do
@@ -102,7 +104,7 @@ for i in $(seq "$N"); do
     echo "run $i: exit $rc, scenario $scenario, log $log.out"
   fi
 done
-tmux kill-session -t "$SESSION" 2>/dev/null
+tmux kill-server 2>/dev/null
 
 summary="launches $launches · tracebacks $tracebacks · aborts $aborts · non-zero exits $nonzero · hangs $hangs · exit codes:"
 for c in "${!codes[@]}"; do summary+=" $c×${codes[$c]}"; done

@@ -203,3 +203,23 @@ async def test_build_status_shows_elapsed_time(store, monkeypatch):
         await wait_for(pilot, lambda: app.engine is not None)
         assert not app.model_status.startswith("building")
 
+
+
+async def test_the_prompt_has_the_focus_from_the_first_frame(store, monkeypatch):
+    """Keys typed during start-up arrive as soon as the chat screen is up: the prompt must
+    have the focus then (the transcript, the first focusable widget, took it and the keys
+    were lost until the prompt's own focus call ran)."""
+    from app.tui.screens.chat import ChatScreen
+
+    focused = []
+    set_focus = ChatScreen.set_focus
+
+    def recording(self, widget, *args, **kwargs):
+        focused.append(widget)
+        return set_focus(self, widget, *args, **kwargs)
+
+    monkeypatch.setattr(ChatScreen, "set_focus", recording)
+    app = make_app(store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        assert focused and isinstance(focused[0], PromptInput), focused

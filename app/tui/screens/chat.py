@@ -56,6 +56,9 @@ class ChatScreen(TurnStart, TurnEvents, SummaryEvents, MessageActions, Screen):
     """One conversation with the loaded model; generation runs in a thread worker."""
 
     BINDINGS = [Binding("escape", "cancel_generation", "Cancel")]
+    # the prompt has the focus from the first frame: keys typed during start-up (the
+    # terminal delivers them then) went to the transcript, the first focusable widget
+    AUTO_FOCUS = "#prompt"
     hint = HINT
 
     def __init__(self, conversation: Conversation):
