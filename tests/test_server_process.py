@@ -31,13 +31,14 @@ class ServerProcess:
         self.args = ["serve", "--port", "0", *args]
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.preexec_fn = None  # run in the child before the server (e.g. lower its limits)
 
     def start(self, timeout: float = 180.0) -> ServerProcess:
         # a file, not a pipe: nobody has to keep reading it for the server to go on
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "app", *self.args],
                                          stdout=log, stderr=subprocess.STDOUT,
-                                         env=dict(os.environ))
+                                         env=dict(os.environ), preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = LISTENING.search(self.log())
@@ -133,6 +134,7 @@ def test_busy_port_fails_before_the_model_loads(capsys):
 
 
 @pytest.mark.parametrize("flag,value", [("--port", "70000"), ("--max-waiting", "0"),
-                                        ("--drain-timeout", "-1"), ("--log-level", "loud")])
+                                        ("--drain-timeout", "-1"), ("--log-level", "loud"),
+                                        ("--read-timeout", "0"), ("--max-connections", "0")])
 def test_bad_flags_are_one_line(capsys, flag, value):
     assert flag in refused(capsys, "serve", flag, value)

@@ -47,6 +47,12 @@ def add_parser(sub) -> None:
                    help="max_tokens of a request that sets none (512)")
     p.add_argument("--drain-timeout", metavar="SECONDS", type=arg_types.int_in(0, 3600), default=30,
                    help="seconds in-flight requests may finish after SIGTERM (30)")
+    p.add_argument("--read-timeout", metavar="SECONDS", type=arg_types.int_in(1, 3600),
+                   default=30, help="seconds a client has to send a request's headers, and "
+                                    "again its body, before a 408 closes the connection (30)")
+    p.add_argument("--max-connections", metavar="N", type=arg_types.int_in(1), default=None,
+                   help="connections open at once; past it the longest idle one is closed "
+                        "(default and most: the open-file limit less an eighth)")
     p.add_argument("--log-level", choices=["warning", "info", "debug"], default="warning",
                    help="uvicorn's log level; info logs every request (warning)")
     add_context_args(p, default="error",

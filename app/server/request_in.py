@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from starlette.requests import Request
@@ -30,18 +31,27 @@ def authenticate(request: Request) -> Principal:
 
 
 async def read_json(request: Request) -> object:
-    """The request body as JSON, at most MAX_BODY_BYTES; 413 / 400 otherwise."""
+    """The request body as JSON, at most MAX_BODY_BYTES and whole within the server's read
+    timeout; else 413 / 408 (and the connection closes: the rest of the body is never
+    read), or 400."""
+    close = {"Connection": "close"}
     too_large = APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes",
-                         code="request_too_large")
+                         code="request_too_large", headers=close)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise too_large
     body, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large
-        body.append(chunk)
+    timeout_s = _state(request).read_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    raise too_large
+                body.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive whole within {timeout_s:g} s",
+                       code="request_timeout", headers=close) from None
     try:
         return json.loads(b"".join(body))
     except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors

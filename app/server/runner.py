@@ -18,6 +18,7 @@ import threading
 import uvicorn
 
 from app.server.app import build_app
+from app.server.connections import connection_cap, guarded_protocol
 from app.server.keys import KeyStore
 from app.server.log import log
 from app.server.state import ServerState
@@ -91,10 +92,14 @@ def serve(args, engine, keys: KeyStore, sock: socket.socket) -> None:
     """Run the server on ``sock`` until SIGTERM / SIGINT has drained it."""
     state = ServerState(engine, keys, model_id(engine.loaded), max_waiting=args.max_waiting,
                         default_max_tokens=args.default_max_tokens,
-                        drain_timeout_s=args.drain_timeout,
+                        drain_timeout_s=args.drain_timeout, read_timeout_s=args.read_timeout,
                         context_policy=getattr(args, "context_policy", "error"),
                         context_budget=getattr(args, "context_budget", None))
+    cap, note = connection_cap(args.max_connections)  # after the load: the limit is final
+    if note:
+        log(f"note: {note}")
     config = uvicorn.Config(build_app(state), log_level=args.log_level, lifespan="on",
+                            http=guarded_protocol(args.read_timeout, cap),
                             access_log=args.log_level != "warning",
                             # a backstop: the drain deadline cancels requests first
                             timeout_graceful_shutdown=args.drain_timeout + 10)

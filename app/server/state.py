@@ -38,6 +38,8 @@ class ServerState:
     """max_tokens of a request that sets none (then bounded by the context and the pool)."""
     drain_timeout_s: float = 30.0
     """After SIGTERM, in-flight requests may finish for this long; the rest are cancelled."""
+    read_timeout_s: float = 30.0
+    """A request's body must arrive whole within this (its headers too: `connections`)."""
     context_policy: str = "error"
     """Over the budget: summarize, truncate or error (`app.server.context`)."""
     context_budget: int | None = None
