@@ -69,7 +69,7 @@ class Engine(PromptMixin, EngineLoop):
                                      unwanted=self._unwanted)
         self.speculator = build_speculator(config.speculate, SpecCost(pacer), self.recorder,
                                            self.blocks, self.vocab_size, self.notices, draft)
-        self.executor.on_verify = self.speculator.cost.observe
+        self.executor.on_decode = self.speculator.cost.observe
         self._ids = itertools.count()
         self.grammars = Grammars(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids,
                                  self.vocab_size)  # constrained decoding, built on first use

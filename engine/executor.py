@@ -53,8 +53,8 @@ class StepExecutor:
         self.fast_greedy = fast_greedy  # the CPU extension's greedy pick (`engine.greedy`)
         self.flight: Flight | None = None
         self._last: dict[int, int] = {}  # tokens read from a flight, not yet applied
-        # times decode steps that verified drafts: (sequences, draft tokens, seconds)
-        self.on_verify: Callable[[int, int, float], None] | None = None
+        # times every decode-only step: (sequences, draft tokens verified, seconds)
+        self.on_decode: Callable[[int, int, float], None] | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -128,6 +128,8 @@ class StepExecutor:
     def _timed(self, kind: str, tokens: int, seconds: float) -> None:
         self.recorder.time_forward(kind, tokens, seconds)
         self.pacer.observe(tokens, seconds, decode_only=kind == "decode")
+        if kind == "decode" and self.on_decode is not None:
+            self.on_decode(tokens, 0, seconds)
 
     def _prepare(self, req: Request, phase: str, copies, out: list[Outcome]) -> bool:
         """The request's own checks and copy-on-write; an error ends it alone."""
@@ -188,8 +190,8 @@ class StepExecutor:
         self.recorder.time_forward("mixed" if pre else "decode", batch.num_tokens, seconds)
         if pre or not drafts:
             self.pacer.observe(batch.num_tokens, seconds, decode_only=not pre)
-        elif self.on_verify is not None:  # its extra tokens are timed apart from the pacer's
-            self.on_verify(len(dec), drafts, seconds)
+        elif self.on_decode is not None:  # its extra tokens are timed apart from the pacer's
+            self.on_decode(len(dec), drafts, seconds)
         return out + [Outcome(r, computed=n) for r, n, _ in pre] + picked
 
     def _decode(self, decodes) -> list[Outcome]:

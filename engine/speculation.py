@@ -24,7 +24,7 @@ from engine.pacing import StepPacer, _ema
 from engine.request import Request
 
 MODES = ("off", "lookup", "draft")
-PROBE_EVERY = 8  # steps between one-draft probes while a draft model is measured not to pay
+PROBE_EVERY = 8  # steps between one-draft probes while drafts are measured not to pay
 
 
 @dataclass(slots=True)
@@ -81,19 +81,34 @@ class SpecState:
 
 @dataclass(slots=True)
 class SpecCost:
-    """A decode step's measured cost: fixed part and the extra seconds per draft token."""
+    """What decode steps cost, measured: a plain step of ``rows`` sequences (an average per
+    batch size), and each verified draft token on top (the extra seconds of a step with
+    drafts over a plain step of as many rows). Until a draft was timed, a draft token is
+    taken to cost what a prompt token costs in the pacer's prefill measurements."""
 
     pacer: StepPacer
-    per_draft_s: float | None = None  # measured on steps that verified drafts
-
-    def per_token(self) -> float | None:
-        return self.per_draft_s if self.per_draft_s is not None else self.pacer.per_token_s
+    warmup: int = 3  # the engine's first decode steps (allocation, first calls) are not timed
+    plain: dict[int, float] = field(default_factory=dict)  # rows -> seconds of a plain step
+    per_draft: float | None = None
 
     def observe(self, rows: int, drafts: int, seconds: float) -> None:
         """A decode step of ``rows`` sequences that also verified ``drafts`` tokens."""
-        fixed = self.pacer.fixed_s
-        if drafts > 0 and fixed is not None:
-            self.per_draft_s = _ema(self.per_draft_s, max(seconds - fixed, 0.0) / drafts)
+        if self.warmup > 0:
+            self.warmup -= 1
+        elif not drafts:
+            self.plain[rows] = _ema(self.plain.get(rows), seconds)
+        elif rows in self.plain:  # noise can make one sample negative: their mean is not
+            self.per_draft = _ema(self.per_draft, (seconds - self.plain[rows]) / drafts)
+
+    def fit(self, rows: int) -> tuple[float, float] | None:
+        """(seconds of a plain step of ``rows``, seconds per draft token), once measured."""
+        step = self.plain.get(rows)
+        if step is None and self.plain:  # the nearest batch size measured
+            step = self.plain[min(self.plain, key=lambda r: abs(r - rows))]
+        per = self.per_draft if self.per_draft is not None else self.pacer.per_token_s
+        if step is None or per is None:
+            return None
+        return step, max(per, 1e-6)
 
 
 @dataclass(slots=True)
@@ -104,7 +119,7 @@ class Speculator:
     cost: SpecCost
     recorder: MetricsRecorder | None = None  # engine-wide spec_proposed / spec_accepted
     draft: DraftModel | None = None  # mode "draft": who proposes
-    idle_steps: int = 0  # draft mode: steps since drafts were last verified
+    idle_steps: int = 0  # steps since drafts were last verified
     states: dict[int, SpecState] = field(default_factory=dict)
     prior: float = 0.5  # acceptance of a sequence not yet measured: the engine-wide EMA
     # the first draft of a sequence that verifies none this step: checked against the
@@ -146,11 +161,11 @@ class Speculator:
         a step's yield is its rows plus the accepted drafts, its cost fixed + per-token x
         tokens. Greedily add the draft with the highest acceptance while that raises the
         step's expected tokens per second."""
-        fixed, per = self.cost.pacer.fixed_s, self.cost.per_token()
-        if not cands or fixed is None or per is None:
-            # unmeasured: verify one draft each, which measures the cost of a draft token
-            return {s: d[:1] for s, d in cands.items()} if fixed is not None else {}
-        tokens, seconds = float(rows), fixed
+        fit = self.cost.fit(rows)
+        if not cands or fit is None:  # unmeasured: a plain step measures what it costs
+            return {}
+        seconds, per = fit
+        tokens = float(rows)
         heap = [(-self.states[s].accept_rate, s, 1) for s in cands]
         heapq.heapify(heap)
         taken: dict[int, int] = {}
@@ -163,18 +178,23 @@ class Speculator:
             taken[s] = i
             if i < len(cands[s]):
                 heapq.heappush(heap, (-(p * self.states[s].accept_rate), s, i + 1))
+        self.idle_steps = 0 if taken else self.idle_steps + 1
+        if not taken and self.idle_steps % PROBE_EVERY == 0:  # keep the cost measured
+            s = max(cands, key=lambda s: self.states[s].accept_rate)
+            taken[s] = 1
         return {s: cands[s][:n] for s, n in taken.items()}
 
     def _plan_draft(self, decoding: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """One draft length for the batch (the draft model decodes the sequences together):
         the k whose expected tokens per second, draft forwards included, is highest."""
         ready = [(s, ids, room) for s, ids, room in decoding if room > 0]
-        fixed, per, ds = self.cost.pacer.fixed_s, self.cost.per_token(), self.draft.step_s
-        if not ready or (fixed is None and not self.config.fixed):
+        fit, ds = self.cost.fit(len(decoding)), self.draft.step_s
+        if not ready:
             return {}
         best = self.config.fixed or 1  # unmeasured: one draft each measures both costs
-        if per is not None and ds is not None and not self.config.fixed:
+        if fit is not None and ds is not None and not self.config.fixed:
             rates = [self.states[s].accept_rate for s, _, _ in ready]
+            fixed, per = fit
 
             def rate(k: int) -> float:
                 tokens = len(decoding) + sum(sum(r ** i for i in range(1, k + 1)) for r in rates)

@@ -43,9 +43,13 @@ def test_lookup_incremental_equals_fresh(ids, k):
 
 
 def speculator(fixed, per):
-    pacer = StepPacer(4)
-    pacer.fixed_s, pacer.per_token_s = fixed, per
-    return Speculator(SpecConfig("lookup", max_draft=4, min_ngram=1), SpecCost(pacer))
+    """A lookup speculator whose cost has seen decode steps costing fixed + per x tokens."""
+    sp = Speculator(SpecConfig("lookup", max_draft=4, min_ngram=1), SpecCost(StepPacer(4)))
+    sp.cost.warmup = 0
+    if fixed is not None:
+        for rows, drafts in ((1, 0), (2, 0), (8, 0), (16, 0), (1, 4)):
+            sp.cost.observe(rows, drafts, fixed + per * (rows + drafts))
+    return sp
 
 
 def copying(n=3):
@@ -57,22 +61,24 @@ def test_allotment_follows_measured_cost_and_acceptance():
     sp = speculator(0.020, 0.002)
     sp.prior = 0.9
     assert sp.plan([(0, copying(), 10)]) == {0: [3, 4, 5, 6]}  # cheap and likely: all 4
-    dear = speculator(0.020, 0.030)  # a draft token costs more than a whole step
+    dear = speculator(0.020, 0.3)  # a token costs 15 steps' fixed part
     dear.prior = 0.9
     assert dear.plan([(0, copying(), 10)]) == {}
     assert dear.shadow == {0: 3}  # still measured against the token the step gives
     # at batch 16 the step's own tokens are worth more than a 60 % guess
     big = speculator(0.040, 0.004)
+    assert big.cost.fit(16) == pytest.approx((0.040 + 16 * 0.004, 0.004))
     big.prior = 0.6
     assert big.plan([(s, copying(), 10) for s in range(16)]) == {}
     assert big.plan([(0, copying(), 10)])[0][:1] == [3]
     # room left caps the drafts; unmeasured cost proposes nothing
     assert sp.plan([(1, copying(), 2)]) == {1: [3, 4]}
+    # unmeasured: a plain step first, which measures what it costs
     assert speculator(None, None).plan([(0, copying(), 10)]) == {}
 
 
 def test_shadow_measurement_turns_speculation_back_on():
-    sp = speculator(0.020, 0.008)
+    sp = speculator(0.020, 0.016)  # a draft pays at a rate above 0.016 / 0.036
     sp.prior = 0.1
     assert sp.plan([(0, copying(), 10)]) == {}
     for steps in range(1, 9):  # noqa: B007 - the unverified guesses keep coming true
@@ -81,7 +87,26 @@ def test_shadow_measurement_turns_speculation_back_on():
         if drafts:
             break
     assert drafts[0][0] == 3 and steps > 1
-    assert sp.states[0].accept_rate > 0.008 / 0.020
+    assert sp.states[0].accept_rate > 0.016 / 0.036
+
+
+def test_cost_is_measured_per_batch_size_and_per_draft():
+    """Plain steps give each batch size's cost, steps with drafts the cost of a draft token
+    (the prefill per-token cost stands in until then); the first steps are not timed."""
+    cost = SpecCost(StepPacer(4))
+    cost.observe(2, 0, 0.9)  # warm-up: not counted
+    assert cost.fit(2) is None and cost.warmup == 2
+    cost.warmup = 0
+    for _ in range(5):
+        cost.observe(2, 0, 0.030)
+    assert cost.fit(2) is None  # no draft timed, no prefill measured
+    cost.pacer.per_token_s = 0.002
+    assert cost.fit(2) == pytest.approx((0.030, 0.002))
+    assert cost.fit(3) == pytest.approx((0.030, 0.002))  # the nearest batch size measured
+    for _ in range(30):  # the machine got slower: the measures follow
+        cost.observe(2, 0, 0.050)
+        cost.observe(2, 3, 0.080)
+    assert cost.fit(2) == pytest.approx((0.050, 0.010), rel=1e-3)
 
 
 def test_truncate_gives_back_only_what_the_append_took():
