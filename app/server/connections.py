@@ -23,7 +23,7 @@ import time
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from app.server.errors import error_body
+from app.server.errors import INVALID, error_body
 
 MIN_CONNECTIONS = 16
 
@@ -49,10 +49,11 @@ def connection_cap(requested: int | None) -> tuple[int, str | None]:
                    f"is {soft}")
 
 
-def raw_error(status: int, reason: str, message: str, code: str) -> bytes:
+def raw_error(status: int, reason: str, message: str, code: str,
+              type: str = INVALID) -> bytes:
     """A whole HTTP/1.1 error response that closes the connection (written outside h11,
     which answers only a request it has parsed)."""
-    body = json.dumps(error_body(message, code=code)).encode()
+    body = json.dumps(error_body(message, type=type, code=code)).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")
     return head.encode("latin-1") + body
@@ -71,7 +72,8 @@ class GuardedH11Protocol(H11Protocol):
         self._wait_for_request()
         if len(self.connections) > self.connection_cap and not self._make_room():
             self._refuse(raw_error(503, "Service Unavailable", "the server has too many "
-                                   "connections open; retry later", "too_many_connections"))
+                                   "connections open; retry later", "too_many_connections",
+                                   type="server_error"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
