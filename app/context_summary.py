@@ -35,9 +35,18 @@ REPETITION_PENALTY = 1.3
 MAX_TURN_CHARS = 2000  # of one message, in a note's request (the rest is not read)
 
 
-def note_prompt(user: str, assistant: str) -> str:
+def note_prompt(user: str, assistant: str | None) -> str:
+    """The note request of one exchange (``assistant`` None: the user's message alone)."""
+    if assistant is None:
+        return f"User: {user[:MAX_TURN_CHARS]}\n\n{NOTE_ASK.replace('exchange', 'message')}"
     return (f"User: {user[:MAX_TURN_CHARS]}\nAssistant: {assistant[:MAX_TURN_CHARS]}"
             f"\n\n{NOTE_ASK}")
+
+
+def looping(note: str) -> bool:
+    """A note that repeats itself ("I'm sorry, I'm sorry, I'm sorry, …")."""
+    words = note.split()
+    return len(words) >= 6 and len(set(words)) <= len(words) // 2
 
 
 def shorten_prompt(note: str) -> str:
@@ -107,6 +116,8 @@ class SummaryJob:
                 user = self.history[i].get("content") or ""
                 reply = self.history[i + 1].get("content") or "" if i + 1 < self.upto else ""
                 note = self._ask(note_prompt(user, reply), NOTE_TOKENS, ["\n", ". "])
+                if looping(note):  # once more from the user's message alone
+                    note = self._ask(note_prompt(user, None), NOTE_TOKENS, ["\n", ". "])
                 for label in LABELS:
                     note = note.removeprefix(label)
                 if note:

@@ -167,3 +167,19 @@ def test_ran_on_notes_are_shortened_oldest_first_until_under_the_cap():
     lines = s.text.splitlines()  # 8 notes of 7 words ("…" marks a ran-on one): 56 > 52
     assert [line.endswith("…") for line in lines] == [False] * 4 + [True] * 4
     assert job.requests == 8 + 4 and s.tokens <= 52
+
+
+def test_a_looping_note_is_written_again_from_the_user_message():
+    from app.context_summary import looping
+
+    assert looping("I'm sorry, I'm sorry, I'm sorry, I'm sorry, I'm …")
+    assert not looping("The PIN of the lighthouse radio is 8566.")
+    assert "Assistant:" not in note_prompt("my PIN is 4817", None)
+
+    class Looping(_Engine):
+        def encode_prompt(self, prompt, *, system=None, history=None):
+            self.reply = "no no no no no no no" if "Assistant:" in prompt else "PIN 4817"
+            return [1]
+
+    job = SummaryJob(Looping(""), chat(1), None, 2)
+    assert job.run().text == "- PIN 4817" and job.requests == 2
