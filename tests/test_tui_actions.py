@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from test_tui_app import SIZE, ask, boxes, make_app, start_answer, store, wait_for
-from test_tui_fakes import FakeEngine
+from test_tui_fakes import FakeEngine, long_reply
 
 from app.tui.app import ChatApp
 from app.tui.screens.help import HelpScreen, help_sections
@@ -106,7 +106,7 @@ async def test_delete_a_turn(store):
 
 
 async def test_a_cancelled_partial_answer_is_marked_and_deleted_with_one_key(store):
-    engine = FakeEngine(" ".join(["word"] * 400), delay=0.01)
+    engine = FakeEngine(long_reply(400), delay=0.01)
     app = make_app(store, engine)
     async with app.run_test(size=SIZE) as pilot:
         await start_answer(pilot, app)
@@ -184,7 +184,7 @@ async def test_quit_while_a_model_loads_waits_and_shuts_it_down(store):
 
 
 async def test_quit_mid_answer_stops_the_engine_first(store):
-    engine = FakeEngine(" ".join(["word"] * 400), delay=0.01)
+    engine = FakeEngine(long_reply(400), delay=0.01)
     app = make_app(store, engine)
     async with app.run_test(size=SIZE) as pilot:
         await start_answer(pilot, app)
@@ -253,7 +253,7 @@ async def test_narrow_terminals_collapse_the_cache_panel(store):
 async def test_last_turn_resets_during_an_answer_and_on_a_new_engine(store):
     from app.tui.widgets.cache_panel import CachePanel
 
-    app = make_app(store, FakeEngine(" ".join(["word"] * 400), delay=0.01))
+    app = make_app(store, FakeEngine(long_reply(400), delay=0.01))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine is not None)
         panel = app.chat.query_one(CachePanel)

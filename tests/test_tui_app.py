@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_tui_fakes import FakeEngine
+from test_tui_fakes import FakeEngine, long_reply
 
 from app.conversations import ConversationStore
 from app.settings import GenerationSettings
@@ -117,7 +117,7 @@ async def start_answer(pilot, app) -> None:
 
 
 async def test_escape_cancels_and_shows_released_blocks(store):
-    engine = FakeEngine(" ".join(["word"] * 400), delay=0.01)
+    engine = FakeEngine(long_reply(400), delay=0.01)
     app = make_app(store, engine)
     async with app.run_test(size=SIZE) as pilot:
         await start_answer(pilot, app)
@@ -132,7 +132,7 @@ async def test_escape_cancels_and_shows_released_blocks(store):
 
 
 async def test_ctrl_c_cancels_first_then_quits(store):
-    engine = FakeEngine(" ".join(["word"] * 400), delay=0.01)
+    engine = FakeEngine(long_reply(400), delay=0.01)
     app = make_app(store, engine)
     async with app.run_test(size=SIZE) as pilot:
         await start_answer(pilot, app)

@@ -69,6 +69,11 @@ def fake_metrics(kv_cache: str | None = None) -> EngineMetrics:
         budget_bytes=96 * block)
 
 
+def long_reply(words: int = 400) -> str:
+    """A long answer that never repeats itself (the chat stops one that loops)."""
+    return " ".join(f"w{i}" for i in range(words))
+
+
 def fixed_stats(prompt_tokens: int, generated: int, released: int = 4):
     cached = min(16, prompt_tokens)
     return SimpleNamespace(prompt_tokens=prompt_tokens, generation_tokens=generated,
@@ -204,11 +209,11 @@ def test_stream_turn_posts_start_text_and_finish():
 
 
 def test_stream_turn_batches_fast_deltas():
-    engine = FakeEngine(" ".join(["w"] * 200))
+    engine = FakeEngine(long_reply(200))
     _, posted = run_turn(engine, "go", max_tokens=200)
     texts = [m for m in posted if isinstance(m, TextReceived)]
     assert len(texts) < 20  # 200 instant tokens arrive in a few batches, not 200 updates
-    assert "".join(m.text for m in texts) == " ".join(["w"] * 200)
+    assert "".join(m.text for m in texts) == long_reply(200)
 
 
 def test_stream_turn_rejects_what_can_never_fit():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from test_tui_app import SIZE, boxes, make_app, wait_for
-from test_tui_fakes import FakeEngine
+from test_tui_fakes import FakeEngine, long_reply
 from test_tui_soak import post_keys
 
 from app.conversations import ConversationStore
@@ -83,7 +83,7 @@ async def test_answers_are_saved_with_the_models_name(store):
 @pytest.mark.parametrize("width", [60, 80, 130])
 async def test_status_line_keeps_the_generating_state(store, width):
     conv = store.new(system_prompt="Be brief.")
-    app = make_app(store, FakeEngine(" ".join(["word"] * 400), delay=0.01),
+    app = make_app(store, FakeEngine(long_reply(400), delay=0.01),
                    conversation_id=conv.id)
     store.save(conv)
     async with app.run_test(size=(width, 30)) as pilot:
@@ -155,3 +155,21 @@ async def test_screenshot_without_a_downloads_folder(store, tmp_path, monkeypatc
         await wait_for(pilot, lambda: app.engine is not None)
         app.deliver_screenshot()
         await wait_for(pilot, lambda: list(home.glob("*.svg")), timeout=10)
+
+
+async def test_an_answer_that_loops_is_stopped_and_cut(store):
+    loop = "Boil an egg: put it in water."
+    engine = FakeEngine("Here is how. " + " ".join([loop] * 60), delay=0.002)
+    app = make_app(store, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        app.chat.query_one(PromptInput).text = "How do I boil an egg?"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(boxes(app)) == 2 and not app.chat.generating)
+        answer = boxes(app)[1]
+        assert engine.cancelled == {0}  # stopped long before its 60 copies
+        assert answer.text.startswith("Here is how. Boil an egg")
+        assert answer.text.count("Boil an egg") == 1
+        assert "began repeating itself" in str(answer.query_one(".stats").render())
+    saved = store.load(store.list()[0].id).messages[1]
+    assert saved.meta["finish_reason"] == "loop" and saved.content == answer.text

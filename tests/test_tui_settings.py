@@ -12,7 +12,7 @@ from functools import partial
 import pytest
 from rich.console import Console
 from test_tui_app import SIZE, ask, boxes, record_notices, wait_for
-from test_tui_fakes import FakeEngine, fake_metrics
+from test_tui_fakes import FakeEngine, fake_metrics, long_reply
 
 from app import settings
 from app.conversations import ConversationStore
@@ -114,7 +114,7 @@ async def test_the_format_waits_for_a_running_answer(home, configs, tmp_path):
     notices = record_notices(app)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine is not None)
-        app.engine.reply, app.engine.delay = " ".join(["word"] * 400), 0.01
+        app.engine.reply, app.engine.delay = long_reply(400), 0.01
         app.chat.query_one("PromptInput").text = "go"
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(boxes(app)) == 2 and boxes(app)[1].text)

@@ -17,7 +17,7 @@ import random
 import threading
 
 from test_tui_app import SIZE
-from test_tui_fakes import FakeEngine
+from test_tui_fakes import FakeEngine, long_reply
 from textual import events
 
 from app.conversations import ConversationStore
@@ -53,7 +53,7 @@ def script(rng: random.Random) -> list[str]:
 async def soak_run(seed: int, store: ConversationStore) -> None:
     rng = random.Random(seed)
     loaded = threading.Event()  # the "model load" ends when set
-    engine = FakeEngine(" ".join(["word"] * 300), delay=rng.choice([0.0, 0.002, 0.01]))
+    engine = FakeEngine(long_reply(300), delay=rng.choice([0.0, 0.002, 0.01]))
 
     def factory(spec, kv_cache=None):
         loaded.wait(30)

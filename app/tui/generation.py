@@ -19,6 +19,7 @@ from app.documents.qa import Prepared
 from app.documents.sessions import DEFAULT_SESSION_TTL_S
 from app.engine_like import EngineLike, HandleLike
 from app.tui.documents import AttachedDocuments
+from app.tui.repetition import loop_cut
 from engine import SamplingParams
 from engine.errors import KVChatError, RequestError, RequestTooLargeError
 from engine.request import Priority
@@ -44,6 +45,7 @@ class Turn:
     summary: Summary | None = None  # the conversation's summary, if any
     pending: SummaryJob | None = None  # a summary being written; waited for if needed
     fitted: Fitted | None = None  # what the prompt sent, cut or summarized
+    loop_cut: int | None = None  # set: the answer looped; it was stopped, kept up to here
 
     @property
     def dropped_turns(self) -> int:
@@ -182,6 +184,7 @@ def stream_turn(turn: Turn, params: SamplingParams, post: Callable[[Message], ob
     if turn.cancel_requested:  # Esc pressed before the engine had an id for us
         engine.cancel(handle.request_id)
     pending: list[str] = []
+    answer = ""
     last_flush = last_prefill = 0.0
     for event in handle:
         now = time.monotonic()
@@ -192,8 +195,12 @@ def stream_turn(turn: Turn, params: SamplingParams, post: Callable[[Message], ob
             pending.append(event.text)
         if pending and (event.finish_reason is not None or now - last_flush >= FLUSH_S):
             post(TextReceived(turn, "".join(pending)))
+            answer += "".join(pending)
             pending.clear()
             last_flush = now
+            if not turn.cancel_requested and (cut := loop_cut(answer)) is not None:
+                turn.loop_cut, turn.cancel_requested = cut, True  # stopped: it loops
+                engine.cancel(handle.request_id)
         if event.finish_reason is not None:
             post(TurnFinished(turn, event.finish_reason, event.stats, event.error))
             return
@@ -208,6 +215,9 @@ def stats_line(finish_reason: str, stats, error: str | None = None) -> str:
     if finish_reason == "error":
         return f"error: {error or 'generation failed'}"
     released = getattr(stats, "blocks_released", 0) if stats is not None else 0
+    if finish_reason == "loop":  # the chat stopped it (cancelled), its repeats cut off
+        return ("stopped: the answer began repeating itself; the repeats are not kept · "
+                + stats_line("stop", stats))
     if finish_reason == "cancelled":
         return f"cancelled — {released} blocks released"
     if finish_reason == "shutdown":

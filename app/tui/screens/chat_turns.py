@@ -81,6 +81,9 @@ class TurnEvents(Screen):
         if message.turn is not self.turn or self.answer is None or self.user_box is None:
             return
         turn, reason = message.turn, message.finish_reason
+        if turn.loop_cut is not None and reason == "cancelled":  # the chat stopped a loop
+            reason = "loop"
+            await self.answer.replace_text(self.answer.text[:turn.loop_cut])
         line = stats_line(reason, message.stats, message.error)
         if turn.dropped_turns and turn.fitted is not None:  # the cut, under the answer
             line += "\n" + turn.fitted.notes()[-1]

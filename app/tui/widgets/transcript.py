@@ -124,6 +124,14 @@ class MessageBox(Vertical, can_focus=True):
             self._stream = Markdown.get_stream(self.markdown)
         await self._stream.write(text)
 
+    async def replace_text(self, text: str) -> None:
+        """Show ``text`` instead of what was streamed (an answer cut back)."""
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.text = text
+        await self.markdown.update(text)
+
     async def finish(self, stats: str, *, error: bool = False) -> None:
         """End streaming and show the stats (or the error) under the answer."""
         if self._stream is not None:
