@@ -183,3 +183,14 @@ def test_constrained_drafts_keep_the_grammar(quick_model, every_draft):
         assert b.finish_reason == "stop" and len(json.loads(b.text)["colors"]) == 6
     assert on.metrics().spec_accepted > 0
     check_clean(on)
+
+
+def test_float32_path_every_draft_equals_plain(default_model, every_draft):
+    """The float32 weights (OpenBLAS matmuls, the reference attention): verify rows give
+    plain decoding's tokens too."""
+    off = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20))
+    on = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20, speculate="lookup"))
+    ids = [copy_prompt(off)]
+    assert run(on, ids, params(16)) == run(off, ids, params(16))
+    assert on.metrics().spec_accepted > 0
+    check_clean(on)
