@@ -43,7 +43,7 @@ def server(tmp_path_factory):
     srv = ServerProcess(tmp, "--api-keys", str(keys), "--kv-budget", "20M", "--no-disk-cache",
                         "--read-timeout", str(READ_TIMEOUT))
     srv.preexec_fn = lower_nofile
-    srv.start()
+    srv.start(timeout=600)  # the first server of a session builds the CPU extension
     yield srv
     assert srv.stop() == 0, srv.log()
 
@@ -174,3 +174,24 @@ def test_a_body_over_the_limit_gets_a_413_and_the_connection_closes(server):
         status, error = error_of(until_closed(s))
     assert status == 413 and error["code"] == "request_too_large"
     assert good_request(server).status_code == 200
+
+
+def test_past_the_cap_with_every_connection_busy_a_new_one_gets_a_503(tmp_path):
+    srv = ServerProcess(tmp_path, "--kv-budget", "20M", "--no-disk-cache",
+                        "--max-connections", "3", "--read-timeout", "60").start(timeout=600)
+    busy = []
+    try:
+        for _ in range(3):  # each awaits the rest of its body: a request in progress
+            s = socket.create_connection(address(srv))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            busy.append(s)
+        time.sleep(0.5)
+        with socket.create_connection(address(srv)) as s:
+            status, error = error_of(until_closed(s))
+        assert status == 503 and error["code"] == "too_many_connections"
+        assert all(not is_closed(b) for b in busy)  # none was taken for idle
+    finally:
+        for s in busy:
+            s.close()
+        assert srv.stop() == 0, srv.log()

@@ -70,7 +70,7 @@ def send(c: httpx.Client, i: int, rng: random.Random) -> None:
 
 def test_rss_levels_off_over_many_requests(tmp_path):
     srv = ServerProcess(tmp_path, "--kv-budget", "32M", "--cache-dir",
-                        str(tmp_path / "prefix")).start()
+                        str(tmp_path / "prefix")).start(timeout=600)
     try:
         pid = srv.proc.pid
         figures = [(0, rss_mib(pid))]
