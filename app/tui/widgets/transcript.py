@@ -124,19 +124,25 @@ class MessageBox(Vertical, can_focus=True):
             self._stream = Markdown.get_stream(self.markdown)
         await self._stream.write(text)
 
-    async def replace_text(self, text: str) -> None:
-        """Show ``text`` instead of what was streamed (an answer cut back)."""
+    async def _end_stream(self) -> None:
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
+            # the stop cancels the stream's task but not the append it had begun (shielded):
+            # that append holds the markdown's lock, so taking it waits for it to end, else
+            # it would go on mounting after the screen is gone (MountError at quit)
+            async with self.markdown.lock:
+                pass
+
+    async def replace_text(self, text: str) -> None:
+        """Show ``text`` instead of what was streamed (an answer cut back)."""
+        await self._end_stream()
         self.text = text
         await self.markdown.update(text)
 
     async def finish(self, stats: str, *, error: bool = False) -> None:
         """End streaming and show the stats (or the error) under the answer."""
-        if self._stream is not None:
-            await self._stream.stop()
-            self._stream = None
+        await self._end_stream()
         self.remove_class("-streaming")
         self.set_class(error, "-error")
         self.set_stats(stats, error=error)
