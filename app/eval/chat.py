@@ -181,8 +181,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--conversations", type=arg_types.int_in(1, 50), default=3,
                    help="scripted conversations per length (3)")
     p.add_argument("--seed", type=arg_types.int_in(1, 10_000), default=1,
-                   help="first conversation's seed (1; 1-3 were looked at while building the "
-                        "summaries, so held-out figures start past them)")
+                   help="first conversation's seed (1; 1-3 and 11-13 were looked at while "
+                        "building the summaries: held-out figures start at 21)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every figure as JSON")
     p.add_argument("--out", default="chat-eval", metavar="DIR",
                    help="directory for chat_eval.md (chat-eval)")
