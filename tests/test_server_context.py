@@ -119,5 +119,11 @@ def test_a_served_truncation_is_in_the_body_and_the_header(tmp_path):
         assert k["truncated_turns"] >= 1 and k["context"]["policy"] == "truncate"
         assert r.json()["usage"]["prompt_tokens"] <= 96
         assert "left out" in r.headers["X-Kvchat-Notice"] and "left out" in k["notice"]
+        anthropic = {"model": "kvchat", "max_tokens": 4, "system": "be brief",
+                     "messages": chat(3)[1:]}
+        m = httpx.post(f"{srv.url}/v1/messages", json=anthropic, timeout=120)
+        assert m.status_code == 200, m.text
+        assert m.json()["kvchat"]["truncated_turns"] >= 1
+        assert "left out" in m.headers["X-Kvchat-Notice"]
     finally:
         assert srv.stop() == 0, srv.log()

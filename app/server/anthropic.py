@@ -154,15 +154,17 @@ async def messages(request: Request) -> Response:
         principal = authenticate(request)
         parsed = parse_request("chat", translate(await read_json(request)))
         ids, params = await serving.prepare(state, parsed, principal)
-        handle, _ = serving.submit(state, ids, params, parsed, principal)
+        handle, reply = serving.submit(state, ids, params, parsed, principal)
     except APIError as e:
         return error_response(e)
+    cut = {"kvchat": reply.extras()} if parsed.context else {}  # the context policy's cut
     tools = parsed.tools if parsed.uses_tools else []
     head = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant",
             "model": state.model_id}
     if parsed.stream:
         return EventStreamResponse(_stream(state, handle, head, tools, len(ids)),
-                                   on_disconnect=serving.on_disconnect(state, handle))
+                                   on_disconnect=serving.on_disconnect(state, handle),
+                                   headers=reply.headers())
     try:
         text, final = await serving.whole_answer(state, request, handle)
     except APIError as e:
@@ -170,7 +172,8 @@ async def messages(request: Request) -> Response:
     blocks, tool_stop = _blocks(text, tools)
     return JSONResponse({**head, "content": blocks,
                          "stop_reason": tool_stop or STOP[final.finish_reason],
-                         "stop_sequence": None, "usage": _usage(final.stats)})
+                         "stop_sequence": None, "usage": _usage(final.stats), **cut},
+                        headers=reply.headers())
 
 
 async def _stream(state, handle, head: dict, tools: list, prompt_tokens: int):

@@ -140,17 +140,20 @@ async def responses(request: Request) -> Response:
     principal = authenticate(request)
     parsed = parse_request("chat", translate(await read_json(request)))
     ids, params = await serving.prepare(state, parsed, principal)
-    handle, _ = serving.submit(state, ids, params, parsed, principal)
+    handle, reply = serving.submit(state, ids, params, parsed, principal)
     tools = parsed.tools if parsed.uses_tools else []
+    extra = {"kvchat": reply.extras()} if parsed.context else {}  # the context policy's cut
     head = {"id": "resp_" + secrets.token_hex(12), "object": "response",
             "created_at": int(time.time()), "model": state.model_id, "error": None}
     if parsed.stream:
         return EventStreamResponse(_stream(state, handle, head, tools),
-                                   on_disconnect=serving.on_disconnect(state, handle))
+                                   on_disconnect=serving.on_disconnect(state, handle),
+                                   headers=reply.headers())
     text, final = await serving.whole_answer(state, request, handle)
     cut = "max_output_tokens" if final.finish_reason == "length" else None
-    return JSONResponse(_body(head, "incomplete" if cut else "completed",
-                              _output(text, tools), _usage(final.stats), cut))
+    return JSONResponse({**_body(head, "incomplete" if cut else "completed",
+                                 _output(text, tools), _usage(final.stats), cut), **extra},
+                        headers=reply.headers())
 
 
 async def _stream(state, handle, head: dict, tools: list):
