@@ -6,12 +6,13 @@ buffers (prefill activations, JSON bodies, disk-entry reads) are carved from the
 what they free stays resident: ~100 MiB of free heap after 200 long prompts, and RSS going
 up by steps. `tune` fixes the threshold at 128 KiB (glibc's default before it adapts):
 larger blocks are mapped and unmapped. `Trimmer` returns the arenas' free pages
-(``malloc_trim``) when the last in-flight request ends, at most once a second. Elsewhere
+(``malloc_trim``) once the last in-flight request has ended, at most once a second. Elsewhere
 (macOS) both do nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import threading
@@ -50,14 +51,16 @@ def trim() -> None:
 
 
 class Trimmer:
-    """Counts requests in flight; when the last one ends, trims (on a thread of its own:
-    ``malloc_trim`` walks every arena) unless it trimmed less than ``every_s`` ago."""
+    """Counts requests in flight (on the event loop); when the last one ends, trims within
+    ``every_s`` (at most once per ``every_s``, so a server going idle is always trimmed),
+    on a thread of its own: ``malloc_trim`` walks every arena."""
 
     def __init__(self, every_s: float = TRIM_EVERY_S):
         self.every_s = every_s
         self.inflight = 0
         self.trims = 0
         self._last = 0.0
+        self._due: asyncio.TimerHandle | None = None
         self._busy = threading.Lock()
 
     def started(self) -> None:
@@ -65,10 +68,16 @@ class Trimmer:
 
     def ended(self) -> None:
         self.inflight -= 1
-        now = time.monotonic()
-        if _LIBC is None or self.inflight or now - self._last < self.every_s:
+        if _LIBC is None or self.inflight or self._due is not None:
             return
-        self._last = now
+        delay = max(0.0, self._last + self.every_s - time.monotonic())
+        self._due = asyncio.get_running_loop().call_later(delay, self._trim_if_idle)
+
+    def _trim_if_idle(self) -> None:
+        self._due = None
+        if self.inflight:  # busy again: the next request to end schedules it
+            return
+        self._last = time.monotonic()
         if self._busy.acquire(blocking=False):  # one trim at a time
             threading.Thread(target=self._run, name="kvchat-trim", daemon=True).start()
 
