@@ -16,13 +16,13 @@ second on the same engine (RAM), the third on a new engine over the same disk st
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from app.eval import report
 from app.eval.probes import depths, haystack, pick_needles, place
 
 HELD_OUT = ("/usr/share/common-licenses/Apache-2.0", "/usr/share/common-licenses/GFDL-1.3",
@@ -183,12 +183,8 @@ def run(args) -> int:
               "plain_recall": [sum(r["plain"]["recalled"] for r in plain), len(plain)],
               "model": loaded.name or "default", "context": eng.max_context,
               "seconds": round(time.perf_counter() - started, 1)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     table = markdown(result)
-    (out / "ask_eval.md").write_text(table + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    report.publish(table, result, args.out, "ask_eval", args.json)
     print(table)
     return 0
 

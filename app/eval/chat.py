@@ -17,11 +17,10 @@ generated, so no fact is known to the model beforehand; nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
+from app.eval import report
 from app.eval.docs import Region
 from app.eval.probes import AGREEMENT_PROMPTS, pick_needles
 
@@ -159,12 +158,8 @@ def run(args) -> int:
               "seeds": list(seeds),
               "facts_per_conversation": FACTS, "table": tally(results),
               "conversations": results, "seconds": round(time.perf_counter() - started, 1)}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     table = markdown(result)
-    (out / "chat_eval.md").write_text(table + "\n")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    report.publish(table, result, args.out, "chat_eval", args.json)
     print(table)
     return 0
 

@@ -5,6 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def publish(table: str, result: dict, out: str | Path, name: str,
+            json_path: str | None = None) -> None:
+    """Write the Markdown ``table`` as ``out/name.md`` (``out`` made if missing) and, with
+    ``json_path``, every figure of ``result`` as JSON there."""
+    import json
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(table + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def ctx(n: int | str) -> str:
     """1024 -> "1k", 7168 -> "7k", 512 -> "512"."""
     n = int(n)
