@@ -292,6 +292,7 @@ async def test_full_queue_gets_429_with_retry_after(server):
 
 
 def test_metrics_and_health(server):
+    ask(server, unique_chat("Say hi."))  # a request of its own: the latencies have samples
     m = server.metrics()
     for name in ['kvchat_kv_blocks{state="free"}', 'kvchat_kv_blocks{state="used"}',
                  'kvchat_kv_blocks{state="cached"}', 'kvchat_requests{state="waiting"}',
