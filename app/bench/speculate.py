@@ -6,8 +6,10 @@ that states it quoted word for word, and a summary of the text's opening. Every 
 greedy, so both modes must give the same tokens (counted and printed). Two engines over
 one loaded model, no prefix cache (nothing one run computed serves the other), run the
 same prompts in alternation, round after round:
-- one stream: each question alone; decode tok/s = tokens after the first / seconds from
-  the first token to the last, summed over the answers (prefill apart);
+- one stream: each question alone, in one mode then the other (so a change in the
+  machine's load hits both alike); decode tok/s = tokens after the first / seconds from
+  the first token to the last, summed over the answers (prefill apart), and the median of
+  the answers' own lookup / plain ratios;
 - N streams: N questions submitted at once; the tokens decoded after every prompt's
   prefill ended, over the seconds from then to the last token.
 """
@@ -15,6 +17,7 @@ same prompts in alternation, round after round:
 from __future__ import annotations
 
 import json
+import statistics
 
 from app import arg_types
 from app.bench.common import log, machine_info
@@ -109,33 +112,41 @@ def run(args) -> int:
         plain.count_tokens)
     prompts = [plain.encode_prompt(q) for q in texts[:2 if args.quick else None]]
     batch = (prompts * args.streams)[:args.streams]
+    engines = (("plain", plain), ("lookup", spec))
     best: dict[str, dict] = {}
     same = {"alone": True, "streams": True}
+    ratios: list[float] = []  # lookup / plain decode tok/s of each answer, each round
     try:
         for i in range(args.rounds):
             log("spec", f"round {i + 1}/{args.rounds}: {len(prompts)} answers alone, "
                         f"{args.streams} together, each mode")
-            ref = None
-            for name, eng in (("plain", plain), ("lookup", spec)):
-                m0 = eng.metrics()
-                outs, tok, sec, steps = _alone(eng, prompts, args.gen)
-                bouts, btok, bsec = _together(eng, batch, args.gen)
-                m1 = eng.metrics()
-                row = {"alone_tps": tok / sec if sec else 0.0, "alone_tokens": tok,
-                       "alone_steps": steps, "streams_tps": btok / bsec if bsec else 0.0,
-                       "proposed": m1.spec_proposed - m0.spec_proposed,
-                       "accepted": m1.spec_accepted - m0.spec_accepted}
-                if ref is None:
-                    ref = (outs, bouts)
-                else:
-                    same["alone"] &= outs == ref[0]
-                    same["streams"] &= bouts == ref[1]
+            m0 = {name: eng.metrics() for name, eng in engines}
+            rows = {name: {"outs": [], "tok": 0, "sec": 0.0, "steps": 0} for name, _ in engines}
+            for ids in prompts:  # each answer in both modes in turn: load hits both alike
+                tps = {}
+                for name, eng in engines:
+                    outs, tok, sec, steps = _alone(eng, [ids], args.gen)
+                    r = rows[name]
+                    r["outs"] += outs
+                    r["tok"], r["sec"], r["steps"] = r["tok"] + tok, r["sec"] + sec, \
+                        r["steps"] + steps
+                    tps[name] = tok / sec if sec else 0.0
+                if tps["plain"] > 0 and tps["lookup"] > 0:
+                    ratios.append(tps["lookup"] / tps["plain"])
+            together = {name: _together(eng, batch, args.gen) for name, eng in engines}
+            same["alone"] &= rows["plain"]["outs"] == rows["lookup"]["outs"]
+            same["streams"] &= together["plain"][0] == together["lookup"][0]
+            for name, eng in engines:
+                r, (_, btok, bsec), m1 = rows[name], together[name], eng.metrics()
+                row = {"alone_tps": r["tok"] / r["sec"] if r["sec"] else 0.0,
+                       "alone_tokens": r["tok"], "alone_steps": r["steps"],
+                       "streams_tps": btok / bsec if bsec else 0.0,
+                       "proposed": m1.spec_proposed - m0[name].spec_proposed,
+                       "accepted": m1.spec_accepted - m0[name].spec_accepted}
                 old = best.get(name)
-                if old is None or row["alone_tps"] > old["alone_tps"]:
-                    best[name] = {**row, "streams_tps": max(row["streams_tps"], (
-                        old or {}).get("streams_tps", 0.0))}
-                elif row["streams_tps"] > old["streams_tps"]:
-                    old["streams_tps"] = row["streams_tps"]
+                best[name] = row if old is None else {
+                    **(row if row["alone_tps"] > old["alone_tps"] else old),
+                    "streams_tps": max(row["streams_tps"], old["streams_tps"])}
     finally:
         plain.shutdown()
         spec.shutdown()
@@ -144,6 +155,7 @@ def run(args) -> int:
               "ratio_alone": best["lookup"]["alone_tps"] / max(best["plain"]["alone_tps"], 1e-9),
               "ratio_streams": (best["lookup"]["streams_tps"]
                                 / max(best["plain"]["streams_tps"], 1e-9)),
+              "median_answer_ratio": statistics.median(ratios) if ratios else None,
               "same_tokens": same}
     print(json.dumps(result, indent=2) if args.json else report(result))
     return 0 if all(same.values()) else 1
@@ -158,6 +170,8 @@ def report(r: dict) -> str:
     for name, m in r["modes"].items():
         lines.append(f"| {name} | {m['alone_tps']:.1f} | {m['alone_steps']} | "
                      f"{m['streams_tps']:.1f} | {m['accepted']} / {m['proposed']} |")
+    med = r["median_answer_ratio"]
+    lines.append(f"median of the answers' own ratios: {med:.2f}x" if med else "")
     lines.append(f"lookup / plain: {r['ratio_alone']:.2f}x alone, {r['ratio_streams']:.2f}x at "
                  f"{r['streams']} streams; same tokens: alone {r['same_tokens']['alone']}, "
                  f"streams {r['same_tokens']['streams']}")
