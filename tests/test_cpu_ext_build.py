@@ -74,3 +74,24 @@ def test_a_damaged_or_unsealed_library_is_rebuilt_not_loaded(untried, tmp_path):
     build._seal_path(final).unlink()  # a seal lost: not trusted either
     build.build()
     assert len(builds) == 3 and build._sealed(final)
+
+
+def test_waiting_on_another_build_says_so_and_gives_up(tmp_path, caplog):
+    """Another process's build lock: one line naming it at once, a BuildError at the time
+    limit (not a silent wait); the lock's holder writes its pid for the next waiter."""
+    import fcntl
+    import logging
+    import os
+
+    path = tmp_path / "build.lock"
+    other = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)  # another open file: another owner
+    os.write(other, b"4242")
+    fcntl.flock(other, fcntl.LOCK_EX)
+    with (caplog.at_level(logging.WARNING, logger="kvchat.cpu_ext"),
+          pytest.raises(build.BuildError, match="over 1 s"), build._file_lock(path, 0.6)):
+        pass
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "pid 4242" in said[0] and "giving up after 1 s" in said[0]
+    os.close(other)  # released: the next one takes it and names itself
+    with build._file_lock(path, 0.6):
+        assert path.read_text() == str(os.getpid())

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.kvcache.quant import QuantSpec
+from engine.model import memory_limits
 from engine.model.backend import backend
 
 ENGINE_MEMORY_FRACTION = 0.75  # of physical RAM (CPU) or Metal's working-set limit
@@ -51,11 +52,15 @@ def release_freed() -> None:
 
 
 def engine_memory_limit() -> int:
-    """Bytes the engine may use for weights plus KV on this machine."""
+    """Bytes the engine may use for weights plus KV on this machine: a share of its RAM,
+    or of a container's memory limit, and never past an address-space rlimit's room."""
     if backend() == "metal":
         info = mx.metal.device_info()
         return int(info.get("max_recommended_working_set_size", physical_memory()))
-    return int(physical_memory() * ENGINE_MEMORY_FRACTION)
+    total = min(physical_memory(), memory_limits.cgroup_limit() or physical_memory())
+    limit = int(total * ENGINE_MEMORY_FRACTION)
+    room = memory_limits.address_space_room()
+    return limit if room is None else min(limit, room)
 
 
 def float_weight_budget() -> int:

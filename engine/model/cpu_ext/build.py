@@ -42,7 +42,7 @@ from engine.model.fallback import FallbackSwitch
 from engine.paths import is_private_dir, is_trusted_file
 
 ENV_SWITCH = "KVCHAT_CPU_EXT"
-LOCK_TIMEOUT_S = 900  # waiting for another process's build
+LOCK_TIMEOUT_S = 300  # waiting for another process's build (one takes ~0.5-2 min here)
 
 _log = logging.getLogger("kvchat.cpu_ext")
 _lock = threading.Lock()
@@ -66,15 +66,24 @@ def _file_lock(path: Path, timeout_s: float):
 
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
     try:
-        deadline = time.monotonic() + timeout_s
+        deadline, said = time.monotonic() + timeout_s, False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if not said:  # a wait of minutes must not look like a hang
+                    holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+                    _log.warning("kvchat: waiting for another kvchat process (pid %s) that is "
+                                 "building the CPU extension; giving up after %.0f s", holder,
+                                 timeout_s)
+                    said = True
                 if time.monotonic() > deadline:
-                    raise BuildError("another process is still building the extension") from None
+                    raise BuildError(f"another process held {path} for over {timeout_s:.0f} s "
+                                     "(still building the extension?)") from None
                 time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)  # whoever waits can name the builder
         yield
     finally:
         os.close(fd)  # releases the lock
