@@ -7,6 +7,7 @@ recorder, so the tests see the exact `EngineConfig` each engine would be built f
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import pytest
@@ -164,8 +165,13 @@ def test_cache_panel_shows_the_quantized_format_and_the_saving():
     assert "format float32 · 45.0 KiB/tok" in lines["float"]
     assert "saved" not in lines["float"]
     assert "format q8g64 · 53% of fp16" in lines["q8"]
-    # 10,800 bytes a token less than float16, over the 96 tokens of the 6 blocks in use
-    assert "saved 10.5 KiB/tok · 1012.5 KiB now" in lines["q8"]
+    # 10,800 bytes a token less than float16, over the 192 tokens of the 6 blocks in use
+    # and the 6 cached ones (cached blocks hold their data until they are needed)
+    assert "saved 10.5 KiB/tok · 2.0 MiB held" in lines["q8"]
+    idle = dataclasses.replace(fake_metrics("q8"), used_bytes=0, blocks_used=0)
+    console = Console(width=40, record=True)
+    console.print(metrics_table(idle, None))
+    assert "1012.5 KiB held" in " ".join(console.export_text().split())  # none in use
     assert "K q8g64 V q4g64 · 41% of fp16" in lines["k8v4"]
     assert short_format("k=q8g64,v=float32") == "K q8g64 V float32"
 

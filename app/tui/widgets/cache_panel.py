@@ -47,8 +47,8 @@ def short_format(kv_format: str) -> str:
 def format_rows(m) -> list[tuple[str, str]]:
     """The format rows: the format and its bytes; quantized, its share of fp16 and the saving.
 
-    The saving is per token and over the blocks in use now (what they would take more in
-    float16, scales and biases counted).
+    The saving is per token and over the blocks the pool holds now, in use or cached (what
+    they would take more in float16, scales and biases counted).
     """
     fmt, per_token = getattr(m, "kv_format", ""), getattr(m, "bytes_per_token", 0)
     fp16 = getattr(m, "bytes_per_token_fp16", 0)
@@ -56,9 +56,9 @@ def format_rows(m) -> list[tuple[str, str]]:
         return []
     if not fmt.startswith("k=") or not fp16 or not per_token:
         return [("format", f"{short_format(fmt)} · {fmt_bytes(per_token)}/tok")]
-    saved_now = m.used_bytes * (fp16 - per_token) / per_token
+    saved = held_bytes(m) * (fp16 - per_token) / per_token
     return [("format", f"{short_format(fmt)} · {100 * per_token / fp16:.0f}% of fp16"),
-            ("saved", f"{fmt_bytes(fp16 - per_token)}/tok · {fmt_bytes(saved_now)} now")]
+            ("saved", f"{fmt_bytes(fp16 - per_token)}/tok · {fmt_bytes(saved)} held")]
 
 
 def held_bytes(m) -> int:
