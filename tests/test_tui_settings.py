@@ -172,6 +172,11 @@ def test_cache_panel_shows_the_quantized_format_and_the_saving():
     console = Console(width=40, record=True)
     console.print(metrics_table(idle, None))
     assert "1012.5 KiB held" in " ".join(console.export_text().split())  # none in use
+    big = dataclasses.replace(idle, blocks_total=29126, blocks_free=14563, blocks_cached=14563)
+    console = Console(width=40, record=True)  # a big pool: every count whole, wrapped
+    console.print(metrics_table(big, None))
+    text = " ".join(console.export_text().split())
+    assert "0 used · 14563 cached · 14563 free" in text and "29126 total" in text
     assert "K q8g64 V q4g64 · 41% of fp16" in lines["k8v4"]
     assert short_format("k=q8g64,v=float32") == "K q8g64 V float32"
 

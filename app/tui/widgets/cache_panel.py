@@ -96,7 +96,7 @@ def metrics_table(m, last_turn: tuple[int, int] | None, peak: int = 0,
     """
     t = Table.grid(padding=(0, 1))
     t.add_column(style="dim", no_wrap=True)
-    t.add_column(no_wrap=True)
+    t.add_column()  # wraps: a big pool's 5-digit counts must not be cut off
     total = m.blocks_total or 1
     free = m.blocks_total - m.blocks_used - m.blocks_cached  # cached blocks are evictable
     t.add_row("blocks", f"{m.blocks_used} used · {m.blocks_cached} cached · {free} free")
