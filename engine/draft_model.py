@@ -53,9 +53,10 @@ class DraftModel:
         self.fed: dict[int, list[int]] = {}  # tokens whose K/V the draft's pool holds
         self.step_s: float | None = None  # measured seconds of one draft forward
 
-    def _sync(self, seq: int, ids: list[int], k: int) -> list[int] | None:
-        """Give back slots of tokens ``ids`` no longer has; the tokens to feed now (None:
-        no room, or still catching up beyond this step's share)."""
+    def _sync(self, seq: int, ids: list[int], k: int) -> tuple[list[int], int | None] | None:
+        """Give back slots of tokens ``ids`` no longer has; then (tokens to feed without
+        logits, the token to decode from: None while a long prompt is still caught up), or
+        None when the pool has no room for them and ``k`` drafts."""
         fed = self.fed.get(seq)
         if fed is None:
             self.blocks.allocate(seq, 0)
@@ -65,37 +66,33 @@ class DraftModel:
         del fed[keep:]
         new = ids[keep:]
         if len(new) > self.catch_up:  # a long prompt: this step's share, no proposal yet
-            new, more = new[:self.catch_up], True
+            head, last = new[:self.catch_up], None
         else:
-            more = False
-        if not self.blocks.can_append(seq, len(new) + (0 if more else k - 1)):
+            head, last = new[:-1], new[-1]
+        if not self.blocks.can_append(seq, len(head) + (0 if last is None else k)):
             self.forget(seq)
             return None
-        return new if not more else new + [None]  # a None tail: feed, do not propose
+        return head, last
 
     def propose(self, seqs: list[tuple[int, list[int]]], k: int) -> dict[int, list[int]]:
         """Up to ``k`` greedy draft tokens for each (sequence id, token ids)."""
         t = time.perf_counter()
-        feeds = {}
-        for seq, ids in seqs:
-            new = self._sync(seq, ids, k)
-            if new is not None:
-                feeds[seq] = new
         prefills, decodes, order = [], [], []
-        for seq, new in feeds.items():
-            catching = new[-1] is None
-            toks = new[:-1] if catching else new
-            head = toks if catching else toks[:-1]
+        for seq, ids in seqs:
+            fed = self._sync(seq, ids, k)
+            if fed is None:
+                continue
+            head, last = fed
             if head:
                 plan = self.blocks.append(seq, len(head))
                 prefills.append((head, plan.slots, self.blocks.block_tables[seq],
                                  self.blocks.num_tokens[seq]))
-            self.fed[seq] += head
-            if not catching:
+                self.fed[seq] += head
+            if last is not None:
                 plan = self.blocks.append(seq, 1)
-                decodes.append((toks[-1], plan.slots[0], self.blocks.block_tables[seq],
+                decodes.append((last, plan.slots[0], self.blocks.block_tables[seq],
                                 self.blocks.num_tokens[seq]))
-                self.fed[seq].append(toks[-1])
+                self.fed[seq].append(last)
                 order.append(seq)
         drafts: dict[int, list[int]] = {s: [] for s in order}
         if not prefills and not decodes:

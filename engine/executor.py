@@ -187,11 +187,12 @@ class StepExecutor:
         except Exception as e:  # noqa: BLE001 - the packed forward failed: all of it
             return out + [Outcome(r, error=error_text(e)) for r in reqs]
         seconds, drafts = time.perf_counter() - t, sum(len(r.draft) for r, _ in dec)
-        self.recorder.time_forward("mixed" if pre else "decode", batch.num_tokens, seconds)
         if pre or not drafts:
-            self.pacer.observe(batch.num_tokens, seconds, decode_only=not pre)
-        elif self.on_decode is not None:  # its extra tokens are timed apart from the pacer's
-            self.on_decode(len(dec), drafts, seconds)
+            self._timed("mixed" if pre else "decode", batch.num_tokens, seconds)
+        else:  # the draft tokens are timed apart from the pacer's measures
+            self.recorder.time_forward("decode", batch.num_tokens, seconds)
+            if self.on_decode is not None:
+                self.on_decode(len(dec), drafts, seconds)
         return out + [Outcome(r, computed=n) for r, n, _ in pre] + picked
 
     def _decode(self, decodes) -> list[Outcome]:
