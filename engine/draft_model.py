@@ -19,7 +19,7 @@ from engine import greedy
 from engine.config import EngineConfig
 from engine.model.loader import LoadedModel
 from engine.model.packed_batch import pack
-from engine.pacing import _ema
+from engine.pacing import ema
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -116,7 +116,7 @@ class DraftModel:
             steps += 1
         if not order:
             mx.eval(self.kv.keys, self.kv.values)
-        self.step_s = _ema(self.step_s, (time.perf_counter() - t) / steps)
+        self.step_s = ema(self.step_s, (time.perf_counter() - t) / steps)
         return drafts
 
     def forget(self, seq: int) -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 ALPHA = 0.3  # EMA weight of the newest measurement
 
 
-def _ema(old: float | None, new: float) -> float:
+def ema(old: float | None, new: float) -> float:
+    """The moving average ``old`` (None: nothing yet) with ``new`` at weight ALPHA."""
     return new if old is None else (1 - ALPHA) * old + ALPHA * new
 
 
@@ -34,10 +35,10 @@ class StepPacer:
     def observe(self, tokens: int, seconds: float, *, decode_only: bool) -> None:
         """Record one timed forward of ``tokens`` packed tokens."""
         if decode_only:  # few tokens: nearly all of it is the fixed cost
-            self.fixed_s = _ema(self.fixed_s, seconds)
+            self.fixed_s = ema(self.fixed_s, seconds)
         elif tokens >= 32:
             fixed = self.fixed_s or 0.0
-            self.per_token_s = _ema(self.per_token_s, max(seconds - fixed, 0.0) / tokens)
+            self.per_token_s = ema(self.per_token_s, max(seconds - fixed, 0.0) / tokens)
 
     def estimate_s(self, tokens: int) -> float | None:
         """Expected seconds of a forward over ``tokens`` tokens (None until measured)."""

@@ -5,9 +5,9 @@ n-grams that already occurred in its prompt or answer (prompt lookup: document Q
 copies spans of the document). The step verifies them in the same batched forward as
 every other sequence's decode (`engine.verify`): one forward yields up to ``k + 1``
 tokens. How many drafts a sequence gets is decided per step from what was measured: each
-sequence's recent acceptance rate and the cost of an extra token in a forward against
-the step's fixed cost (`SpecCost`); a draft token is added only while its expected yield
-per second beats the step's (so in a large batch, where every extra token costs as
+sequence's recent acceptance rate, and what a plain step of this batch size and each
+verified token on top of it cost (`SpecCost`); a draft token is added only while its
+expected yield per second beats the step's (so in a large batch, where every extra token costs as
 much as a whole sequence's decode, speculation switches itself off).
 """
 
@@ -20,7 +20,7 @@ from engine.draft_model import DraftModel
 from engine.kvcache.block_manager import BlockManager
 from engine.metrics import MetricsRecorder
 from engine.model.loader import LoadedModel, load_model
-from engine.pacing import StepPacer, _ema
+from engine.pacing import StepPacer, ema
 from engine.request import Request
 
 MODES = ("off", "lookup", "draft")
@@ -96,9 +96,9 @@ class SpecCost:
         if self.warmup > 0:
             self.warmup -= 1
         elif not drafts:
-            self.plain[rows] = _ema(self.plain.get(rows), seconds)
+            self.plain[rows] = ema(self.plain.get(rows), seconds)
         elif rows in self.plain:  # noise can make one sample negative: their mean is not
-            self.per_draft = _ema(self.per_draft, (seconds - self.plain[rows]) / drafts)
+            self.per_draft = ema(self.per_draft, (seconds - self.plain[rows]) / drafts)
 
     def fit(self, rows: int) -> tuple[float, float] | None:
         """(seconds of a plain step of ``rows``, seconds per draft token), once measured."""
@@ -213,8 +213,8 @@ class Speculator:
         st = self.states.get(seq)
         if st is None or tried == 0:
             return
-        st.accept_rate = _ema(st.accept_rate, accepted / tried)
-        self.prior = _ema(self.prior, accepted / tried)
+        st.accept_rate = ema(st.accept_rate, accepted / tried)
+        self.prior = ema(self.prior, accepted / tried)
 
     def forget(self, seq: int) -> SpecState | None:
         """Drop a finished sequence's state (and its draft-model blocks); returns it."""
