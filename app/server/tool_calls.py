@@ -16,22 +16,22 @@ the function's schema.
 from __future__ import annotations
 
 import json
-import re
-import secrets
 from dataclasses import dataclass
 
 from app.server.errors import invalid
+from app.tool_calls import MARKERS, NAME, ToolCall, ToolStream, parse_calls
 from engine.constraint import JSON_OPTIONS, Constraint
 
+__all__ = ["MARKERS", "Tool", "ToolCall", "ToolStream", "check_tool_choice", "check_tools",
+           "grammar", "parse", "render", "style_of"]
+
 MAX_TOOLS = 128
-NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
     "{tools}\n</tools>\n\nFor each function call, return a json object with function name "
     "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
-MARKERS = ("<tool_call>", "[TOOL_CALLS]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,21 +44,6 @@ class Tool:
         return {"type": "function", "function": {"name": self.name,
                                                  "description": self.description,
                                                  "parameters": self.parameters}}
-
-
-@dataclass(slots=True)
-class ToolCall:
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-    id: str = ""
-
-    def __post_init__(self):
-        self.id = self.id or "call_" + secrets.token_hex(12)
-
-    def to_dict(self, index: int | None = None) -> dict:
-        out = {"id": self.id, "type": "function",
-               "function": {"name": self.name, "arguments": self.arguments}}
-        return out if index is None else {"index": index, **out}
 
 
 # -- request checks --------------------------------------------------------------------
@@ -198,66 +183,6 @@ def style_of(template: str | None) -> str:
 
 # -- answer ----------------------------------------------------------------------------
 
-def _call(obj) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args))
-
-
 def parse(text: str, tools: list[Tool]) -> tuple[str, list[ToolCall]]:
     """(content, calls) of an answer; calls of unknown functions are left as text."""
-    names = {t.name for t in tools}
-    calls: list[ToolCall] = []
-    if "<tool_call>" in text:
-        content, _, rest = text.partition("<tool_call>")
-        for body in re.split(r"</tool_call>\s*(?:<tool_call>)?", rest):
-            if body.strip():
-                calls.append(_call(_json(body.strip())))
-    elif "[TOOL_CALLS]" in text:
-        content, _, rest = text.partition("[TOOL_CALLS]")
-        found = _json(rest.strip())
-        calls = [_call(c) for c in (found if isinstance(found, list) else [found])]
-    else:
-        content = text
-        if text.lstrip().startswith("{"):
-            call = _call(_json(text.strip()))
-            if call is not None and call.name in names:
-                return "", [call]
-    if calls and all(c is not None and c.name in names for c in calls):
-        return content.strip(), calls
-    return text, []
-
-
-def _json(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-class ToolStream:
-    """Streams an answer's text while it cannot yet be a tool call; holds it from the
-    first thing that may start one, so calls go out as ``tool_calls``, never as text."""
-
-    def __init__(self):
-        self.held = ""
-        self.started = False  # some text went out: a bare JSON call can no longer start
-
-    def feed(self, text: str) -> str:
-        """Text safe to send now."""
-        self.held += text
-        if any(m in self.held for m in MARKERS) or (
-                not self.started and self.held.lstrip().startswith(("{", "["))):
-            return ""
-        cut = len(self.held)
-        for m in MARKERS:  # keep a tail that may be the start of a marker
-            for k in range(len(m) - 1, 0, -1):
-                if self.held.endswith(m[:k]):
-                    cut = min(cut, len(self.held) - k)
-                    break
-        if not self.started and not self.held[:cut].strip():
-            return ""  # leading whitespace: a JSON call may still follow
-        out, self.held = self.held[:cut], self.held[cut:]
-        self.started = self.started or bool(out)
-        return out
+    return parse_calls(text, {t.name for t in tools})
