@@ -80,6 +80,12 @@ class EngineConfig:
     and answer, "draft:MODEL" tokens a smaller model of the same tokenizer guesses
     (`engine.speculation`; greedy output is unchanged, sampled output keeps its
     distribution); "off" decodes one token per step."""
+    context_shift: bool = False
+    """A generation that fills the context drops the middle and goes on (`engine.shifting`):
+    the first ``shift_sinks`` tokens and the newest half stay; the default of requests
+    that do not say (`SamplingParams.context_shift`)."""
+    shift_sinks: int = 4
+    """Leading tokens a context shift keeps (attention sinks), rounded up to whole blocks."""
     pipeline: bool | None = None
     """Launch greedy decode steps ahead (`mx.async_eval`) while the next one is built.
     None: on a GPU backend only. On the CPU the kernels already keep every core busy, so
@@ -108,6 +114,8 @@ class EngineConfig:
         if self.speculate not in ("off", "lookup") and not (
                 self.speculate.startswith("draft:") and len(self.speculate) > 6):
             raise ValueError("speculate must be off, lookup or draft:MODEL")
+        if self.shift_sinks < 0:
+            raise ValueError("shift_sinks must be >= 0")
         if self.overflow not in ("truncate", "reject"):
             raise ValueError("overflow must be truncate or reject")
         for name in ("kv_bits", "k_bits", "v_bits"):

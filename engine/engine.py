@@ -63,6 +63,7 @@ class Engine(PromptMixin, EngineLoop):
                           step_target_s=config.step_target_s)
         self.scheduler = Scheduler(self.blocks, self.prefix, self.swap, parts.scheduler_config,
                                    pacer)
+        self.scheduler.shifter = parts.shifter
         pipeline = config.pipeline if config.pipeline is not None else mx.default_device() == mx.gpu
         self.executor = StepExecutor(self.runner, self.kv, self.blocks, self.recorder, pacer,
                                      pipeline=pipeline, fast_greedy=loaded.cpu_ext,
@@ -105,7 +106,8 @@ class Engine(PromptMixin, EngineLoop):
             ids = check_ids(prompt_ids, self.vocab_size)
             check_params(params)
             check_ids(list(params.logit_bias), self.vocab_size, what="logit_bias token")
-            max_new, notice = self.scheduler.check(len(ids), params.max_tokens)
+            shift = self.scheduler.shifter.wants(params.context_shift)
+            max_new, notice = self.scheduler.check(len(ids), params.max_tokens, shift=shift)
             c = params.constraint
             if c is not None and not isinstance(c, Constraint):
                 raise RequestError("constraint must be an engine.Constraint")
@@ -121,7 +123,7 @@ class Engine(PromptMixin, EngineLoop):
         now = time.perf_counter()
         req = Request(next(self._ids), ids, decoder, prefix, priority=priority, arrival=now,
                       deadline=now + timeout_s if timeout_s is not None else None,
-                      notice=notice)
+                      notice=notice, context_shift=shift)
         s = req.stats
         s.prompt_tokens, s.block_size = len(ids), self.layout.block_size
         s.bytes_per_token, s.kv_format = self.layout.bytes_per_token, self.layout.kv_format

@@ -147,7 +147,7 @@ class StepExecutor:
             return out[0]
         try:
             start = req.num_computed
-            ids = mx.array(req.all_ids[start:start + n], dtype=mx.int32)
+            ids = mx.array(req.kv_ids[start:start + n], dtype=mx.int32)
             batch = build_batch(self.blocks, [req.request_id], ids[None], [slots.slots])
             t = time.perf_counter()
             self.runner(batch, self.kv, logits=False, interrupt=self._interrupt([req]),
@@ -170,7 +170,7 @@ class StepExecutor:
             return out
         tables, lens = self.blocks.block_tables, self.blocks.num_tokens
         batch = pack(
-            [(r.all_ids[r.num_computed:r.num_computed + n], s.slots, tables[r.request_id],
+            [(r.kv_ids[r.num_computed:r.num_computed + n], s.slots, tables[r.request_id],
               lens[r.request_id]) for r, n, s in pre],
             [row for r, s in dec for row in verify.rows(
                 self._last_token(r), r.draft, s.slots, tables[r.request_id],

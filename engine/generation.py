@@ -28,6 +28,8 @@ class RequestStats:
     blocks_released: int = 0
     spec_proposed: int = 0  # draft tokens verified (speculative decoding)
     spec_accepted: int = 0  # of which accepted
+    context_shifts: int = 0  # times the context was shifted (`engine.shifting`)
+    shifted_tokens: int = 0  # tokens those shifts dropped from the cache
     inter_token_s: list[float] = field(default_factory=list)
 
     @property

@@ -55,6 +55,9 @@ class Request:
     cancel_at: float | None = None  # perf_counter() of the cancel() call
     swap: SwappedKV | None = None  # host copy of the K/V while SWAPPED
     draft: list[int] = field(default_factory=list)  # tokens this step verifies (speculation)
+    context_shift: bool = False  # past the context, drop the middle (`engine.shifting`)
+    num_sinks: int = 0  # leading tokens a context shift keeps
+    num_dropped: int = 0  # tokens after the sinks that shifts dropped from the cache
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
 
     @property
@@ -70,9 +73,21 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def kv_ids(self) -> list[int]:
+        """The tokens whose K/V the cache holds (or a recompute prefills), in cache order."""
+        if not self.num_dropped:
+            return self.all_ids
+        ids = self.all_ids
+        return ids[:self.num_sinks] + ids[self.num_sinks + self.num_dropped:]
+
+    @property
+    def kv_len(self) -> int:
+        return self.total_len - self.num_dropped
+
+    @property
     def in_prefill(self) -> bool:
         """True while K/V is missing for more than the one token the next decode step feeds."""
-        return self.num_computed < self.total_len - 1
+        return self.num_computed < self.kv_len - 1
 
     @property
     def finished(self) -> bool:

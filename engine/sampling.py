@@ -25,6 +25,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     constraint: Constraint | None = None  # JSON schema, JSON, regex or grammar the output keeps
+    context_shift: bool | None = None  # past the context, drop the middle; None: the engine's
 
     def __post_init__(self):
         check_params(self)  # and again at submit: the fields may change after construction

@@ -20,6 +20,7 @@ from engine.kvcache.prefix_cache import PrefixCache
 from engine.kvcache.swap import HostSwap
 from engine.pacing import StepPacer
 from engine.request import Request, RequestState
+from engine.shifting import ContextShifter
 
 
 @dataclass(slots=True)
@@ -81,10 +82,13 @@ class Scheduler:
         # sizes the prefill budget of steps with decodes from measured forwards; without
         # one, such a step prefills up to the config's fixed cap
         self.pacer = pacer
+        self.shifter: ContextShifter | None = None  # context shift (the engine sets it)
 
     # -- checks ------------------------------------------------------------------
-    def check(self, prompt_len: int, max_tokens: int) -> tuple[int, str | None]:
-        """(max new tokens the request may produce, a notice if reduced).
+    def check(self, prompt_len: int, max_tokens: int, *,
+              shift: bool = False) -> tuple[int, str | None]:
+        """(max new tokens the request may produce, a notice if reduced); a request that
+        shifts its context (`engine.shifting`) may produce any number.
 
         Raises `RequestTooLargeError` for a request that can never fit.
         """
@@ -100,7 +104,7 @@ class Scheduler:
                 f"the prompt has {prompt_len} tokens; the KV pool holds {pool} "
                 f"({self.blocks.num_blocks} blocks; raise the KV budget)")
         fits = min(ctx, pool) - prompt_len
-        if max_tokens <= fits:
+        if max_tokens <= fits or shift:
             return max_tokens, None
         if self.config.overflow == "reject":
             raise RequestTooLargeError(
@@ -135,7 +139,7 @@ class Scheduler:
                 > len(self.running) + self.config.watermark_blocks)
 
     def _prefill_len(self, req: Request, budget: int) -> int:
-        left = req.total_len - 1 - req.num_computed
+        left = req.kv_len - 1 - req.num_computed
         return min(left, self.config.prefill_chunk, budget)
 
     def _pending_prefill_blocks(self) -> int:
@@ -144,14 +148,14 @@ class Scheduler:
         for r in self.running:
             if r.in_prefill:
                 have = len(self.blocks.block_tables.get(r.request_id, ()))
-                need += max(0, self.blocks.blocks_needed(r.total_len) - have)
+                need += max(0, self.blocks.blocks_needed(r.kv_len) - have)
         return need
 
     def _blocks_to_admit(self, req: Request) -> int:
         """Free blocks the request needs: cached prefix blocks in use elsewhere cost none."""
         hits = self.prefix.ram_hits(req.prefix, req.all_ids)
         shared = sum(1 for b in hits if self.blocks.ref_counts[b] > 0)
-        return self.blocks.blocks_needed(req.total_len) - shared
+        return self.blocks.blocks_needed(req.kv_len) - shared
 
     def _room(self) -> int:
         reserve = self._pending_prefill_blocks()
@@ -169,6 +173,11 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             req = self.running[i]
+            error = self.shifter and not req.in_prefill and self.shifter.make_room(req)
+            if error:  # its step is not planned: the engine ends it
+                plan.failed.append((req, error))
+                i += 1
+                continue
             n = 1 + len(req.draft) if not req.in_prefill else self._prefill_len(req, budget)
             if n == 0:
                 i += 1

@@ -225,7 +225,8 @@ class Speculator:
     def assign(self, running: list[Request]) -> None:
         """Set the drafts each running request verifies in the next step (none for one that
         prefills, or whose grammar or logits processors would have to follow the drafts)."""
-        ready = [r for r in running if not r.in_prefill and r.decoder.speculable]
+        ready = [r for r in running if not r.in_prefill and r.decoder.speculable
+                 and not r.num_dropped]  # a context-shifted sequence decodes one at a time
         drafts = self.plan([(r.request_id, r.all_ids,
                              r.max_new - r.stats.generation_tokens - 1) for r in ready])
         for r in running:

@@ -27,6 +27,7 @@ from engine.model import memory
 from engine.model.loader import LoadedModel
 from engine.model.model_runner import PagedModel
 from engine.scheduler import SchedulerConfig
+from engine.shifting import ContextShifter
 
 
 def kv_writers(loaded) -> dict:
@@ -76,6 +77,7 @@ class EngineParts:
     swap: HostSwap
     scheduler_config: SchedulerConfig
     notices: list[str]
+    shifter: ContextShifter | None = None  # context shift (`engine.shifting`)
 
 
 def _gib(n: int) -> str:
@@ -178,4 +180,6 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         preempt_mode=config.preempt_mode or ("swap" if layout.quantized else "recompute"),
         overflow=config.overflow,
     )
-    return EngineParts(runner, layout, kv, blocks, prefix, swap, sched, notices)
+    shifter = ContextShifter(runner, kv, blocks, max_context, default=config.context_shift,
+                             sink_tokens=config.shift_sinks)
+    return EngineParts(runner, layout, kv, blocks, prefix, swap, sched, notices, shifter)

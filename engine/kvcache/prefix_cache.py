@@ -43,6 +43,7 @@ class SeqPrefix:
     hashes: list[bytes] = field(default_factory=list)  # chained, per full block
     registered: int = 0  # leading blocks already named in the cache
     ttl_s: float | None = None  # disk lifetime of its prompt blocks (None: the tenant's)
+    frozen: bool = False  # context-shifted: its blocks are no longer its prefix's K/V
 
 
 class PrefixCache:
@@ -100,7 +101,7 @@ class PrefixCache:
 
     def ram_hits(self, seq: SeqPrefix, token_ids: Sequence[int]) -> list[int]:
         """Cached block ids for the prefix; the last token is always computed."""
-        if not self.enabled:
+        if not self.enabled or seq.frozen:
             return []
         usable = (len(token_ids) - 1) // self.blocks.block_size
         hashes = self._hashes(seq, token_ids)[:usable]
@@ -113,7 +114,8 @@ class PrefixCache:
         self.blocks.allocate_cached(seq_id, hits)
         seq.registered = len(hits)
         source = "memory" if hits else "none"
-        if self.store is not None and self._restore_from_disk(seq_id, seq, token_ids):
+        if (self.store is not None and not seq.frozen
+                and self._restore_from_disk(seq_id, seq, token_ids)):
             source = "disk"
         return seq.registered * self.blocks.block_size, source
 
@@ -176,7 +178,7 @@ class PrefixCache:
     def on_computed(self, seq_id: int, seq: SeqPrefix, token_ids: Sequence[int],
                     num_computed: int, prompt_len: int) -> None:
         """Register blocks that just became full and computed; persist prompt blocks."""
-        if not self.enabled:
+        if not self.enabled or seq.frozen:
             return
         bs = self.blocks.block_size
         full = num_computed // bs
