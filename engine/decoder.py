@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from engine.constraint import GrammarMatcher
 from engine.sampling import SamplingParams
+from engine.thinking import ThinkBudget
 from engine.verify import accepted_sampled
 
 Sampler = Callable[[mx.array], mx.array]
@@ -58,9 +59,11 @@ class Decoder:
     """Samples a request's tokens and turns them into text; decides when it ends."""
 
     def __init__(self, params: SamplingParams, detokenizer, eos_ids: Collection[int],
-                 max_new: int, grammar: GrammarMatcher | None = None):
+                 max_new: int, grammar: GrammarMatcher | None = None,
+                 think: ThinkBudget | None = None):
         self.params = params
         self.grammar = grammar  # the output's constraint (`engine.constraint`), if any
+        self.think = think  # the thinking budget (`engine.thinking`), if any
         self.max_new = max_new
         self.sampler: Sampler = params.make_sampler()
         self.processors: list[LogitsProcessor] = params.make_logits_processors()
@@ -71,19 +74,28 @@ class Decoder:
 
     @property
     def greedy(self) -> bool:
-        """Argmax of the logits suffices: no temperature, no processors, no grammar."""
-        return self.argmax and self.grammar is None
+        """Argmax of the logits suffices: no temperature, processors, grammar, logprobs
+        or thinking budget still counting (its tokens may be launched unread)."""
+        return (self.argmax and self.grammar is None and self.params.logprobs is None
+                and self.think_settled)
 
     @property
     def argmax(self) -> bool:
         """The token is the argmax of the logits (after the grammar's mask, if any)."""
-        return self.params.temperature == 0 and not self.processors
+        return (self.params.temperature == 0 and not self.processors
+                and (self.think is None or self.think.next_forced is None))
+
+    @property
+    def think_settled(self) -> bool:
+        """No thinking budget, or its thought is over: no token will be forced."""
+        return self.think is None or self.think.done
 
     @property
     def speculable(self) -> bool:
         """Drafts can be verified for it: no logits processors (penalties, whose history
-        would have to follow each draft token); a grammar masks each verify row."""
-        return not self.processors
+        would have to follow each draft token) and no thinking budget still counting; a
+        grammar masks each verify row."""
+        return not self.processors and self.think_settled
 
     def _seed(self) -> None:
         if not self._seeded:  # seeded on the first sample, inside the request's own try
@@ -97,7 +109,9 @@ class Decoder:
         return accepted_sampled(self.params, draft, logits)
 
     def sample(self, logits: mx.array, history: list[int]) -> int:
-        """One token from a (1, vocab) row of logits."""
+        """One token from a (1, vocab) row of logits (or the one a thinking budget forces)."""
+        if self.think is not None and self.think.next_forced is not None:
+            return self.think.next_forced
         self._seed()
         if self.processors:
             ids = mx.array(history, dtype=mx.int32)
@@ -115,7 +129,10 @@ class Decoder:
         if token in self.eos:
             return self._final("", "stop", eos=True)
         self.detok.add_token(token)
-        text, hit = self.stop.feed(self.detok.last_segment)
+        segment = self.detok.last_segment  # reading it consumes it
+        if self.think is not None and not self.think.done:
+            self.think.feed(token, segment)
+        text, hit = self.stop.feed(segment)
         if hit or (self.grammar is not None and self.grammar.stopped):
             return self._final(text, "stop")
         if generated >= self.max_new:

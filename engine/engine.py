@@ -34,6 +34,7 @@ from engine.request import Priority, Request, RequestHandle, RequestState
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
 from engine.speculation import SpecCost, build_speculator
+from engine.thinking import ThinkBudget, close_ids
 from engine.validation import check_ids, check_params, check_scope, check_ttl
 from engine.wiring import EngineParts, build_kv
 
@@ -74,6 +75,7 @@ class Engine(PromptMixin, EngineLoop):
         self._ids = itertools.count()
         self.grammars = Grammars(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids,
                                  self.vocab_size)  # constrained decoding, built on first use
+        self.think_close = close_ids(self.tokenizer)  # forced when a thinking budget runs out
 
     @property
     def tokenizer(self):
@@ -112,7 +114,10 @@ class Engine(PromptMixin, EngineLoop):
             if c is not None and not isinstance(c, Constraint):
                 raise RequestError("constraint must be an engine.Constraint")
             decoder = Decoder(params, self.tokenizer.detokenizer, self.tokenizer.eos_token_ids,
-                              max_new, self.grammars.matcher(c) if c is not None else None)
+                              max_new, self.grammars.matcher(c) if c is not None else None,
+                              None if params.thinking_budget is None else ThinkBudget(
+                                  params.thinking_budget, self.think_close,
+                                  inside=params.thinking))
             prefix = self.prefix.new_sequence(tenant, permission_version, ttl_s=cache_ttl_s)
         except RequestError:
             self.recorder.count_rejection()
@@ -210,17 +215,17 @@ class Engine(PromptMixin, EngineLoop):
                                     min(req.num_computed, req.total_len), len(req.prompt_ids))
             if o.token is not None:
                 now = time.perf_counter()
-                for token in [o.token, *o.more]:
+                for i, token in enumerate([o.token, *o.more]):
                     if not req.finished:  # an accepted draft may end it (EOS, a stop string)
-                        self._accept(req, token, now)
+                        self._accept(req, token, now, o.logprobs[i] if o.logprobs else None)
             elif req.stats.preemptions == 0:
                 req.events.put(GenerationEvent(req.request_id, None, "",
                                                prefill=(req.num_computed, len(req.prompt_ids))))
         except Exception as e:  # noqa: BLE001 - one request's failure stays its own
             self._finish(req, "error", error=o.error or f"{type(e).__name__}: {e}")
 
-    def _accept(self, req: Request, token: int, now: float) -> None:
-        """Record a sampled token; emit it, or finish the request."""
+    def _accept(self, req: Request, token: int, now: float, logprob=None) -> None:
+        """Record a sampled token (and its `TokenLogprob`); emit it, or finish the request."""
         s, rec = req.stats, self.recorder
         req.output_ids.append(token)
         if s.generation_tokens == 0:
@@ -237,13 +242,14 @@ class Engine(PromptMixin, EngineLoop):
         s.generation_tokens += 1
         s.blocks_used = max(s.blocks_used, len(self.blocks.block_tables[req.request_id]))
         out = req.decoder.accept(token, s.generation_tokens)
+        lps = [logprob] if logprob is not None else None
         if out.finish is None:
-            req.events.put(GenerationEvent(req.request_id, token, out.text))
+            req.events.put(GenerationEvent(req.request_id, token, out.text, logprobs=lps))
         else:
-            self._finish(req, out.finish, token=token, text=out.text)
+            self._finish(req, out.finish, token=token, text=out.text, logprobs=lps)
 
     def _finish(self, req: Request, reason: str, *, error: str | None = None,
-                token: int | None = None, text: str = "") -> None:
+                token: int | None = None, text: str = "", logprobs=None) -> None:
         """End a request: release its blocks exactly once, emit the final event."""
         if req.finished:
             return
@@ -263,7 +269,7 @@ class Engine(PromptMixin, EngineLoop):
             self._requests.pop(req.request_id, None)
         self.speculator.forget(req.request_id)
         req.events.put(GenerationEvent(req.request_id, token, text, finish_reason=reason,
-                                       stats=s, error=error))
+                                       stats=s, error=error, logprobs=logprobs))
 
     def _settle(self) -> None:
         # a launched decode step still running at interpreter exit aborts the process

@@ -20,7 +20,7 @@ from itertools import accumulate
 
 import mlx.core as mx
 
-from engine import greedy, verify
+from engine import greedy, logprobs, verify
 from engine.constraint import mask_rows
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
@@ -240,6 +240,7 @@ class StepExecutor:
         targets = iter(greedy.tokens(
             verify.masked(logits[mx.array(rows)], verify.stacked(masks, argmax, logits.shape[-1])),
             fast=self.fast_greedy, wait=(self.kv.keys, self.kv.values)) if rows else [])
+        verified: list[Outcome] = []
         for r, a in spec:
             try:
                 if r.request_id in failed:
@@ -247,10 +248,12 @@ class StepExecutor:
                 toks = (verify.accepted_greedy(r.draft, [next(targets) for _ in [0, *r.draft]])
                         if r.decoder.argmax else r.decoder.sample_drafts(verify.masked(
                             logits[a:a + 1 + len(r.draft)], masks.get(r.request_id)), r.draft))
-                out.append(Outcome(r, len(toks), toks[0], more=toks[1:], drafted=len(r.draft)))
+                verified.append(Outcome(r, len(toks), toks[0], more=toks[1:],
+                                        drafted=len(r.draft)))
             except Exception as e:  # noqa: BLE001 - one request's failure stays its own
-                out.append(Outcome(r, error=error_text(e)))
-        return out
+                verified.append(Outcome(r, error=error_text(e)))
+        # an accepted token came from its own verify row: its logprob is that row's
+        return out + logprobs.attach(verified, logits, [a for _, a in spec])
 
     def _pick(self, reqs: list[Request], logits: mx.array) -> list[Outcome]:
         """Each request's next token from its row of ``logits`` (the pool is evaluated)."""
@@ -267,8 +270,8 @@ class StepExecutor:
                                    wait=(self.kv.keys, self.kv.values))
             for i, tok in zip(rows, tokens, strict=True):
                 out[i] = out[i] or Outcome(reqs[i], 1, tok)
-        return [o if o is not None else self._sample(r, logits[i:i + 1])
-                for i, (r, o) in enumerate(zip(reqs, out, strict=True))]
+        return logprobs.attach([o if o is not None else self._sample(r, logits[i:i + 1])
+                                for i, (r, o) in enumerate(zip(reqs, out, strict=True))], logits)
 
     def _sample(self, req: Request, row: mx.array) -> Outcome:
         """Per-request samplers and logits processors (temperature, top-p, penalties)."""

@@ -70,6 +70,7 @@ class GenerationEvent:
     stats: RequestStats | None = None  # set on the final event
     error: str | None = None
     prefill: tuple[int, int] | None = None  # (done, total) prompt tokens, on progress events
+    logprobs: list | None = None  # `engine.logprobs.TokenLogprob`s of ``token``, if asked
 
 
 @dataclass(slots=True)
@@ -81,19 +82,22 @@ class GenerationResult:
     finish_reason: str
     stats: RequestStats
     error: str | None = None
+    logprobs: list = field(default_factory=list)  # one per token, when the request asked
 
 
 def collect(events: Iterable[GenerationEvent]) -> GenerationResult:
     """Fold a request's event stream into one result (the last event carries the finish)."""
     text: list[str] = []
     tokens: list[int] = []
+    logprobs: list = []
     final = None
     for event in events:
         text.append(event.text)
         if event.token is not None:
             tokens.append(event.token)
+        logprobs += event.logprobs or []
         final = event
     if final is None or final.finish_reason is None:
         raise RuntimeError("the event stream ended without a final event")
     return GenerationResult("".join(text), tokens, final.finish_reason, final.stats,
-                            final.error)
+                            final.error, logprobs)

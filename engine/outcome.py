@@ -29,6 +29,7 @@ class Outcome:
     error: str | None = None
     more: list[int] = field(default_factory=list)  # accepted tokens after ``token``
     drafted: int = 0  # draft tokens verified: ``drafted - len(more)`` slots go back
+    logprobs: list | None = None  # `TokenLogprob`s of [token, *more], if the request asked
 
 
 def error_text(e: Exception) -> str:

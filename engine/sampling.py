@@ -25,6 +25,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     constraint: Constraint | None = None  # JSON schema, JSON, regex or grammar the output keeps
+    logprobs: int | None = None  # report each token's logprob and this many alternatives
+    thinking_budget: int | None = None  # tokens inside <think> before </think> is forced
+    thinking: bool = False  # the prompt leaves the answer inside an opened <think>
     context_shift: bool | None = None  # past the context, drop the middle; None: the engine's
 
     def __post_init__(self):

@@ -58,6 +58,15 @@ def check_params(p) -> None:
         if not _is_int(token) or token < 0:
             raise RequestError(f"logit_bias keys must be token ids, got {token!r:.40}")
         _finite("a logit_bias value", value, -100.0, 100.0)
+    if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= 20):
+        raise RequestError(f"logprobs must be an integer in [0, 20], got {p.logprobs!r:.40}")
+    if p.thinking_budget is not None and (not _is_int(p.thinking_budget)
+                                          or p.thinking_budget < 0):
+        raise RequestError(f"thinking_budget must be an integer >= 0, "
+                           f"got {p.thinking_budget!r:.40}")
+    if p.thinking_budget is not None and p.constraint is not None:
+        raise RequestError("thinking_budget cannot be combined with a constraint (the forced "
+                           "</think> would break the grammar)")
     stops = p.stop
     if not isinstance(stops, (list, tuple)) or len(stops) > MAX_STOP_STRINGS:
         raise RequestError(f"stop must be a list of at most {MAX_STOP_STRINGS} strings")

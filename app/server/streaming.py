@@ -66,7 +66,9 @@ class EventPump:
                 while event.finish_reason is None and event.token is not None and (
                         handle.ready):  # tokens of one step (accepted drafts): one event
                     more = handle.poll()
-                    event = dataclasses.replace(more, text=event.text + more.text)
+                    event = dataclasses.replace(more, text=event.text + more.text, logprobs=(
+                        event.logprobs + more.logprobs if event.logprobs and more.logprobs
+                        else event.logprobs or more.logprobs))
                 yield event
                 if event.finish_reason is not None:
                     return
