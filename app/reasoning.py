@@ -31,7 +31,7 @@ def split(text: str, inside: bool = False) -> tuple[str | None, str]:
     return reasoning.strip(), content.lstrip()
 
 
-def _partial_tail(text: str, tag: str) -> int:
+def partial_tail(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that begins ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
@@ -64,7 +64,7 @@ class ReasoningStream:
                     reasoning += before
                     self.held, self.state = after.lstrip(), "answer"
                     continue
-                keep = _partial_tail(self.held, CLOSE)
+                keep = partial_tail(self.held, CLOSE)
                 reasoning += self.held[:len(self.held) - keep]
                 self.held = self.held[len(self.held) - keep:]
                 return reasoning, content

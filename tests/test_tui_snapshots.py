@@ -202,3 +202,19 @@ def test_help_screen(snap_compare, saved_chat):
         await pilot.pause()
 
     assert snap_compare(make_app(store), terminal_size=MEDIUM, run_before=run_before)
+
+
+def test_an_answer_with_folded_reasoning_and_a_tool_call(snap_compare, tmp_path, monkeypatch):
+    """130x40: the reasoning and the tool call as one folded line each around the text."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    store = ConversationStore(tmp_path / "conversations")
+    conv = store.new()
+    conv.add("user", "What's the weather in Paris?")
+    conv.add("assistant", "Let me look that up.", finish_reason="stop",
+             stats="48 tokens · 18.5 tok/s · TTFT 0.25 s · prefill 480 tok/s · "
+                   "16/40 prompt tokens cached",
+             reasoning="The user wants the weather. I should call get_weather for Paris.",
+             reasoning_tokens=14,
+             tool_calls=[{"name": "get_weather", "arguments": '{"city": "Paris"}'}])
+    store.save(conv)
+    assert snap_compare(make_app(store, conv.id), terminal_size=MEDIUM, run_before=settle)

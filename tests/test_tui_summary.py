@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from test_tui_app import ask, make_app, wait_for
 from test_tui_fakes import FakeEngine
-from textual.widgets import Collapsible
 
 from app.conversations import ConversationStore
 from engine.request import Priority
@@ -28,7 +27,7 @@ async def test_a_long_chat_is_summarized_shown_saved_and_sent(store):
         await wait_for(pilot, lambda: app.chat.conversation.summary is not None
                        and app.chat.summary_running is None)  # none still being written
         assert Priority.BACKGROUND in [k["priority"] for k in engine.submit_kwargs]
-        markers = list(app.chat.query(Collapsible))
+        markers = list(app.chat.query(".summary-marker"))
         assert markers and "summarized" in str(markers[-1].title)
         saved = store.load(app.chat.conversation.id)
         assert saved.summary["text"] and len(saved.messages) == 14  # the turns stay too

@@ -178,6 +178,9 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
         if not isinstance(self.screen, HelpScreen):
             self.push_screen(HelpScreen())
 
+    def action_toggle_json(self) -> None:
+        self.chat.set_json_mode(not self.chat.json_mode)
+
     def action_toggle_cache(self) -> None:
         self.chat.toggle_cache()
 

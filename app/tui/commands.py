@@ -20,6 +20,8 @@ COMMANDS = [
     ("Attach document", "Pick a text, Markdown or PDF file to ask about (/doc FILE)",
      "attach_document"),
     ("Detach document", "Questions go to the model alone again (/doc off)", "detach_document"),
+    ("JSON answers on/off", "Answers as JSON objects, by constrained decoding (/json, "
+                            "/json off)", "toggle_json"),
     ("Settings", "This chat's temperature, top-p, max tokens and repetition penalty; "
                  "the KV cache format (F6)", "settings"),
     ("Toggle light/dark theme", "Switch between the light and the dark theme (ctrl+t)",

@@ -3,7 +3,8 @@
 Its own module because two places offer it: the chat on screen (`app.tui.chats`) and
 any chat in the conversations list (`app.tui.screens.conversations`). What is written
 renders: an answer cut inside a code block has the block closed (else the rest of the
-file would show as code), and the model is named by its own name, not "default".
+file would show as code), the model is named by its own name, not "default", and an
+answer's reasoning (in a <details> block) and tool calls are written out.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from textual.app import App
 
 from app.conversations import ChatMessage, Conversation
+from app.tui.answer import export_text
 from app.tui.model_host import model_name
 from app.tui.screens.dialogs import TextInputScreen
 
@@ -48,7 +50,8 @@ def close_fences(text: str) -> str:
 
 def markdown(conversation: Conversation) -> str:
     """The chat as the Markdown file written (see the module's note)."""
-    messages = [ChatMessage(m.role, close_fences(m.content), m.meta)
+    messages = [ChatMessage(m.role, export_text(close_fences(m.content), m.meta)
+                            if m.role == "assistant" else close_fences(m.content), m.meta)
                 for m in conversation.messages]
     model = model_name(conversation.model) if conversation.model else None
     return dataclasses.replace(conversation, messages=messages, model=model).to_markdown()

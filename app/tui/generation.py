@@ -46,6 +46,7 @@ class Turn:
     pending: SummaryJob | None = None  # a summary being written; waited for if needed
     fitted: Fitted | None = None  # what the prompt sent, cut or summarized
     loop_cut: int | None = None  # set: the answer looped; it was stopped, kept up to here
+    json: bool = False  # /json: the answer is decoded as one JSON object
 
     @property
     def dropped_turns(self) -> int:

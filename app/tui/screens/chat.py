@@ -145,6 +145,8 @@ class ChatScreen(TurnStart, TurnEvents, SummaryEvents, MessageActions, Screen):
             parts.append("generating — Esc cancels")
         elif self.editing is not None:
             parts.append("editing a question — Enter resends it, Esc cancels")
+        if self.json_mode:
+            parts.append("JSON")
         parts.append(self.chat_app.model_status)
         if self.conversation.system_prompt:
             parts.append("system prompt set")

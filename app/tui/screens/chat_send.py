@@ -11,6 +11,7 @@ settle (`settle`), so nothing queries a widget after the screen is gone.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,9 +25,21 @@ from app.tui.generation import Turn, TurnFinished, stream_turn
 from app.tui.widgets.cache_panel import CachePanel
 from app.tui.widgets.prompt_input import PromptInput
 from app.tui.widgets.transcript import MessageBox, Transcript
+from engine import Constraint
 
 WAITING_FOR_LOAD = "the model is loading: this question is sent when it is ready · Esc cancels"
 LEADING_BLANK_LINES = re.compile(r"\A(?:[ \t]*\n)+")
+JSON_COMMAND = re.compile(r"/json(?:\s+(\S.*))?", re.DOTALL)
+
+
+def parse_json_command(text: str) -> bool | str | None:
+    """``/json`` (or ``/json on``): True; ``/json off``: False; another argument: it, to
+    be refused; None: not the command (a message for the model)."""
+    m = JSON_COMMAND.fullmatch(text.strip())
+    if m is None:
+        return None
+    arg = (m.group(1) or "on").strip().lower()
+    return {"on": True, "off": False}.get(arg, arg)
 
 
 @dataclass(eq=False)
@@ -46,6 +59,7 @@ class TurnStart(Screen):
     pending: Pending | None = None
     mounting: int = 0  # a question's boxes being mounted or removed (awaited)
     cancelled_submits: int = 0  # Enters cancelled before their `Submitted` arrived
+    json_mode: bool = False  # /json: answers are decoded as JSON objects until /json off
 
     if TYPE_CHECKING:  # provided by ChatScreen and its other mixins
         @property
@@ -92,6 +106,15 @@ class TurnStart(Screen):
         if command is not None:  # not for the model: attach, pick or detach a document
             self.prompt_input.clear()
             self.documents.run(command)
+            return
+        json_command = parse_json_command(text)
+        if json_command is not None:
+            if isinstance(json_command, str):
+                self.notify("/json turns JSON answers on, /json off turns them off.",
+                            severity="warning")
+                return
+            self.prompt_input.clear()
+            self.set_json_mode(json_command)
             return
         if self.turn is not None or self.pending is not None:
             self.notify("An answer is still being written: Esc cancels it.", severity="warning")
@@ -155,9 +178,11 @@ class TurnStart(Screen):
             self._end_turn()
             return
         self.turn = self.new_turn(pending.prompt, engine)
+        self.turn.json = self.json_mode
         self.query_one(CachePanel).last_turn = None  # this turn's line comes when it ends
         if self.answer is not None:
             self.answer.set_stats("waiting for the model…")
+            self.answer.json_answer = self.turn.json
         self.refresh_bindings()
         self.update_status()
         self.run_turn(self.turn)
@@ -166,10 +191,19 @@ class TurnStart(Screen):
     def run_turn(self, turn: Turn) -> None:
         worker = get_current_worker()
         try:
-            stream_turn(turn, self.chat_app.sampling(), self.post_message,
-                        lambda: worker.is_cancelled)
+            params = self.chat_app.sampling()
+            if turn.json:  # the engine's constrained decoder: a JSON object, or a length cut
+                params = dataclasses.replace(params, constraint=Constraint("json_object"))
+            stream_turn(turn, params, self.post_message, lambda: worker.is_cancelled)
         except Exception as e:  # an engine bug must not leave the chat stuck "generating"
             self.post_message(TurnFinished(turn, "error", None, f"{type(e).__name__}: {e}"))
+
+    def set_json_mode(self, on: bool) -> None:
+        """/json, /json off: the next questions are answered in JSON, or in text again."""
+        self.json_mode = on
+        self.update_status()
+        self.notify("JSON answers: each answer is one JSON object (the engine's constrained "
+                    "decoding) until /json off." if on else "JSON answers off.", timeout=4)
 
     def cancel_turn(self) -> bool:
         """Cancel whatever question is on (see `generating`); False when none is, or it is

@@ -81,9 +81,10 @@ class TurnEvents(Screen):
         if message.turn is not self.turn or self.answer is None or self.user_box is None:
             return
         turn, reason = message.turn, message.finish_reason
+        cut = None
         if turn.loop_cut is not None and reason == "cancelled":  # the chat stopped a loop
-            reason = "loop"
-            await self.answer.replace_text(self.answer.text[:turn.loop_cut])
+            reason, cut = "loop", self.answer.raw[:turn.loop_cut]
+        await self.answer.settle(cut, count=turn.engine.count_tokens)
         line = stats_line(reason, message.stats, message.error)
         if turn.dropped_turns and turn.fitted is not None:  # the cut, under the answer
             line += "\n" + turn.fitted.notes()[-1]
@@ -93,7 +94,7 @@ class TurnEvents(Screen):
         if message.stats is not None:
             self.query_one(CachePanel).last_turn = (
                 getattr(message.stats, "cached_tokens", 0), message.stats.prompt_tokens)
-        if reason in PARTIAL and not self.answer.text.strip():
+        if reason in PARTIAL and not (self.answer.text.strip() or self.answer.parts.calls):
             # nothing was answered: the question is not kept in the chat (the model would
             # re-read it next time) but goes back to the prompt, to send again or change
             await self._drop_turn_boxes()
@@ -109,7 +110,8 @@ class TurnEvents(Screen):
         self.conversation.model = model_name(self.chat_app.model_name)
         self.user_box.attach(self.conversation.add("user", turn.prompt))
         self.answer.attach(self.conversation.add("assistant", self.answer.text,
-                                                 finish_reason=reason, stats=line))
+                                                 finish_reason=reason, stats=line,
+                                                 **self.answer.parts_meta()))
         self.save()
         self._end_turn()
         self.after_answer()  # summarize: condense the oldest turns in the background

@@ -23,10 +23,12 @@ from app.tui.widgets.transcript import MessageBox
 KEY_NAMES = {"up": "↑", "down": "↓", "question_mark": "?", "slash": "/", "escape": "Esc",
              "enter": "Enter", "delete": "Del", "alt+enter": "Alt+Enter"}
 EXTRA = {
-    "Chat": [("/doc FILE", "attach a document (/doc alone picks one, /doc off detaches)")],
+    "Chat": [("/doc FILE", "attach a document (/doc alone picks one, /doc off detaches)"),
+             ("/json", "answer the next questions in JSON (constrained decoding; /json off)")],
     "The prompt": [("↑", "on the first line: select the newest message")],
     "A selected message (↑ from the prompt, or click it)": [
-        ("Esc", "back to the prompt")],
+        ("Esc", "back to the prompt"),
+        ("click", "a folded line (reasoning, a tool call) opens or closes it")],
 }
 
 

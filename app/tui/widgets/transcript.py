@@ -1,8 +1,9 @@
 """The transcript: a bottom-anchored scroll of message boxes, answers streamed as markdown.
 
 A message box can be focused (↑/↓ from the prompt, or a click) and acted on: copy, retry,
-edit, delete. The box only asks (`MessageBox.Act`); the chat screen, which owns the
-conversation, decides.
+edit, delete, and Enter opens or closes its folds. The box only asks (`MessageBox.Act`);
+the chat screen, which owns the conversation, decides. An answer's reasoning and tool
+calls are folded lines around its text (`widgets.folds`, split by `app.tui.answer`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,15 @@ from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from app.conversations import ChatMessage
+from app.tui.answer import (
+    AnswerParts,
+    AnswerStream,
+    calls_of,
+    markdown_text,
+    parts_meta,
+    split_answer,
+)
+from app.tui.widgets.folds import Fold, ReasoningFold, tool_call_folds
 
 SHOW_CHARS = 4000  # a huge paste is kept whole in the chat, shown shortened
 
@@ -38,6 +48,7 @@ class MessageBox(Vertical, can_focus=True):
         Binding("r", "act('retry')", "Retry"),
         Binding("e", "act('edit')", "Edit"),
         Binding("d,delete", "act('delete')", "Delete turn"),
+        Binding("enter", "toggle_folds", "Fold/unfold"),
         Binding("up,k", "act('previous')", "Previous message", show=False),
         Binding("down,j", "act('next')", "Next message (after the last: the prompt)",
                 show=False),
@@ -64,6 +75,7 @@ class MessageBox(Vertical, can_focus=True):
     MessageBox > Markdown > *:first-child { margin-top: 0; }
     MessageBox > .stats { color: $text-muted; height: auto; }
     MessageBox > .stats.-error { color: $error; }
+    MessageBox > .calls { height: auto; }
     """
 
     def __init__(self, role: str, content: str = "", stats: str = "", *, error: bool = False,
@@ -75,10 +87,23 @@ class MessageBox(Vertical, can_focus=True):
         self._stats = stats
         self._error = error
         self._stream: MarkdownStream | None = None
+        meta = message.meta if message is not None else {}
+        self.raw = content  # what the model wrote, reasoning and calls included
+        self.json_answer = bool(meta.get("json"))
+        self.parts = AnswerParts(content, meta.get("reasoning") or "", calls_of(meta))
+        self.reasoning_tokens: int | None = meta.get("reasoning_tokens")
+        self._splitter: AnswerStream | None = None
 
     def compose(self) -> ComposeResult:
         yield Static(self._label(), classes="role")
-        yield Markdown(shorten(self.text) if self.role == "user" else self.text)
+        fold = ReasoningFold(self.parts.reasoning, self.reasoning_tokens)
+        fold.display = bool(self.parts.reasoning)
+        yield fold
+        yield Markdown(shorten(self.text) if self.role == "user"
+                       else markdown_text(self.parts, json_answer=self.json_answer))
+        calls = Vertical(*tool_call_folds(self.parts.calls), classes="calls")
+        calls.display = bool(self.parts.calls)
+        yield calls
         stats = Static(self._stats, classes="stats -error" if self._error else "stats")
         stats.display = bool(self._stats)
         yield stats
@@ -98,7 +123,16 @@ class MessageBox(Vertical, can_focus=True):
                 return self.role == "assistant"
             if parameters[0] == "edit":
                 return self.role == "user"
+        if action == "toggle_folds":
+            return any(f.display for f in self.query(Fold))
         return True
+
+    def action_toggle_folds(self) -> None:
+        """Enter: open the answer's folds (reasoning, tool calls), or close them."""
+        folds = [f for f in self.query(Fold) if f.display]
+        collapsed = not all(f.collapsed for f in folds)
+        for fold in folds:
+            fold.collapsed = collapsed
 
     def action_act(self, action: str) -> None:
         self.post_message(self.Act(self, action))
@@ -115,14 +149,31 @@ class MessageBox(Vertical, can_focus=True):
         return self.query_one(Markdown)
 
     async def append(self, text: str) -> None:
-        """Stream a delta into the markdown (appended, not re-rendered from scratch)."""
+        """Stream a delta: reasoning into its fold, the text into the markdown (appended,
+        not re-rendered from scratch); what may be a tool call is held until the end."""
         if not text:
             return
-        self.text += text
-        if self._stream is None:
+        self.raw += text
+        if self._splitter is None:
+            self._splitter = AnswerStream()
             self.add_class("-streaming")
-            self._stream = Markdown.get_stream(self.markdown)
-        await self._stream.write(text)
+        reasoning, content = self._splitter.feed(text)
+        if reasoning:
+            fold = self.query_one(ReasoningFold)
+            if not fold.display:
+                fold.display = True
+                fold.set_title("Thinking…")
+            fold.write(reasoning)
+        if content:
+            self.text += content
+            if self._stream is None:
+                self._stream = Markdown.get_stream(self.markdown)
+            await self._stream.write(content)
+
+    def parts_meta(self) -> dict:
+        """The parts a saved message keeps besides its text."""
+        return parts_meta(self.parts, reasoning_tokens=self.reasoning_tokens,
+                          json_answer=self.json_answer)
 
     async def _end_stream(self) -> None:
         if self._stream is not None:
@@ -134,14 +185,35 @@ class MessageBox(Vertical, can_focus=True):
             async with self.markdown.lock:
                 pass
 
-    async def replace_text(self, text: str) -> None:
-        """Show ``text`` instead of what was streamed (an answer cut back)."""
+    async def settle(self, raw: str | None = None, count=None) -> None:
+        """End streaming and show the answer's final parts (of ``raw`` if given: an answer
+        cut back); ``count`` tokens the reasoning for its fold's title."""
         await self._end_stream()
-        self.text = text
-        await self.markdown.update(text)
+        self._splitter = None
+        if raw is not None:
+            self.raw = raw
+        parts = self.parts = split_answer(self.raw, json_answer=self.json_answer)
+        if count is not None and parts.reasoning:
+            try:
+                self.reasoning_tokens = count(parts.reasoning)
+            except Exception:  # a tokenizer gone with its engine: the title says less
+                self.reasoning_tokens = None
+        fold = self.query_one(ReasoningFold)
+        fold.display = bool(parts.reasoning)
+        fold.done(parts.reasoning, self.reasoning_tokens)
+        shown = markdown_text(parts, json_answer=self.json_answer)
+        if parts.content != self.text or shown != parts.content:
+            await self.markdown.update(shown)
+        self.text = parts.content
+        calls = self.query_one(".calls", Vertical)
+        await calls.remove_children()
+        await calls.mount_all(list(tool_call_folds(parts.calls)))
+        calls.display = bool(parts.calls)
 
     async def finish(self, stats: str, *, error: bool = False) -> None:
         """End streaming and show the stats (or the error) under the answer."""
+        if self._splitter is not None:  # still streaming: its parts were not settled
+            await self.settle()
         await self._end_stream()
         self.remove_class("-streaming")
         self.set_class(error, "-error")
