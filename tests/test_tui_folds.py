@@ -51,6 +51,11 @@ class ChunkEngine(FakeEngine):
         self.chunks, self.hold_at = chunks, hold_at
         self.gate = threading.Event()
         self.params: list = []
+        self.systems: list[str | None] = []
+
+    def encode_prompt(self, prompt, *, system=None, raw=False, history=None):
+        self.systems.append(system)
+        return super().encode_prompt(prompt, system=system, raw=raw, history=history)
 
     def submit(self, prompt_ids, params=None, **kwargs):
         handle = super().submit(prompt_ids, params, **kwargs)
@@ -241,6 +246,7 @@ async def test_json_command_constrains_the_next_questions(store):
             await pilot.press("enter")
             await wait_for(pilot, lambda: not app.chat.generating)
         assert [p.constraint.kind for p in engine.params] == ["json_object"] * 2
+        assert all("JSON" in system for system in engine.systems)  # asked for in words too
         answer = boxes(app)[-1]
         assert answer.text == '{"answer": 4}'  # saved and copied as written
         assert answer.markdown.source.startswith("```json\n")  # shown indented
@@ -251,7 +257,7 @@ async def test_json_command_constrains_the_next_questions(store):
         prompt.text = "Plain now?"
         await pilot.press("enter")
         await wait_for(pilot, lambda: not app.chat.generating)
-        assert engine.params[-1].constraint is None
+        assert engine.params[-1].constraint is None and engine.systems[-1] is None
         prompt.text = "/json maybe"
         await pilot.press("enter")
         await pilot.pause()

@@ -29,6 +29,7 @@ from engine import Constraint
 
 WAITING_FOR_LOAD = "the model is loading: this question is sent when it is ready · Esc cancels"
 LEADING_BLANK_LINES = re.compile(r"\A(?:[ \t]*\n)+")
+JSON_SYSTEM = "Answer with one JSON object."
 JSON_COMMAND = re.compile(r"/json(?:\s+(\S.*))?", re.DOTALL)
 
 
@@ -178,7 +179,9 @@ class TurnStart(Screen):
             self._end_turn()
             return
         self.turn = self.new_turn(pending.prompt, engine)
-        self.turn.json = self.json_mode
+        if self.json_mode:  # said too, as OpenAI asks: a small model forced into JSON alone
+            self.turn.json = True  # rambles inside a key until max tokens cut it
+            self.turn.system = "\n\n".join(filter(None, (self.turn.system, JSON_SYSTEM)))
         self.query_one(CachePanel).last_turn = None  # this turn's line comes when it ends
         if self.answer is not None:
             self.answer.set_stats("waiting for the model…")
