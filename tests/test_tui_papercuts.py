@@ -173,3 +173,27 @@ async def test_an_answer_that_loops_is_stopped_and_cut(store):
         assert "began repeating itself" in str(answer.query_one(".stats").render())
     saved = store.load(store.list()[0].id).messages[1]
     assert saved.meta["finish_reason"] == "loop" and saved.content == answer.text
+
+
+async def test_deleting_the_last_turn_goes_back_to_the_newest_message(store):
+    """Defect 10: ↑ then d on the last answer left the transcript scrolled mid-way up the
+    answer before (the removed box handed its focus there, centred)."""
+    from app.tui.widgets.transcript import Transcript
+
+    app = make_app(store, FakeEngine(long_reply(300)))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        prompt = app.chat.query_one(PromptInput)
+        for question in ("one", "two", "three"):
+            prompt.text = question
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: not app.chat.generating)
+        transcript = app.chat.query_one(Transcript)
+        await pilot.press("up")
+        await wait_for(pilot, lambda: app.focused is boxes(app)[-1])
+        await pilot.press("d")
+        await wait_for(pilot, lambda: len(boxes(app)) == 4 and app.focused is prompt)
+        await pilot.pause(0.5)  # a scroll to the box before would have run by now
+        await wait_for(pilot, lambda: transcript.max_scroll_y > 0
+                       and transcript.scroll_y == transcript.max_scroll_y)
+        assert transcript.scroll_y == transcript.max_scroll_y  # and it stays there

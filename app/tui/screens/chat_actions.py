@@ -127,11 +127,12 @@ class MessageActions(Screen):
         boxes = self.transcript.boxes
         start, end = self.conversation.turn_span(index)
         after = boxes[boxes.index(box) + (end - index):]  # the first box after the turn
+        # the focus moves first: removing the focused box would hand it to the box before,
+        # scrolled to its middle (the last turn deleted left the chat there, issue 32)
+        (after[0] if after else self.query_one(PromptInput)).focus()
         await self.remove_messages(start, end)
-        if after:
-            after[0].focus()
-        else:
-            self.query_one(PromptInput).focus()
+        if not after:  # back to the newest message
+            self.transcript.call_after_refresh(self.transcript.anchor)
         self.notify("Deleted the turn: the model will not see it again.", timeout=3)
 
     async def end_edit(self) -> bool:
