@@ -95,3 +95,20 @@ def test_waiting_on_another_build_says_so_and_gives_up(tmp_path, caplog):
     os.close(other)  # released: the next one takes it and names itself
     with build._file_lock(path, 0.6):
         assert path.read_text() == str(os.getpid())
+
+
+def test_a_build_counts_its_steps(monkeypatch, tmp_path):
+    """build_progress (the chat's status line): files compiled, then the link; None after."""
+    seen = []
+
+    def fake_run(cmd):
+        seen.append((cmd[0], build.build_progress))
+        if cmd[0] == "link":
+            (tmp_path / toolchain.library_name()).write_bytes(b"lib")
+
+    monkeypatch.setattr(build, "run", fake_run)
+    compiles = [["cc", str(i)] for i in range(5)]
+    build._build(tmp_path / "final.so", compiles, ["link"], tmp_path)
+    assert [p for c, p in seen if c == "link"] == [(5, 6)]
+    assert all(p is not None and p[1] == 6 and p[0] < 5 for c, p in seen if c == "cc")
+    assert build.build_progress is None and (tmp_path / "final.so").exists()

@@ -200,6 +200,10 @@ async def test_build_status_shows_elapsed_time(store, monkeypatch):
         assert re.fullmatch(r"building kvchat's CPU extension \(first run only\): "
                             r"\d+ s so far…", app.model_status)
         assert "~30 s" not in str(app.chat.query_one("#status").render())
+        monkeypatch.setattr("engine.model.cpu_ext.build.build_progress", (7, 20))
+        await wait_for(pilot, lambda: "7/20 steps" in app.model_status)  # files compiled
+        assert re.fullmatch(r"building kvchat's CPU extension \(first run only\): "
+                            r"7/20 steps, \d+ s so far…", app.model_status)
         loaded.set()
         await wait_for(pilot, lambda: app.engine is not None)
         assert not app.model_status.startswith("building")

@@ -140,14 +140,20 @@ class ModelHost(App):
             old.shutdown()
 
     def _start_build_clock(self) -> None:
-        """Say how long the CPU extension's build has taken so far (~20 s to minutes)."""
+        """Say how far the CPU extension's build is (files compiled, when this process
+        builds it) and how long it has taken so far (~20 s to minutes)."""
+        from engine.model.cpu_ext import build
+
         started = time.monotonic()
 
         def tick() -> None:
             if not self.model_loading or not self.model_status.startswith(BUILDING):
                 clock.stop()  # the load ended (or another began): the status moved on
                 return
-            self.model_status = f"{BUILDING}: {time.monotonic() - started:.0f} s so far…"
+            steps = (f"{build.build_progress[0]}/{build.build_progress[1]} steps, "
+                     if build.build_progress else "")
+            self.model_status = (f"{BUILDING}: {steps}"
+                                 f"{time.monotonic() - started:.0f} s so far…")
 
         self.model_status = f"{BUILDING}: 0 s so far…"
         clock = self.set_interval(1.0, tick)

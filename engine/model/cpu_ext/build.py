@@ -24,7 +24,7 @@ import shutil
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from types import ModuleType
 
@@ -53,6 +53,9 @@ _failed = FallbackSwitch("kvchat.cpu_ext", "kvchat: CPU extension unavailable, u
 _tried = False
 build_seconds: float | None = None
 """Wall time of this process's build, when it built one (None: cached or not built)."""
+build_progress: tuple[int, int] | None = None
+"""(steps done, steps) of this process's build while it runs: files compiled, then the link
+(the chat's status line shows it); None when no build runs."""
 
 
 def enabled() -> bool:
@@ -91,13 +94,20 @@ def _file_lock(path: Path, timeout_s: float):
 
 def _build(final: Path, compiles: list[list[str]], link: list[str], tmp_dir: Path) -> None:
     """Compile (two jobs: the build machines have 2 cores) and link, then move into place."""
-    global build_seconds
+    global build_seconds, build_progress
     start = time.monotonic()
     jobs = max(1, min(2, os.cpu_count() or 1))
-    with ThreadPoolExecutor(jobs) as pool:
-        for future in [pool.submit(run, cmd) for cmd in compiles]:
-            future.result()
-    run(link)
+    steps = len(compiles) + 1  # each file compiled, then the link
+    build_progress = (0, steps)
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            for done, future in enumerate(as_completed([pool.submit(run, cmd)
+                                                        for cmd in compiles]), 1):
+                future.result()
+                build_progress = (done, steps)
+        run(link)
+    finally:
+        build_progress = None
     built = tmp_dir / library_name()
     os.chmod(built, 0o700)
     os.replace(built, final)
