@@ -6,11 +6,12 @@ position ``p`` gives the key at ``p - delta`` (exact up to float rounding). The 
 the pool itself, with MLX, so every backend (the reference path, the CPU extension's
 layers, the Metal and CUDA kernels) reads the same shifted keys.
 
-Only plain RoPE is shifted (``nn.RoPE`` and mlx-lm's ``Llama3RoPE``: a rotation by fixed
-frequencies); scaled variants that also multiply the key (Su/Yarn's mscale) or rotate
-part-way by position-dependent rules, windowed layers and layers without RoPE are
-refused with one line (`refusal`). A quantized K side is dequantized, its Hadamard
-rotation (`kvcache.rotation`) undone, shifted, and quantized again (one more rounding).
+Only plain RoPE is shifted (``nn.RoPE`` and mlx-lm's ``Llama3RoPE``, and the CPU extension's
+subclasses of them: a rotation by fixed frequencies); scaled variants that also multiply
+the key (Su/Yarn's mscale) or rotate part-way by position-dependent rules, windowed layers
+and layers without RoPE are refused with one line (`refusal`). A quantized K side is
+dequantized, its Hadamard rotation (`kvcache.rotation`) undone, shifted, and quantized
+again (one more rounding).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def refusal(runner) -> str | None:
         return f"context shift cannot move {name}'s sliding-window layers"
     for layer in runner.layers:
         rope = getattr(layer.self_attn, "rope", None)
-        if type(rope) not in SHIFTABLE_ROPES:
+        if not isinstance(rope, SHIFTABLE_ROPES):  # the CPU extension's are subclasses
             return (f"context shift needs plain RoPE on every layer; {name} uses "
                     f"{type(rope).__name__ if rope is not None else 'no RoPE'}")
     return None
