@@ -64,9 +64,17 @@ def test_messages_are_normalized():
 
 
 @pytest.mark.parametrize("fields,param,code", [
-    ({"n": 2}, "n", "unsupported_value"),
-    ({"n": True}, "n", "unsupported_value"),
-    ({"logprobs": True}, "logprobs", "unsupported_value"),
+    ({"n": 0}, "n", None),
+    ({"n": True}, "n", None),
+    ({"n": 129}, "n", None),
+    ({"logprobs": 1}, "logprobs", None),
+    ({"logprobs": "yes"}, "logprobs", None),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs", None),
+    ({"top_logprobs": 2}, "top_logprobs", None),
+    ({"thinking_budget": -1}, "thinking_budget", None),
+    ({"thinking_budget": 8, "response_format": {"type": "json_object"}}, "thinking_budget",
+     None),
     ({"tools": [{"type": "function"}]}, "tools[0]", None),
     ({"response_format": {"type": "xml"}}, "response_format", None),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": "{"}}},
@@ -347,3 +355,26 @@ async def test_leaving_early_cancels_and_reads_the_final_event():
             break
         await asyncio.sleep(0.005)
     assert h.done and not h.queue
+
+
+def test_n_logprobs_and_thinking_fields():
+    p = parse_request("chat", {"messages": USER, "n": 3, "logprobs": True, "top_logprobs": 4})
+    assert (p.n, p.logprobs) == (3, 4)
+    assert parse_request("chat", {"messages": USER, "logprobs": True}).logprobs == 0
+    assert parse_request("chat", {"messages": USER, "logprobs": False}).logprobs is None
+    assert parse_request("text", {"prompt": "a", "logprobs": 5}).logprobs == 5
+    assert parse_request("text", {"prompt": "a", "logprobs": 0}).logprobs == 0
+    assert refused("text", {"prompt": "a", "logprobs": 21}).param == "logprobs"
+    assert refused("text", {"prompt": "a", "logprobs": True}).param == "logprobs"
+    efforts = {e: parse_request("chat", {"messages": USER, "reasoning_effort": e})
+               for e in ("minimal", "low", "medium", "high")}
+    budgets = [efforts[e].thinking_budget for e in ("minimal", "low", "medium", "high")]
+    assert budgets == sorted(budgets) and len(set(budgets)) == 4
+    assert efforts["low"].template_kwargs == {"reasoning_effort": "low"}
+    given = parse_request("chat", {"messages": USER, "reasoning_effort": "high",
+                                   "thinking_budget": 7})
+    assert given.thinking_budget == 7  # an explicit budget wins over the effort's
+    json_out = parse_request("chat", {"messages": USER, "reasoning_effort": "high",
+                                      "response_format": {"type": "json_object"}})
+    assert json_out.thinking_budget is None  # a grammar cannot take a forced </think>
+    assert parse_request("text", {"prompt": "a", "thinking_budget": 0}).thinking_budget == 0

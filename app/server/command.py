@@ -45,6 +45,9 @@ def add_parser(sub) -> None:
                         "and the other streams wait on a long prompt (512)")
     p.add_argument("--default-max-tokens", metavar="N", type=arg_types.positive_int, default=512,
                    help="max_tokens of a request that sets none (512)")
+    p.add_argument("--max-n", metavar="N", type=arg_types.int_in(1, 128), default=8,
+                   help="answers one request may ask for (n); they share the prompt's "
+                        "blocks (8)")
     p.add_argument("--drain-timeout", metavar="SECONDS", type=arg_types.int_in(0, 3600), default=30,
                    help="seconds in-flight requests may finish after SIGTERM (30)")
     p.add_argument("--read-timeout", metavar="SECONDS", type=arg_types.int_in(1, 3600),

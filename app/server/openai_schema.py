@@ -2,11 +2,12 @@
 
 Only what kvchat implements is accepted: messages / prompt, max_tokens (and
 max_completion_tokens), temperature, top_p, stop, seed, stream and stream_options,
-response_format (text, json_object, json_schema: constrained decoding), plus fields that
+response_format (text, json_object, json_schema: constrained decoding), n, logprobs
+(`request_fields`), plus fields that
 change nothing (``model``, ``user``, ``metadata``...) and local extensions that mlx-lm's
 and llama.cpp's servers also take (top_k, min_p, repetition_penalty; llama.cpp's
 ``json_schema`` and ``grammar``, and ``regex``). A real OpenAI field with a value we do not
-implement (n > 1, logprobs, tools, penalties...) is a 400 that names it; a field
+implement (best_of, echo, store...) is a 400 that names it; a field
 OpenAI does not have is a 400 too ("Unrecognized request argument supplied"), so a typo
 is never silently ignored. Nothing here touches the engine or the web framework.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.server import output_schema, tool_calls
+from app.server import output_schema, request_fields, tool_calls
 from app.server.errors import APIError, invalid, unsupported
 from app.server.values import boolean as _bool
 from app.server.values import integer as _int
@@ -60,6 +61,9 @@ class ParsedRequest:
     tool_choice: str = "auto"  # "auto", "none", "required" or a function's name
     parallel_tool_calls: bool = True
     template_kwargs: dict = field(default_factory=dict)  # enable_thinking, reasoning_effort
+    n: int = 1  # answers to sample (`app.server.choices`)
+    logprobs: int | None = None  # alternatives per token to report; None: no logprobs
+    thinking_budget: int | None = None  # given, or from reasoning_effort
     context: dict | None = None  # what the context policy cut or summarized (server.context)
 
     @property
@@ -148,39 +152,6 @@ def _messages(name: str, value) -> list[dict]:
     return out
 
 
-MAX_LOGIT_BIAS = 1024
-
-
-def _logit_bias(name: str, value) -> dict[int, float]:
-    """``{"<token id>": bias in [-100, 100]}``, as OpenAI's."""
-    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
-        raise invalid(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers", name)
-    out = {}
-    for key, bias in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10):
-            raise invalid(f"logit_bias keys must be token ids, got {key!r:.40}", name)
-        out[int(key)] = _number(name, bias, -100.0, 100.0)
-    return out
-
-
-EFFORTS = ("minimal", "low", "medium", "high")
-TEMPLATE_KWARGS = {"enable_thinking": bool, "reasoning_effort": str}
-
-
-def _reasoning_effort(name: str, value) -> None:
-    if value not in EFFORTS:
-        raise invalid(f"reasoning_effort must be one of {', '.join(EFFORTS)}", name)
-
-
-def _template_kwargs(name: str, value) -> None:
-    """vLLM's ``chat_template_kwargs``: only the variables kvchat passes on."""
-    if not isinstance(value, dict) or any(
-            k not in TEMPLATE_KWARGS or not isinstance(v, TEMPLATE_KWARGS[k])
-            for k, v in value.items()):
-        raise invalid("chat_template_kwargs takes enable_thinking (true/false) and "
-                      "reasoning_effort", name)
-
-
 def _prompt(name: str, value) -> str | list[int]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
         value = value[0]  # a batch of one
@@ -208,10 +179,11 @@ COMMON: dict[str, tuple[_Check, str | None]] = {
     "stream": (_bool, "stream"),
     "stream_options": (_stream_options, "include_usage"),
     "user": (_string, None),
-    "n": (_only((1,), "n other than 1"), None),
+    "n": (request_fields.n, "n"),
+    "thinking_budget": (request_fields.thinking_budget, "thinking_budget"),
     "presence_penalty": (lambda n, v: _number(n, v, -2.0, 2.0), "presence_penalty"),
     "frequency_penalty": (lambda n, v: _number(n, v, -2.0, 2.0), "frequency_penalty"),
-    "logit_bias": (_logit_bias, "logit_bias"),
+    "logit_bias": (request_fields.logit_bias, "logit_bias"),
     "top_k": (lambda n, v: _int(n, v, 0, 1 << 31), "top_k"),
     "min_p": (lambda n, v: _number(n, v, 0.0, 1.0), "min_p"),
     "repetition_penalty": (lambda n, v: _number(n, v, 1e-3, 100.0), "repetition_penalty"),
@@ -223,14 +195,14 @@ CHAT = {
     **COMMON,
     "messages": (_messages, "messages"),
     "max_completion_tokens": (lambda n, v: _int(n, v, 1, 1 << 31), "max_tokens"),
-    "logprobs": (_only((False,), "logprobs"), None),
-    "top_logprobs": (_only((0,), "top_logprobs"), None),
+    "logprobs": (_bool, None),  # with top_logprobs: `request_fields.settle`
+    "top_logprobs": (request_fields.top_logprobs, None),
     "response_format": (output_schema.response_format, "constraint"),
     "tools": (tool_calls.check_tools, "tools"),
     "tool_choice": (tool_calls.check_tool_choice, "tool_choice"),
     "parallel_tool_calls": (_bool, "parallel_tool_calls"),
-    "reasoning_effort": (_reasoning_effort, None),
-    "chat_template_kwargs": (_template_kwargs, None),
+    "reasoning_effort": (request_fields.reasoning_effort, None),
+    "chat_template_kwargs": (request_fields.template_kwargs, None),
     "store": (_only((False,), "store"), None),
     "metadata": (lambda n, v: None, None),
     "service_tier": (_only(("auto", "default"), "a service_tier"), None),
@@ -242,7 +214,7 @@ TEXT = {
     "echo": (_only((False,), "echo"), None),
     "suffix": (_only(("",), "suffix"), None),
     "best_of": (_only((1,), "best_of other than 1"), None),
-    "logprobs": (_only((0,), "logprobs"), None),
+    "logprobs": (request_fields.legacy_logprobs, "logprobs"),
 }
 
 
@@ -280,6 +252,7 @@ def parse_request(kind: str, body) -> ParsedRequest:
         parsed.template_kwargs = {**(body.get("chat_template_kwargs") or {})}
         if body.get("reasoning_effort") is not None:
             parsed.template_kwargs["reasoning_effort"] = body["reasoning_effort"]
+    request_fields.settle(parsed, body)
     return parsed
 
 

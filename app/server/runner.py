@@ -92,6 +92,7 @@ def serve(args, engine, keys: KeyStore, sock: socket.socket) -> None:
     """Run the server on ``sock`` until SIGTERM / SIGINT has drained it."""
     state = ServerState(engine, keys, model_id(engine.loaded), max_waiting=args.max_waiting,
                         default_max_tokens=args.default_max_tokens,
+                        max_n=getattr(args, "max_n", 8),
                         drain_timeout_s=args.drain_timeout, read_timeout_s=args.read_timeout,
                         context_policy=getattr(args, "context_policy", "error"),
                         context_budget=getattr(args, "context_budget", None))

@@ -8,16 +8,19 @@ handle is cancelled on the way out, which releases its blocks within one engine 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import dataclasses
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from app.server import context, errors, reasoning, tool_calls
+from app.server import choices, context, errors, reasoning, tool_calls
+from app.server.choices import ANSWERED, Samples, unfinished
 from app.server.errors import APIError
 from app.server.keys import Principal
+from app.server.logprobs_out import TokenText
 from app.server.openai_schema import ParsedRequest
-from app.server.responses import Reply, sse
+from app.server.responses import Reply
 from app.server.state import ServerState
 from app.server.streaming import EventStreamResponse, cancel_on_disconnect
 from engine import prompts
@@ -28,7 +31,7 @@ from engine.sampling import SamplingParams
 
 CHARS_PER_TOKEN = 16  # a prompt over context x 16 characters can never fit: refused untokenized
 RETRY_AFTER_S = 1
-ANSWERED = ("stop", "length")
+SEEDS = 1 << 64
 
 
 def native_tools(engine) -> bool:
@@ -64,20 +67,46 @@ def sampling_params(parsed: ParsedRequest, default_max_tokens: int,
         top_p=parsed.top_p, top_k=parsed.top_k, min_p=parsed.min_p,
         repetition_penalty=parsed.repetition_penalty, seed=parsed.seed, stop=parsed.stop,
         presence_penalty=parsed.presence_penalty, frequency_penalty=parsed.frequency_penalty,
-        logit_bias=parsed.logit_bias,
+        logit_bias=parsed.logit_bias, logprobs=parsed.logprobs,
+        thinking_budget=parsed.thinking_budget if constraint is None else None,
         constraint=constraint)
 
 
 async def complete(state: ServerState, request: Request, parsed: ParsedRequest,
                    principal: Principal) -> Response:
-    """Serve a parsed completion request; raises `APIError` for a refusal."""
+    """Serve a parsed completion request (its ``n`` answers); raises `APIError` for a
+    refusal."""
+    if parsed.n > state.max_n:
+        raise errors.invalid(f"n must be at most {state.max_n} on this server (--max-n), "
+                             f"got {parsed.n}", "n")
     ids, params = await prepare(state, parsed, principal)
     handle, reply = submit(state, ids, params, parsed, principal)
+    if parsed.logprobs is not None:
+        reply.token_text = TokenText.of(state.engine.tokenizer)
+    samples = Samples(state.pump, handle, lambda i: fork(state, ids, params, principal, i),
+                      parsed.n)
+    gone = samples_gone(state, samples)
     if parsed.stream:
-        return EventStreamResponse(stream(state, handle, reply, parsed.include_usage),
-                                   on_disconnect=on_disconnect(state, handle),
-                                   headers=reply.headers())
-    return await collect(state, request, handle, reply)
+        return EventStreamResponse(choices.stream(samples, reply, parsed.include_usage),
+                                   on_disconnect=gone, headers=reply.headers())
+    async with cancel_on_disconnect(request.receive, gone):
+        body = await choices.whole(samples, reply)
+    return JSONResponse(body, headers=reply.headers())
+
+
+def fork(state: ServerState, ids: list[int], params: SamplingParams, principal: Principal,
+         index: int) -> RequestHandle:
+    """Submit answer ``index`` of a request with ``n`` > 1 (its own seed)."""
+    if params.seed is not None:
+        params = dataclasses.replace(params, seed=(params.seed + index) % SEEDS)
+    try:
+        return state.engine.submit(ids, params, tenant=principal.tenant,
+                                   permission_version=principal.permission_version)
+    except EngineStoppedError:
+        raise errors.shutting_down() from None
+    except RequestError as e:  # the first sample was taken: this is the pool's state
+        raise APIError(503, f"answer {index} could not start: {e}", type="server_error",
+                       code="unavailable") from None
 
 
 async def prepare(state: ServerState, parsed: ParsedRequest, principal: Principal | None = None
@@ -111,6 +140,9 @@ def submit(state: ServerState, ids: list[int], params: SamplingParams, parsed: P
     waiting = engine.metrics().waiting
     if waiting >= state.max_waiting:
         raise errors.queue_full(waiting, RETRY_AFTER_S)
+    inside = (parsed.kind == "chat" or params.thinking_budget is not None) and \
+        reasoning.opens_thinking(engine.tokenizer.decode(ids[-4:]))  # a think tag left open
+    params.thinking = inside  # where a thinking budget starts counting
     try:
         handle = engine.submit(ids, params, tenant=principal.tenant,
                                permission_version=principal.permission_version)
@@ -122,13 +154,12 @@ def submit(state: ServerState, ids: list[int], params: SamplingParams, parsed: P
         raise errors.invalid(str(e), param) from None
     except EngineStoppedError:
         raise errors.shutting_down() from None
-    inside = parsed.kind == "chat" and reasoning.opens_thinking(
-        engine.tokenizer.decode(ids[-4:]))  # the template opened a think tag itself
     notes = [handle.notice, *(parsed.context or {}).get("notes", [])]
     reply = Reply(parsed.kind, model=state.model_id, fingerprint=state.fingerprint,
                   max_tokens=handle.max_tokens, context=parsed.context,
                   notice="; ".join(n for n in notes if n) or None,
-                  tools=parsed.tools if parsed.uses_tools else [], thinking=inside)
+                  tools=parsed.tools if parsed.uses_tools else [],
+                  thinking=inside and parsed.kind == "chat")
     return handle, reply
 
 
@@ -145,54 +176,17 @@ def on_disconnect(state: ServerState, handle: RequestHandle) -> Callable[[], Non
     return gone
 
 
-def unfinished(reason: str, error: str | None) -> APIError:
-    """Why an answer did not complete, as the error a client should see."""
-    if reason == "error":
-        return APIError(500, f"generation failed: {error}", type="server_error")
-    if reason == "timeout":
-        return APIError(504, "the request timed out", type="server_error", code="timeout")
-    return errors.shutting_down()  # cancelled at the drain deadline, or engine shutdown
+def samples_gone(state: ServerState, samples: Samples) -> Callable[[], None]:
+    """`on_disconnect` for the ``n`` answers of one request: all are cancelled."""
+    fired = False
 
+    def gone() -> None:
+        nonlocal fired
+        if not fired and samples.cancel_all():
+            state.counters.disconnects += 1
+        fired = True
 
-async def stream(state: ServerState, handle: RequestHandle, reply: Reply,
-                 include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE chunks of one answer, ``data: [DONE]`` last."""
-    if reply.kind == "chat":  # as OpenAI: the role first, before any text
-        yield sse(reply.chunk("", role=True, include_usage=include_usage))
-    held = tool_calls.ToolStream() if reply.tools else None  # calls go out as tool_calls
-    think = reasoning.ReasoningStream(reply.thinking) if reply.kind == "chat" else None
-    answer = []
-    async for event in state.pump.events(handle):
-        text = event.text
-        if think is not None:
-            thought, text = think.feed(text)
-            if event.finish_reason is not None:  # the end: what was held goes out too
-                more_thought, more_text = think.flush()
-                thought, text = thought + more_thought, text + more_text
-            if thought:
-                yield sse(reply.chunk(reasoning=thought, include_usage=include_usage))
-        answer.append(text)
-        text = held.feed(text) if held is not None else text
-        if text:
-            yield sse(reply.chunk(text, include_usage=include_usage))
-        if event.finish_reason is None:
-            continue
-        if event.finish_reason not in ANSWERED:
-            yield sse(unfinished(event.finish_reason, event.error).body())
-            return
-        finish = event.finish_reason
-        if held is not None:
-            _, calls = tool_calls.parse("".join(answer), reply.tools)
-            if calls:
-                yield sse(reply.calls_chunk(calls, include_usage))
-                finish = "tool_calls"
-            elif held.held:
-                yield sse(reply.chunk(held.held, include_usage=include_usage))
-        yield sse(reply.chunk(None if reply.kind == "chat" else "",
-                              finish=finish, include_usage=include_usage))
-        if include_usage:
-            yield sse(reply.usage_chunk(event.stats))
-    yield sse("[DONE]")
+    return gone
 
 
 async def whole_answer(state: ServerState, request: Request, handle: RequestHandle
@@ -210,12 +204,4 @@ async def whole_answer(state: ServerState, request: Request, handle: RequestHand
     return "".join(texts), final
 
 
-async def collect(state: ServerState, request: Request, handle: RequestHandle,
-                  reply: Reply) -> JSONResponse:
-    """A whole answer as one chat or text completion."""
-    text, final = await whole_answer(state, request, handle)
-    return JSONResponse(reply.completion(text, final.finish_reason, final.stats),
-                        headers=reply.headers())
-
-
-__all__ = ["complete", "encode", "sampling_params"]
+__all__ = ["ANSWERED", "complete", "encode", "sampling_params", "unfinished"]

@@ -34,6 +34,8 @@ class ServerState:
     model_id: str
     max_waiting: int = 64
     """Requests queued for admission beyond which new ones get a 429."""
+    max_n: int = 8
+    """Answers one completion request may ask for (``n``); more is a 400."""
     default_max_tokens: int = 512
     """max_tokens of a request that sets none (then bounded by the context and the pool)."""
     drain_timeout_s: float = 30.0
