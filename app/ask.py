@@ -101,6 +101,7 @@ class AskSession:
             "cached_tokens": s.cached_tokens, "cache_source": s.cache_source,
             "ttft_s": s.ttft_s, "decode_tps": s.decode_tps,
             "speculation": {"proposed": s.spec_proposed, "accepted": s.spec_accepted},
+            "context_shift": {"shifts": s.context_shifts, "dropped_tokens": s.shifted_tokens},
             "left_out": prepared.report(self.docs), "notice": notice,
             "summarized": summarized,
             "disk_cache": disk_cache_json(self.eng.metrics()),  # on / read-only / off, why

@@ -111,6 +111,8 @@ def print_result(eng: EngineLike, result, *, as_json: bool, metrics=None) -> Non
             "cached_tokens": stats.cached_tokens,
             "cache_source": stats.cache_source,
             "speculation": {"proposed": stats.spec_proposed, "accepted": stats.spec_accepted},
+            "context_shift": {"shifts": stats.context_shifts,
+                              "dropped_tokens": stats.shifted_tokens},
             "kv": stats.kv_dict(),
             "disk_cache": disk_cache_json(metrics),  # state: on / read-only / off, and why
             "model": {
@@ -130,6 +132,8 @@ def print_result(eng: EngineLike, result, *, as_json: bool, metrics=None) -> Non
         f"TTFT {stats.ttft_s:.2f}s | cached {stats.cached_tokens} ({stats.cache_source}) | "
         f"KV {stats.blocks_used} blocks, "
         f"{stats.bytes_used / 2**20:.1f} MiB | {result.finish_reason}"
+        + (f" | context shifted {stats.context_shifts}x: {stats.shifted_tokens} tokens "
+           "dropped" if stats.context_shifts else "")
         + (f" | {metrics.disk_write_errors} disk write errors"
            if metrics.disk_write_errors else "") + "]",
         file=sys.stderr,

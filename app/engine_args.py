@@ -53,6 +53,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
                         "the prompt and answer so far, draft:MODEL tokens a smaller model "
                         "of the same tokenizer guesses (same greedy output; drafts only "
                         "while measured to pay off); off: one token per step (off)")
+    p.add_argument("--context-shift", action="store_true",
+                   help="an answer that fills the context goes on: the first --shift-sinks "
+                        "tokens and the newest half stay, the middle is dropped and the kept "
+                        "keys re-rotated (models with plain RoPE; off: it stops at the "
+                        "context with finish_reason length)")
+    p.add_argument("--shift-sinks", type=arg_types.int_in(0, 1 << 20), default=4,
+                   help="tokens a context shift keeps at the start, rounded up to blocks (4)")
+    p.add_argument("--max-context", type=arg_types.positive_int, default=None,
+                   help="tokens one sequence may hold (default: the model's context)")
     p.add_argument("--full-window-layers", action="store_true",
                    help="sliding-window layers keep every block, as global ones do "
                         "(default: only the blocks their window covers)")

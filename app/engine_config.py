@@ -30,5 +30,8 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
         kv_rotation=not getattr(args, "no_kv_rotation", False),
         window_pool=not getattr(args, "full_window_layers", False),
         speculate=getattr(args, "speculate", "off"),
+        context_shift=getattr(args, "context_shift", False),
+        shift_sinks=getattr(args, "shift_sinks", 4),
+        max_context=getattr(args, "max_context", None),
     )
     return dataclasses.replace(config, **overrides)

@@ -19,7 +19,7 @@ shift, and a draft model's own cache holds the unshifted tokens).
 
 from __future__ import annotations
 
-from engine.errors import OutOfBlocksError, RequestError
+from engine.errors import KVChatError, OutOfBlocksError, RequestError
 from engine.kvcache import context_shift
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
@@ -35,6 +35,8 @@ class ContextShifter:
         self.blocks = blocks
         self.default = default
         self.refusal = refusal(runner)
+        if default and self.refusal is not None:  # --context-shift on a model that cannot
+            raise KVChatError(self.refusal)
         self.keys = KeyShifter(runner, kv) if self.refusal is None else None
         self.sink_blocks = blocks.blocks_needed(sink_tokens)
         # tokens one sequence may hold: the context, or the pool when it is smaller

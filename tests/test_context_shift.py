@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
-from engine.errors import RequestError
+from engine.errors import KVChatError, RequestError
 
 CONTEXT, BS = 128, 16
 
@@ -141,6 +141,5 @@ def test_models_that_cannot_shift_refuse_in_one_line(tmp_path, default_model):
         e.submit([5, 6, 7], _params(10))
     assert "\n" not in str(err.value)
     assert e.generate_text([5, 6, 7], _params(4, shift=None)).finish_reason == "length"
-    default_on = Engine(loaded, EngineConfig(kv_budget_bytes=8 << 20, context_shift=True))
-    with pytest.raises(RequestError, match="NoPE"):
-        default_on.submit([5, 6, 7], _params(4, shift=None))
+    with pytest.raises(KVChatError, match="NoPE"):  # --context-shift: refused at start
+        Engine(loaded, EngineConfig(kv_budget_bytes=8 << 20, context_shift=True))

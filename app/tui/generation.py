@@ -233,6 +233,8 @@ def stats_line(finish_reason: str, stats, error: str | None = None) -> str:
     ]
     cached = getattr(stats, "cached_tokens", 0)
     parts.append(f"{cached}/{stats.prompt_tokens} prompt tokens cached")
+    if getattr(stats, "context_shifts", 0):
+        parts.append(f"context shifted: {stats.shifted_tokens} tokens dropped")
     if finish_reason == "length":
         parts.append("max tokens reached")
     elif finish_reason == "timeout":
