@@ -92,6 +92,13 @@ def test_reasoning_cut_anywhere_across_chunks_routes_the_same(size):
     assert (parts.reasoning, parts.content, parts.calls) == (REASONING, ANSWER_TEXT, [])
 
 
+def test_reasoning_opened_by_the_template_is_split_at_the_end():
+    """A template that opens <think> itself: the answer has only the closing tag."""
+    parts = split_answer(f"{REASONING}\n</think>\n\n{ANSWER_TEXT}")
+    assert (parts.reasoning, parts.content) == (REASONING, ANSWER_TEXT)
+    assert split_answer(ANSWER_TEXT).reasoning == ""
+
+
 @pytest.mark.parametrize("size", [1, 4, 1000])
 def test_a_tool_call_is_held_back_while_streaming(size):
     stream, shown = AnswerStream(), ""

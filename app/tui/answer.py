@@ -13,7 +13,7 @@ import contextlib
 import json
 from dataclasses import dataclass, field
 
-from app.reasoning import ReasoningStream, partial_tail, split
+from app.reasoning import CLOSE, ReasoningStream, partial_tail, split
 from app.tool_calls import MARKERS, ToolCall, parse_calls
 
 CALL_ARGS_CHARS = 60  # a folded call's title shows this much of its arguments
@@ -29,6 +29,8 @@ class AnswerParts:
 def split_answer(raw: str, *, json_answer: bool = False) -> AnswerParts:
     """The parts of a whole answer; a JSON answer (``/json``) is never taken for a call."""
     reasoning, rest = split(raw)
+    if reasoning is None and CLOSE in raw:  # the template opened the tag: no <think> seen
+        reasoning, rest = split(raw, inside=True)
     content, calls = parse_calls(rest, None, bare_json=not json_answer)
     return AnswerParts(content, reasoning or "", calls)
 
