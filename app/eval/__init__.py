@@ -7,6 +7,8 @@
   policy against a plain prompt, and the TTFT the pinned document prefix saves
 - `chat`: ``kvchat eval chat`` — long scripted conversations: recall of early facts
   under the context policies (summarize, truncate) and the full history
+- `shift`: ``kvchat eval shift`` — context shift: perplexity of a long stream with the
+  shift (re-rotated keys) against a fresh window over the same tokens and the full context
 - `weights`: ``kvchat eval weights`` — kvchat's quantized CPU path against mlx-lm as
   shipped on the same weights: perplexity delta, top-1 and greedy agreement
 
@@ -19,13 +21,14 @@ from __future__ import annotations
 
 def add_parser(sub) -> None:
     """Register ``eval`` and its modes on the CLI's subparsers object."""
-    from app.eval import ask, chat, kv, weights
+    from app.eval import ask, chat, kv, shift, weights
 
     p = sub.add_parser("eval", help="quality evaluations (KV cache formats, document Q&A, "
-                                    "long chats, quantized weights)",
+                                    "long chats, context shift, quantized weights)",
                        description="Quality evaluations of kvchat's settings.")
-    modes = p.add_subparsers(dest="eval_mode", metavar="{kv,ask,chat,weights}", required=True)
+    modes = p.add_subparsers(dest="eval_mode", metavar="{kv,ask,chat,shift,weights}", required=True)
     kv.add_parser(modes)
     ask.add_parser(modes)
     chat.add_parser(modes)
+    shift.add_parser(modes)
     weights.add_parser(modes)
