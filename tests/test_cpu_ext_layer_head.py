@@ -81,6 +81,36 @@ def test_tail_equals_o_residual_norm_mlp_residual(ext, dtype, B, L, bits):
     np.testing.assert_array_equal(bits_of(got), bits_of(want))
 
 
+def tiled_linear(n_out: int, n_in: int, bits: int, dtype, seed: int, symmetric: bool = False):
+    (w, s, b), (group, bits, _) = linear(n_out, n_in, bits, dtype, seed)
+    if symmetric:  # a GGUF Q4_0/Q8_0 layer: one bias factor (cpu_ext.linear.bias_factor)
+        b = mx.full((1, 1), -(2 ** (bits - 1)), dtype=dtype)
+    return list(ops.tile(w, s, b, group, bits)), (group, bits, True)
+
+
+@pytest.mark.parametrize("B,L", [(2, 150), (1, 128), (1, 129), (3, 1)])
+@pytest.mark.parametrize("dtype,symmetric", [(mx.float32, False), (mx.float16, True),
+                                             (mx.bfloat16, False)])
+def test_a_tiled_tail_in_row_passes_equals_the_separate_ops(ext, B, L, dtype, symmetric):
+    # A prefill chunk's tail runs 128 rows at a time when its linears are tiled (bounding
+    # its MLP activations); the rows' results must not change.
+    if not ops.tiled_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI: the tiled matmul is not built")
+    h = mx.random.normal((B, L, HIDDEN)).astype(dtype)
+    att = mx.random.normal((B, HEADS, L, D)).astype(dtype)
+    norm = (mx.random.normal((HIDDEN,)) * 0.1 + 1).astype(dtype)
+    o = tiled_linear(HIDDEN, HEADS * D, 4, dtype, 1, symmetric)
+    gate_up = tiled_linear(2 * FF, HIDDEN, 4, dtype, 2, symmetric)
+    down = tiled_linear(HIDDEN, FF, 8, dtype, 3, symmetric)
+    got = ext.layer_tail(h, att, o[0], norm, gate_up[0], down[0], eps=1e-6, o_spec=o[1],
+                         gate_up_spec=gate_up[1], down_spec=down[1])
+    h1 = h + qmm(att.transpose(0, 2, 1, 3).reshape(B, L, -1), o)
+    gate, up = mx.split(qmm(rms_norm(h1, norm, 1e-6), gate_up), [FF], axis=-1)
+    want = h1 + qmm(swiglu(gate, up), down)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(bits_of(got), bits_of(want))
+
+
 def test_wrong_shapes_are_refused_in_one_line(ext):
     lin = linear((HEADS + 2 * KV_HEADS) * D, HIDDEN, 4, mx.float32, 0)
     args = dict(eps=1e-5, qkv=lin[1], heads=HEADS, kv_heads=KV_HEADS, dims=D,

@@ -9,6 +9,7 @@ mlx-lm's own forward (the parity reference) runs the fast path as well.
 
 from __future__ import annotations
 
+import math
 import os
 
 import mlx.core as mx
@@ -43,13 +44,37 @@ def rebind(cls, layer: nn.Module) -> nn.Module:
 
 def rebind_layout(cls, layer: nn.Module) -> nn.Module:
     """`rebind`; for a ``cls.tiled`` class, with the weight, scales and biases re-laid by
-    `ops.tile` (new arrays: the layer's own are freed with it)."""
+    `ops.tile` (new arrays: the layer's own are freed with it). Biases that are all one
+    factor times their scales (`bias_factor`) become that (1, 1) factor: a symmetric file
+    (GGUF Q4_0, Q8_0) then holds no biases, ~1/9 of a 4-bit layer's bytes."""
     new = rebind(cls, layer)
     if cls.tiled:
+        factor = bias_factor(layer)
+        biases = layer["biases"] if factor is None else mx.full(
+            (1, 1), factor, dtype=layer["scales"].dtype)
         new["weight"], new["scales"], new["biases"] = ops.tile(
-            layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits)
+            layer["weight"], layer["scales"], biases, layer.group_size, layer.bits)
         mx.eval(new["weight"], new["scales"], new["biases"])
     return new
+
+
+def bias_factor(layer: nn.Module) -> float | None:
+    """f = -2^k with every bias equal to f times its scale (a symmetric format: GGUF Q4_0's
+    -8, Q8_0's -128, Q5_0's -16 as 8-bit codes), else None. A power of two, so f times a
+    scale is exact in any float dtype and the tiled kernels' results stay bit for bit."""
+    scales, biases = layer["scales"], layer["biases"]
+    if biases.shape != scales.shape or scales.size == 0:
+        return None
+    s32, b32 = scales.astype(mx.float32), biases.astype(mx.float32)
+    i = mx.argmax(mx.abs(s32).reshape(-1)).item()
+    s0, b0 = s32.reshape(-1)[i].item(), b32.reshape(-1)[i].item()
+    if s0 == 0 or b0 / s0 >= 0:  # Q4_0's scales take the sign of the group's extreme
+        return None
+    factor = b0 / s0
+    k = round(math.log2(-factor))
+    if factor != -(2.0 ** k) or not mx.array_equal(b32, s32 * factor).item():
+        return None
+    return factor
 
 
 class CpuQuantizedLinear(nn.QuantizedLinear):
@@ -148,6 +173,11 @@ def replace_layer(model: nn.Module, name: str, old: nn.Module, new: nn.Module, *
             old.pop(key, None)
 
 
+def scaled_biases(layer: nn.Module) -> bool:
+    """Whether ``layer`` holds a (1, 1) bias factor (`bias_factor`) instead of biases."""
+    return layer["biases"].size == 1 and layer["biases"].shape != layer["scales"].shape
+
+
 def fuse(layers: list[nn.Module]) -> CpuQuantizedLinear | None:
     """One `CpuQuantizedLinear` computing ``layers`` side by side (outputs concatenated).
 
@@ -167,7 +197,12 @@ def fuse(layers: list[nn.Module]) -> CpuQuantizedLinear | None:
     has_bias = ["bias" in m for m in layers]
     if not same or (any(has_bias) and not all(has_bias)):
         return None
-    names = ["weight", "scales", "biases"] + (["bias"] if all(has_bias) else [])
+    factors = [m["biases"] for m in layers if scaled_biases(m)]
+    if factors and (len(factors) < len(layers) or not all(
+            mx.array_equal(f, factors[0]).item() for f in factors)):
+        return None  # one fused matmul has one kind of biases
+    names = ["weight", "scales"] + ([] if factors else ["biases"])
+    names += ["bias"] if all(has_bias) else []
     fused = rebind(type(first), first)
     splits, total = [], 0
     for m in layers[:-1]:

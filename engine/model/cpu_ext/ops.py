@@ -19,7 +19,8 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_s
     Args:
         x: (..., K) float32, float16 or bfloat16.
         w: (N, K * bits / 32) uint32, packed by `mx.quantize` (affine mode).
-        scales, biases: (N, K / group_size), one float dtype.
+        scales, biases: (N, K / group_size), one float dtype; with ``tiled``, biases may be
+            (1, 1): a symmetric format's factor, each bias that times its scale.
         group_size: 32, 64 or 128.
         bits: 4 or 8.
         tiled: w, scales and biases are in the tiled layout (`tile`), and
@@ -100,6 +101,8 @@ def tile(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits:
         tiled = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(N, K // 2).view(mx.uint32)
 
     def params(a: mx.array) -> mx.array:
+        if a.size == 1 and a.shape != scales.shape:  # a symmetric format's one bias factor
+            return a
         return a.reshape(T, TILE_ROWS, G).transpose(0, 2, 1).reshape(N, G)
 
     return tiled.reshape(N, packed), params(scales), params(biases)
@@ -108,7 +111,12 @@ def tile(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits:
 def untile_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
                 group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     """Rows ``rows`` (any int shape) of `tile`d 4/8-bit weights back in MLX's layout: what
-    ``w[rows], scales[rows], biases[rows]`` gave before tiling (an embedding lookup)."""
+    ``w[rows], scales[rows], biases[rows]`` gave before tiling (an embedding lookup). A
+    (1, 1) ``biases`` (a symmetric format's factor) gives each row's biases as that factor
+    times its scales (exact: the factor is a power of two)."""
+    if biases.size == 1 and biases.shape != scales.shape:
+        data, s, _ = untile_rows(w, scales, scales, rows, group_size, bits)
+        return data, s, s * biases.reshape(())
     if bits == 8:
         return untile8_rows(w, scales, biases, rows, group_size)
     N, packed = w.shape

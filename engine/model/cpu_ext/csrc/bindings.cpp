@@ -45,9 +45,10 @@ NB_MODULE(_kvchat_cpu_ext, m) {
   m.def("qmm", &kvchat::qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, nb::kw_only(),
         "group_size"_a, "bits"_a, "tiled"_a = false, "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T (MLX affine quantization), float32 accumulation;\n"
-        "tiled: 4-bit weights in kvchat's tiled layout, x multiplied as int8 (AVX-512 VNNI).");
+        "tiled: 4/8-bit weights in kvchat's tiled layout, x multiplied as int16 (AVX-512 VNNI);\n"
+        "then biases may be (1, 1): one factor, each bias that times its scale (symmetric).");
   m.def("tiled_supported", &kvchat::tiled_supported,
-        "Whether this build has the tiled int8 matmul (AVX-512 VNNI).");
+        "Whether this build has the tiled int16-x matmul (AVX-512 VNNI).");
   m.def("paged_attention", &kvchat::paged_attention, "queries"_a, "k"_a, "v"_a,
         "block_tables"_a, "context_lens"_a, nb::kw_only(), "scale"_a, "k_scales"_a = nb::none(),
         "k_biases"_a = nb::none(), "k_bits"_a = 0, "k_group"_a = 0, "v_scales"_a = nb::none(),

@@ -14,9 +14,16 @@ namespace kvchat {
 
 namespace mx = mlx::core;
 
-// QuantizedMatmul: out = x @ dequantize(w, scales, biases).T (qmm.cpp).
+// QuantizedMatmul: out = x @ dequantize(w, scales, biases).T (qmm.cpp). Tiled weights of a
+// symmetric format may pass biases (1, 1): one factor, each bias that times its scale.
 void qmm_into(const mx::array& x, const mx::array& w, const mx::array& scales,
               const mx::array& biases, mx::array& out, int group, int bits, bool tiled);
+
+// Whether `biases` is such a (1, 1) factor rather than one bias per scale.
+inline bool scaled_biases(const mx::array& biases, const mx::array& scales) {
+  return biases.ndim() == 2 && biases.shape(0) == 1 && biases.shape(1) == 1 &&
+         scales.shape() != biases.shape();
+}
 
 // What `qmm` checks of its arguments, for an x of K columns (std::invalid_argument when
 // they do not fit).

@@ -8,6 +8,8 @@
 // given, so the outputs are bit-identical to the separate ops. Attention and the
 // K/V writes stay their own nodes (the attention route and its guard decide the
 // kernel; a pool write must be its own node to update the pool in place).
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -33,30 +35,39 @@ mx::Shape rows_of(const mx::array& x, int width) {
   return {int(x.size() / x.shape(-1)), width};
 }
 
-// out = a + b elementwise (one shape), in float32 rounded once to out's dtype: MLX's
+// out = a + b elementwise over n elements, in float32 rounded once to the dtype: MLX's
 // add for these dtypes (two halves' sum is exact in float32).
-void add_into(const mx::array& a, const mx::array& b, mx::array& out) {
+void add_into(const mx::array& a, const mx::array& b, char* out, mx::Dtype dtype, int64_t n) {
   std::vector<float> a_buf, b_buf;
   const float* af = rows_as_float(a, a_buf);
   const float* bf = rows_as_float(b, b_buf);
-  const int64_t n = int64_t(out.size());
   std::vector<float> y(n);
   for (int64_t i = 0; i < n; ++i) y[i] = af[i] + bf[i];
-  store_any(out.data<char>(), elem_of(out.dtype()), y.data(), n);
+  store_any(out, elem_of(dtype), y.data(), n);
 }
 
-// att (B, H, L, D) -> rows (B * L, H * D), as att.transpose(0, 2, 1, 3).reshape(...).
-void heads_to_rows(const mx::array& att, mx::array& rows) {
-  std::vector<char> buf;
-  const char* src = static_cast<const char*>(row_major(att, buf));
-  const int64_t B = att.shape(0), H = att.shape(1), L = att.shape(2), D = att.shape(3);
+void add_into(const mx::array& a, const mx::array& b, mx::array& out) {
+  add_into(a, b, out.data<char>(), out.dtype(), int64_t(out.size()));
+}
+
+// Rows m0..m1 of att (B, H, L, D) as rows (m1 - m0, H * D): att.transpose(0, 2, 1, 3)
+// .reshape(B * L, H * D)[m0:m1]. `src` is att's row-major bytes.
+void heads_to_rows(const char* src, const mx::array& att, int64_t m0, int64_t m1,
+                   mx::array& rows) {
+  const int64_t H = att.shape(1), L = att.shape(2), D = att.shape(3);
   const size_t row = size_t(D) * att.itemsize();
   char* dst = rows.data<char>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t l = 0; l < L; ++l)
-      for (int64_t h = 0; h < H; ++h)
-        std::memcpy(dst + ((b * L + l) * H + h) * row, src + ((b * H + h) * L + l) * row, row);
+  for (int64_t m = m0; m < m1; ++m) {
+    const int64_t b = m / L, l = m % L;
+    for (int64_t h = 0; h < H; ++h)
+      std::memcpy(dst + ((m - m0) * H + h) * row, src + ((b * H + h) * L + l) * row, row);
+  }
 }
+
+// A tail's intermediate arrays for R rows at a time.
+struct TailBufs {
+  mx::array rows, hin, ao, h1, x2, gu, act, dn;
+};
 
 void linear(const mx::array& x, const mx::array* wsb, mx::array& out, const LinearSpec& sp) {
   qmm_into(x, wsb[0], wsb[1], wsb[2], out, sp.group, sp.bits, sp.tiled);
@@ -64,6 +75,34 @@ void linear(const mx::array& x, const mx::array* wsb, mx::array& out, const Line
 
 mx::Dtype after(const mx::array& x, const mx::array& scales) {
   return mx::promote_types(x.dtype(), scales.dtype());
+}
+
+TailBufs tail_bufs(const std::vector<mx::array>& in, int64_t R) {
+  const mx::array &h = in[0], &att = in[1];
+  const int F = in[6].shape(0) / 2, hidden = h.shape(2), r = int(R);
+  mx::array rows = scratch({r, att.shape(1) * att.shape(3)}, att.dtype());
+  mx::array hin = scratch({r, hidden}, h.dtype());
+  mx::array ao = scratch({r, in[2].shape(0)}, after(rows, in[3]));
+  mx::array h1 = scratch({r, hidden}, mx::promote_types(h.dtype(), ao.dtype()));
+  mx::array x2 = scratch({r, hidden}, mx::promote_types(h1.dtype(), in[5].dtype()));
+  mx::array gu = scratch({r, 2 * F}, after(x2, in[7]));
+  mx::array act = scratch({r, F}, gu.dtype());
+  mx::array dn = scratch({r, in[9].shape(0)}, after(act, in[10]));
+  return {rows, hin, ao, h1, x2, gu, act, dn};
+}
+
+// Rows per pass of a tail whose linears are all tiled: the MLP's activations (2 F + F
+// floats a row, 48 kB for a 1B model) then exist for this many rows, not a whole prefill
+// chunk's (~70 MB at 512 tokens of a 1B model). Tiled matmuls give a row the same bits
+// whatever rows run with it, so the result does not change; other linears take all rows
+// in one pass (their GEMV/GEMM choice depends on the row count). KVCHAT_TAIL_ROWS
+// overrides it, to measure.
+int64_t tail_rows(bool tiled, int64_t M) {
+  static const int64_t n = [] {
+    const char* env = std::getenv("KVCHAT_TAIL_ROWS");
+    return env && std::atoi(env) > 0 ? int64_t(std::atoi(env)) : int64_t(128);
+  }();
+  return tiled ? std::min(M, n) : M;
 }
 
 }  // namespace
@@ -97,36 +136,42 @@ void LayerHead::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&)
 
 void LayerTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  const mx::array &h = inputs[0], &att = inputs[1];
-  const int F = inputs[6].shape(0) / 2;  // gate_up: the gate rows, then the up rows
-  mx::array rows = scratch(rows_of(h, att.shape(1) * att.shape(3)), att.dtype());
-  mx::array ao = scratch(rows_of(h, inputs[2].shape(0)), after(rows, inputs[3]));
-  mx::array h1 = scratch(h.shape(), mx::promote_types(h.dtype(), ao.dtype()));
-  mx::array x2 = scratch(h.shape(), mx::promote_types(h1.dtype(), inputs[5].dtype()));
-  mx::array gu = scratch(rows_of(h, 2 * F), after(x2, inputs[7]));
-  mx::array act = scratch(rows_of(h, F), gu.dtype());
-  mx::array dn = scratch(rows_of(h, inputs[9].shape(0)), after(act, inputs[10]));
+  const int64_t M = int64_t(inputs[0].size()) / inputs[0].shape(2);
+  const int64_t R = tail_rows(o_.tiled && gate_up_.tiled && down_.tiled, M);
+  // a set of buffers for full passes and, when M is not a multiple of R, one for the last
+  std::vector<TailBufs> bufs{tail_bufs(inputs, R)};
+  if (M % R) bufs.push_back(tail_bufs(inputs, M % R));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
-  encoder.dispatch([in = inputs, out, rows, ao, h1, x2, gu, act, dn, F, eps = eps_, o = o_,
-                    g = gate_up_, d = down_]() mutable {
+  encoder.dispatch([in = inputs, out, bufs, M, R, eps = eps_, o = o_, g = gate_up_,
+                    d = down_]() mutable {
     guarded(out, [&] {
-      heads_to_rows(in[1], rows);
-      linear(rows, &in[2], ao, o);
-      add_into(in[0], ao, h1);
-      rms_norm_into(h1, in[5], x2, eps);
-      linear(x2, &in[6], gu, g);
-      // swiglu(gate, up) of gu's two halves, as the split + `swiglu` ops compute it
-      std::vector<float> gu_buf, y_buf;
-      const float* guf = rows_as_float(gu, gu_buf);
-      const int64_t R = int64_t(act.size()) / F;
-      const bool direct = act.dtype() == mx::float32;
-      float* y = direct ? act.data<float>() : (y_buf.resize(act.size()), y_buf.data());
-      swiglu_rows(guf, 2 * F, guf + F, 2 * F, R, F, y);
-      if (!direct) store_any(act.data<char>(), elem_of(act.dtype()), y, int64_t(act.size()));
-      linear(act, &in[9], dn, d);
-      add_into(h1, dn, out);
+      std::vector<char> att_buf, h_buf;
+      const char* att = static_cast<const char*>(row_major(in[1], att_buf));
+      const char* h = static_cast<const char*>(row_major(in[0], h_buf));
+      const size_t h_row = size_t(in[0].shape(2)) * in[0].itemsize();
+      const size_t out_row = size_t(out.shape(-1)) * out.itemsize();
+      for (int64_t m0 = 0; m0 < M; m0 += R) {
+        const int64_t n = std::min(R, M - m0);
+        TailBufs& t = bufs[n == R ? 0 : 1];
+        heads_to_rows(att, in[1], m0, m0 + n, t.rows);
+        std::memcpy(t.hin.data<char>(), h + m0 * h_row, n * h_row);
+        linear(t.rows, &in[2], t.ao, o);
+        add_into(t.hin, t.ao, t.h1);
+        rms_norm_into(t.h1, in[5], t.x2, eps);
+        linear(t.x2, &in[6], t.gu, g);
+        // swiglu(gate, up) of gu's two halves, as the split + `swiglu` ops compute it
+        const int64_t F = t.act.shape(1);
+        std::vector<float> gu_buf, y_buf;
+        const float* guf = rows_as_float(t.gu, gu_buf);
+        const bool direct = t.act.dtype() == mx::float32;
+        float* y = direct ? t.act.data<float>() : (y_buf.resize(t.act.size()), y_buf.data());
+        swiglu_rows(guf, 2 * F, guf + F, 2 * F, n, F, y);
+        if (!direct) store_any(t.act.data<char>(), elem_of(t.act.dtype()), y, int64_t(t.act.size()));
+        linear(t.act, &in[9], t.dn, d);
+        add_into(t.h1, t.dn, out.data<char>() + m0 * out_row, out.dtype(), n * out.shape(-1));
+      }
     });
   });
 }

@@ -166,8 +166,14 @@ void qmm_into(const mx::array& x, const mx::array& w, const mx::array& scales,
   QuantWeights q;
   q.w = static_cast<const uint8_t*>(row_major(w, w_buf));
   q.scales = row_major(scales, s_buf);
-  q.biases = row_major(biases, b_buf);
   q.elem = elem_of(scales.dtype());
+  if (scaled_biases(biases, scales)) {
+    q.biases = nullptr;
+    q.bias_factor = scalar_any(row_major(biases, b_buf), q.elem, 0);
+    if (!tiled) throw std::invalid_argument("qmm: a (1, 1) bias factor needs tiled weights");
+  } else {
+    q.biases = row_major(biases, b_buf);
+  }
   q.N = int(w.shape(0));
   q.K = int(x.shape(-1));
   q.G = q.K / group;
@@ -221,8 +227,11 @@ void check_qmm(int K, mx::Dtype x_dtype, const mx::array& w, const mx::array& sc
   if (tiled && (N % 16 != 0 || group_size % 32 != 0 || !tiled_supported()))
     throw std::invalid_argument("qmm: tiled weights need rows in 16s, groups of 32s and "
                                 "AVX-512 VNNI");
+  if (scaled_biases(biases, scales) && !tiled)
+    throw std::invalid_argument("qmm: a (1, 1) bias factor needs tiled weights");
   if (K % group_size != 0 || int64_t(w.shape(1)) * 32 / bits != K ||
-      scales.shape(0) != N || scales.shape(1) != K / group_size || biases.shape() != scales.shape())
+      scales.shape(0) != N || scales.shape(1) != K / group_size ||
+      (biases.shape() != scales.shape() && !scaled_biases(biases, scales)))
     throw std::invalid_argument("qmm: shapes of x " + std::to_string(K) +
                                 " and w/scales/biases do not match");
 }

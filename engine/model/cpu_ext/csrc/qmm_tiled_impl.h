@@ -25,6 +25,11 @@ inline __m512 load_params(const void* base, Elem e, int64_t i) {
   return reinterpret_cast<__m512>(load_any(base, e, i));
 }
 
+// Biases of the 16 rows at params index i, whose scales are S: stored, or bias_factor x S.
+inline __m512 load_biases(const QuantWeights& q, int64_t i, __m512 S) {
+  return q.biases ? load_params(q.biases, q.elem, i) : _mm512_mul_ps(S, _mm512_set1_ps(q.bias_factor));
+}
+
 // Tile t's group g: its 16 rows x group weights (2 * group * bits bytes).
 inline const uint8_t* tile_group(const QuantWeights& q, int t, int g) {
   return q.w + int64_t(t) * kTile * q.row_bytes() + int64_t(g) * q.group * 2 * q.bits;

@@ -18,9 +18,12 @@ inline vb load_bytes(const uint8_t* p) {
 struct QuantWeights {
   const uint8_t* w;  // N rows of K * bits / 8 bytes
   const void* scales;  // N x G
-  const void* biases;
+  const void* biases;  // null: each bias is bias_factor x its scale (tiled kernels only)
   Elem elem;  // of scales and biases
   int K, N, G, group, bits;
+  // A symmetric format (GGUF Q4_0/Q8_0: w = d * (q - 8) / d * (q - 128)) needs no stored
+  // biases: -8 x a float16 scale is exact in float32, so the results are the same bits.
+  float bias_factor = 0.0f;
 
   int64_t row_bytes() const {
     return int64_t(K) * bits / 8;
