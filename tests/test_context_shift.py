@@ -143,3 +143,18 @@ def test_models_that_cannot_shift_refuse_in_one_line(tmp_path, default_model):
     assert e.generate_text([5, 6, 7], _params(4, shift=None)).finish_reason == "length"
     with pytest.raises(KVChatError, match="NoPE"):  # --context-shift: refused at start
         Engine(loaded, EngineConfig(kv_budget_bytes=8 << 20, context_shift=True))
+
+
+def test_a_quantized_pool_shifts_too(quick_model):
+    # K and V at 8 bits (rotated before quantizing): the moved keys are dequantized,
+    # rotated back, shifted and quantized again
+    e = Engine(quick_model, EngineConfig(kv_budget_bytes=32 << 20, block_size=BS,
+                                         max_context=CONTEXT, kv_bits=8))
+    assert e.layout.k_quant is not None and e.layout.k_quant.rotation
+    ids = e.tokenizer.encode("Tell me a long story about a lighthouse keeper.")
+    r = e.generate_text(ids, _params(2 * CONTEXT))
+    assert r.finish_reason == "length" and len(r.tokens) == 2 * CONTEXT
+    assert r.stats.context_shifts >= 2 and r.stats.blocks_used <= CONTEXT // BS
+    plain = e.generate_text(ids, _params(CONTEXT - len(ids), shift=False)).tokens
+    assert r.tokens[:len(plain)] == plain  # the same until the context is full
+    _idle(e)
