@@ -13,6 +13,7 @@ import time
 import pytest
 from test_tui_app import SIZE, boxes, make_app, wait_for
 from test_tui_fakes import FakeEngine, FakeHandle, fixed_stats
+from textual.widgets.collapsible import CollapsibleTitle
 
 from app.conversations import ConversationStore
 from app.tool_calls import parse_calls
@@ -183,7 +184,7 @@ async def test_enter_and_click_unfold_and_a_reopened_chat_keeps_the_fold(store):
         await wait_for(pilot, lambda: not fold.collapsed)
         await pilot.press("enter")
         await wait_for(pilot, lambda: fold.collapsed)
-        await pilot.click(fold._title)
+        await pilot.click(fold.query_one(CollapsibleTitle))
         await wait_for(pilot, lambda: not fold.collapsed)
         cid = app.chat.conversation.id
     again = ChatApp(engine_factory=lambda spec, kv_cache=None: FakeEngine(), store=store,
@@ -212,7 +213,7 @@ async def test_tool_calls_show_folded_saved_and_exported(store):
         assert "tool_call" not in answer.markdown.source
         assert answer.text == "Let me look that up."
         assert not reasoning_fold(answer).display
-        await pilot.click(fold._title)
+        await pilot.click(fold.query_one(CollapsibleTitle))
         await wait_for(pilot, lambda: not fold.collapsed)
         assert json.loads(str(fold.body.render())) == CALL_ARGS
     conv = store.load(store.list()[0].id)
@@ -269,5 +270,7 @@ async def test_json_command_constrains_the_next_questions(store):
         await pilot.press("enter")
         await pilot.pause()
         assert not app.chat.json_mode and prompt.text == "/json maybe"
+        await app.run_action("toggle_json")  # the palette's "JSON answers on/off"
+        assert app.chat.json_mode
     conv = store.load(store.list()[0].id)
     assert [m.meta.get("json", False) for m in conv.messages[1::2]] == [True, True, False]
