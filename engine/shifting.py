@@ -34,13 +34,22 @@ class ContextShifter:
                  default: bool = False, sink_tokens: int = 4):
         self.blocks = blocks
         self.default = default
-        self.refusal = refusal(runner)
-        if default and self.refusal is not None:  # --context-shift on a model that cannot
-            raise KVChatError(self.refusal)
-        self.keys = KeyShifter(runner, kv) if self.refusal is None else None
+        why = refusal(runner)
+        self.keys = KeyShifter(runner, kv) if why is None else None
+        self.refusal: str | None = None
+        self.refuse(why)
         self.sink_blocks = blocks.blocks_needed(sink_tokens)
         # tokens one sequence may hold: the context, or the pool when it is smaller
         self.cap = min(max_context, blocks.num_blocks * blocks.block_size)
+
+    def refuse(self, reason: str | None) -> None:
+        """No request may shift, for ``reason`` (None: no reason); with shifting on by
+        default, that is an error at start (`KVChatError`), in one line."""
+        if reason is None:
+            return
+        self.refusal = reason
+        if self.default:  # --context-shift on a model or setup that cannot
+            raise KVChatError(reason)
 
     def wants(self, shift: bool | None) -> bool:
         """Whether a request asking ``shift`` (None: the engine's default) shifts; raises

@@ -158,3 +158,18 @@ def test_a_quantized_pool_shifts_too(quick_model):
     plain = e.generate_text(ids, _params(CONTEXT - len(ids), shift=False)).tokens
     assert r.tokens[:len(plain)] == plain  # the same until the context is full
     _idle(e)
+
+
+def test_a_refused_setup_refuses_at_start_when_shifting_is_the_default(tiny):
+    from engine.shifting import ContextShifter
+
+    reason = "context shift does not run across ranks (--distributed)"
+    off = ContextShifter(tiny.runner, tiny.kv, tiny.blocks, 64)
+    off.refuse(reason)
+    assert off.wants(None) is False and off.wants(False) is False
+    with pytest.raises(RequestError, match="across ranks"):
+        off.wants(True)
+    on = ContextShifter(tiny.runner, tiny.kv, tiny.blocks, 64, default=True)
+    assert on.wants(None) is True
+    with pytest.raises(KVChatError, match="across ranks"):
+        on.refuse(reason)

@@ -71,6 +71,8 @@ class DistributedEngine(Engine):
                                       else max(sizes))
         # rank 0's own parts, wrapped before the scheduler and executor take them
         parts = build_kv(stage, config)
+        parts.shifter.refuse("context shift does not run across ranks (--distributed): only "
+                             "rank 0's pooled keys would move")
         link = Link(group, Watchdog(parallel.timeout_s, rank=0))
         self.leader = leader = Leader(link, parts.blocks, part, parts.kv)
         runner_cls = TensorRunner if part.mode == "tensor" else PipelineRunner
