@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 
@@ -27,20 +28,24 @@ class TokenLogprob:
 
 def of_rows(logits: mx.array, tokens: list[int], num_top: list[int]) -> list[TokenLogprob]:
     """(rows, vocab) logits, the token picked from each row and how many alternatives each
-    row wants -> one `TokenLogprob` per row (evaluates them)."""
+    row wants -> one `TokenLogprob` per row (evaluates them).
+
+    In NumPy: MLX's CPU exp is scalar (~1.3 ms a 49k row, `engine.greedy`); NumPy's is
+    vectorized, so 8 rows with 5 alternatives take ~2 ms instead of ~17."""
     assert logits.shape[0] == len(tokens) == len(num_top)
-    lp = logits.astype(mx.float32)
-    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(lp, mx.array(tokens, dtype=mx.int32)[:, None], axis=-1)[:, 0]
+    x = np.asarray(logits.astype(mx.float32))
+    m = x.max(axis=-1, keepdims=True)
+    e = x - m
+    np.exp(e, out=e)
+    lse = m[:, 0] + np.log(e.sum(axis=-1))
+    chosen = (x[np.arange(len(tokens)), tokens] - lse).tolist()
     k = max(num_top)
     if k == 0:
-        mx.eval(chosen)
-        return [TokenLogprob(t, v) for t, v in zip(tokens, chosen.tolist(), strict=True)]
-    top_ids = mx.argpartition(-lp, kth=k - 1, axis=-1)[:, :k]
-    top_vals = mx.take_along_axis(lp, top_ids, axis=-1)
-    mx.eval(chosen, top_ids, top_vals)
+        return [TokenLogprob(t, v) for t, v in zip(tokens, chosen, strict=True)]
+    top_ids = np.argpartition(x, -k, axis=-1)[:, -k:]
+    top_vals = np.take_along_axis(x, top_ids, axis=-1) - lse[:, None]
     out = []
-    for t, v, ids, vals, n in zip(tokens, chosen.tolist(), top_ids.tolist(), top_vals.tolist(),
+    for t, v, ids, vals, n in zip(tokens, chosen, top_ids.tolist(), top_vals.tolist(),
                                   num_top, strict=True):
         ranked = sorted(zip(ids, vals, strict=True), key=lambda p: (-p[1], p[0]))[:n]
         out.append(TokenLogprob(t, v, ranked))
