@@ -332,6 +332,18 @@ async def test_tokens_waiting_together_go_out_as_one_event():
     assert got == [(7, "Paris is", None), (None, " big.", "stop")]
 
 
+async def test_joined_events_keep_every_tokens_logprobs():
+    from engine.logprobs import TokenLogprob
+
+    pump, h = EventPump(interval_s=0.001), FakeHandle(4)
+    lp = {t: [TokenLogprob(t, -0.1 * t)] for t in (5, 6, 7)}
+    h.queue += [GenerationEvent(4, 5, "a", logprobs=lp[5]), GenerationEvent(4, 6, "b"),
+                GenerationEvent(4, 7, "c", logprobs=lp[7], finish_reason="stop")]
+    h.queue[1].logprobs = lp[6]
+    got = [e async for e in pump.events(h)]
+    assert [x.token for e in got for x in e.logprobs] == [5, 6, 7]
+
+
 async def test_leaving_early_cancels_and_reads_the_final_event():
     pump, h = EventPump(interval_s=0.001), FakeHandle(2)
 
