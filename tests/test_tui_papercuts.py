@@ -55,6 +55,23 @@ async def test_fast_slash_query_goes_to_the_search_box(store):
         assert not isinstance(app.screen, TextInputScreen)
 
 
+async def test_f4_and_a_query_in_one_burst_search_the_list(store):
+    """F4 and "/lighthouse" typed together: the list opens before the keys after F4 are
+    handed on (they landed in the chat's prompt), and "/" moves to the search box (the
+    box had the focus first, so "/" was search text)."""
+    conv = store.new()
+    conv.add("user", "about lighthouses")
+    conv.add("assistant", "They guide ships.")
+    store.save(conv)
+    app = make_app(store)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        post_keys(app, "f4", "slash", *"lighthouse")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen)
+                       and app.screen.query_text == "lighthouse")
+        assert app.chat.query_one(PromptInput).text == ""
+
+
 def test_export_closes_an_open_code_fence_and_names_the_model(store):
     conv = store.new()
     conv.model = "default"  # as chats were saved before

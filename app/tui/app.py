@@ -56,7 +56,9 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
                 tooltip="Show the KV-cache panel, or its one-line summary"),
         Binding("f3", "models", "Models",
                 tooltip="Load, download or delete a model"),
-        Binding("f4", "conversations", "Chats",
+        # priority: the list opens before the keys typed after F4 in the same burst are
+        # handed on (they went to the prompt behind it, not to the list's search)
+        Binding("f4", "conversations", "Chats", priority=True,
                 tooltip="Search, open, rename, export or delete a saved chat"),
         Binding("f5", "system_prompt", "System prompt", show=False),
         # the prompt passes F6 on (PromptInput)

@@ -42,6 +42,9 @@ class ConversationsScreen(ModalScreen[str | None]):
     burst, go to the search box and never act on a chat.
     """
 
+    # the list has the focus from the first frame (the default took the search box, so a
+    # "/" typed in the burst that opened the screen was taken as search text)
+    AUTO_FOCUS = "#conversations"
     BINDINGS = [
         Binding("escape", "dismiss(None)", "Back"),
         Binding("enter", "open", "Open", priority=True),
