@@ -8,6 +8,7 @@ calls are folded lines around its text (`widgets.folds`, split by `app.tui.answe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from textual.app import ComposeResult
@@ -185,7 +186,8 @@ class MessageBox(Vertical, can_focus=True):
             async with self.markdown.lock:
                 pass
 
-    async def settle(self, raw: str | None = None, count=None) -> None:
+    async def settle(self, raw: str | None = None,
+                     count: Callable[[str], int] | None = None) -> None:
         """End streaming and show the answer's final parts (of ``raw`` if given: an answer
         cut back); ``count`` tokens the reasoning for its fold's title."""
         await self._end_stream()
@@ -206,8 +208,9 @@ class MessageBox(Vertical, can_focus=True):
             await self.markdown.update(shown)
         self.text = parts.content
         calls = self.query_one(".calls", Vertical)
-        await calls.remove_children()
-        await calls.mount_all(list(tool_call_folds(parts.calls)))
+        if calls.children or parts.calls:
+            await calls.remove_children()
+            await calls.mount_all(list(tool_call_folds(parts.calls)))
         calls.display = bool(parts.calls)
 
     async def finish(self, stats: str, *, error: bool = False) -> None:
