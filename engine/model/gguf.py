@@ -26,6 +26,7 @@ from engine.model import gguf_config, gguf_quants
 from engine.model.fingerprint import file_digest
 from engine.model.gguf_config import rename_tensor
 from engine.model.gguf_tokenizer import build_tokenizer, tokenizer_config
+from engine.model.safetensors_stream import SafetensorsWriter
 from engine.paths import (
     cache_root,
     is_private_tree,
@@ -39,20 +40,14 @@ from engine.paths import (
 CONVERTER_VERSION = 2
 
 
-def _write_tree(out_dir: Path, files: dict[str, bytes], weights: dict) -> None:
-    """Write the model files into a fresh private temp dir, then rename it to ``out_dir``."""
-    import mlx.core as mx
-
+def _write_tree(out_dir: Path, write) -> None:
+    """``write(tmp)`` fills a fresh private temp dir, which then becomes ``out_dir``."""
     private_dir(out_dir.parent)
     tmp = temp_path(out_dir)
     os.mkdir(tmp, 0o700)
     try:
         os.chmod(tmp, 0o700)  # exact, whatever the umask
-        weights_path = tmp / "model.safetensors"
-        mx.save_safetensors(str(weights_path), weights, metadata={"format": "mlx"})
-        os.chmod(weights_path, 0o600)  # MLX creates it per the umask; the dir keeps others out
-        for name, data in files.items():
-            write_private(tmp / name, data)
+        write(tmp)
         if is_private_tree(out_dir, required="config.json"):
             return  # another process converted the same file meanwhile; keep what it loads
         remove_own(out_dir)
@@ -92,11 +87,23 @@ def _matrix(t) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(t.shape.tolist()))
 
 
-def convert_tensor(t, arch: str) -> tuple[dict, dict]:
-    """One GGUF tensor as ({mlx-lm name: mx.array}, its config.json ``quantization`` entry):
-    quantized blocks as MLX affine ``weight``/``scales``/``biases`` ({layer: group, bits}),
-    float tensors as they are (gemma3 norms less 1; no entry)."""
-    import mlx.core as mx
+def _raw(f, t):
+    """Tensor ``t``'s bytes read from the open file ``f``: a read, not the reader's memory
+    map, so the pages of tensors already converted do not stay in this process's RSS."""
+    import numpy as np
+
+    f.seek(int(t.data_offset))
+    raw = np.frombuffer(f.read(int(t.n_bytes)), dtype=np.uint8)
+    if raw.size != int(t.n_bytes):
+        raise ModelLoadError(f"GGUF tensor {t.name} is cut short (truncated file)")
+    return raw
+
+
+def convert_tensor(t, raw, arch: str) -> tuple[list, dict]:
+    """One GGUF tensor (``raw``: its bytes) as [(mlx-lm name, numpy array, safetensors
+    dtype)] and its config.json ``quantization`` entry: quantized blocks as MLX affine
+    ``weight``/``scales``/``biases`` ({layer: group, bits}), float tensors as they are
+    (gemma3 norms less 1; no entry)."""
     import numpy as np
 
     kind = t.tensor_type.name
@@ -107,20 +114,19 @@ def convert_tensor(t, arch: str) -> tuple[dict, dict]:
             f"GGUF tensor {t.name} is {kind}: kvchat reads {', '.join(gguf_quants.SUPPORTED)} "
             "(re-quantize the file with llama-quantize, e.g. to Q4_K_M)")
     if kind in gguf_quants.FLOATS:
-        raw = np.asarray(t.data)
-        if kind == "BF16":
-            arr = mx.array(raw.reshape(-1).view(np.uint16)).view(mx.bfloat16).reshape(shape)
-        else:
-            arr = mx.array(raw.reshape(shape))
+        arr = raw.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[kind])
+        arr = arr.reshape(shape)
         if gguf_config.is_norm(arch, t.name):
-            arr = arr.astype(mx.float32) - 1.0
-        return {name: arr}, {}
+            if kind == "BF16":  # bfloat16 bits are the high half of a float32's
+                arr = (arr.astype(np.uint32) << 16).view(np.float32)
+            return [(name, arr.astype(np.float32) - 1.0, None)], {}
+        return [(name, arr, "BF16" if kind == "BF16" else None)], {}
     if len(shape) != 2:
         raise ModelLoadError(f"GGUF tensor {t.name}: a quantized tensor of shape {shape}")
-    w, scales, biases, bits = gguf_quants.to_affine(kind, t.data, shape)
+    w, scales, biases, bits = gguf_quants.to_affine(kind, raw, shape)
     base = name.removesuffix(".weight")
-    return ({name: mx.array(w), f"{base}.scales": mx.array(scales),
-             f"{base}.biases": mx.array(biases)},
+    return ([(name, w, None), (f"{base}.scales", scales, None),
+             (f"{base}.biases", biases, None)],
             {base: {"group_size": gguf_quants.GROUP, "bits": bits}})
 
 
@@ -128,6 +134,8 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
     """Write the MLX model directory for ``gguf_path`` to ``out_dir`` atomically.
 
     The directory and every file in it are private (0700 / 0600) whatever the umask.
+    Tensors are converted and written one at a time (`SafetensorsWriter`): the peak is
+    one tensor's conversion, not the model's.
 
     Raises:
         ModelLoadError: the file is not a valid GGUF file, or not a supported model.
@@ -138,23 +146,38 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
     if "general.architecture" not in meta or "tokenizer.ggml.tokens" not in meta:
         raise ModelLoadError(f"not a valid GGUF file: {gguf_path} (no model metadata)")
     arch = gguf_config.check_architecture(meta["general.architecture"])
-    weights, quantization, extra = {}, {}, {}
-    for t in tensors:
-        if t.name in gguf_config.CONFIG_TENSORS:
-            extra[t.name] = np.asarray(t.data, dtype=np.float32)
-        else:
-            arrays, quant = convert_tensor(t, arch)
-            weights.update(arrays)
-            quantization.update(quant)
-    config = gguf_config.model_config(meta, weights, quantization, extra)
-    files = {
-        "config.json": json.dumps(config, indent=2),
-        "tokenizer.json": build_tokenizer(meta, gguf_path).to_str(pretty=True),
-        "tokenizer_config.json": json.dumps(tokenizer_config(meta), indent=2),
-        "generation_config.json": json.dumps({"eos_token_id": config["eos_token_id"]}),
-    }
+
+    def write(tmp: Path) -> None:
+        names, quantization, extra = set(), {}, {}
+        writer = SafetensorsWriter(tmp / "model.safetensors")
+        try:
+            with open(gguf_path, "rb") as f:
+                for t in tensors:
+                    if t.name in gguf_config.CONFIG_TENSORS:
+                        extra[t.name] = np.asarray(t.data, dtype=np.float32)
+                        continue
+                    arrays, quant = convert_tensor(t, _raw(f, t), arch)
+                    for name, arr, dtype in arrays:
+                        writer.add(name, arr, dtype)
+                        names.add(name)
+                    quantization.update(quant)
+                    del arrays  # before the next tensor's conversion
+        except BaseException:
+            writer.abort()
+            raise
+        writer.close({"format": "mlx"})
+        config = gguf_config.model_config(meta, names, quantization, extra)
+        files = {
+            "config.json": json.dumps(config, indent=2),
+            "tokenizer.json": build_tokenizer(meta, gguf_path).to_str(pretty=True),
+            "tokenizer_config.json": json.dumps(tokenizer_config(meta), indent=2),
+            "generation_config.json": json.dumps({"eos_token_id": config["eos_token_id"]}),
+        }
+        for name, data in files.items():
+            write_private(tmp / name, data.encode())
+
     try:
-        _write_tree(out_dir, {k: v.encode() for k, v in files.items()}, weights)
+        _write_tree(out_dir, write)
     except OSError as e:
         raise ModelLoadError(f"cannot write the converted model to {out_dir}: {e}") from e
     return out_dir

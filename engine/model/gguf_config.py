@@ -98,8 +98,9 @@ def _llama3_scaling(factors: np.ndarray, head_dim: int, base: float) -> dict:
     raise ModelLoadError("GGUF rope_freqs do not match a Llama 3 rope_scaling kvchat knows")
 
 
-def model_config(meta: dict, weights: dict, quantization: dict, extra: dict) -> dict:
-    """mlx-lm config.json for GGUF metadata ``meta``, the renamed ``weights`` (to tell tied
+def model_config(meta: dict, weights, quantization: dict, extra: dict) -> dict:
+    """mlx-lm config.json for GGUF metadata ``meta``, the renamed tensors' names (``weights``,
+    a set or a dict; to tell tied
     heads and biases) and the per-layer ``quantization``; ``extra`` holds the tensors of
     `CONFIG_TENSORS` as numpy arrays."""
     arch = check_architecture(meta.get("general.architecture"))

@@ -22,6 +22,7 @@ QK_K = 256
 BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24),
           "Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
 FLOATS = ("F32", "F16", "BF16")
+CHUNK_WEIGHTS = 1 << 22  # weights converted at a time (16 MB as float32)
 SUPPORTED = FLOATS + tuple(BLOCKS)
 
 
@@ -119,15 +120,32 @@ def to_affine(kind: str, data: np.ndarray, shape: tuple[int, int]
     raw = np.asarray(data).reshape(-1).view(np.uint8)
     if cols % per or raw.size != rows * cols // per * nbytes:
         raise ModelLoadError(f"{kind} tensor of shape {shape} has {raw.size} bytes")
-    blocks = raw.reshape(-1, nbytes)
+    blocks = raw.reshape(rows, cols // per * nbytes)
+    bits = 4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8
+    w = np.empty((rows, cols * bits // 32), np.uint32)
+    scales = np.empty((rows, cols // GROUP), np.float16)
+    biases = np.empty_like(scales)
+    # Rows at a time: a block's intermediates (codes as bytes, Q6_K as float32) are several
+    # times its size, and a whole embedding's would be most of a conversion's peak memory.
+    step = max(1, CHUNK_WEIGHTS // cols)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        w[r0:r1], scales[r0:r1], biases[r0:r1] = _rows_affine(kind, blocks[r0:r1], r1 - r0,
+                                                              cols, bits)
+    return w, scales, biases, bits
+
+
+def _rows_affine(kind: str, raw: np.ndarray, rows: int, cols: int, bits: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`to_affine` of whole rows (``raw``: their blocks, (rows, bytes per row))."""
+    blocks = raw.reshape(-1, BLOCKS[kind][1])
     if kind == "Q6_K":
         from gguf import GGMLQuantizationType, quants
 
         w = quants.dequantize(blocks, GGMLQuantizationType.Q6_K).reshape(rows, cols)
         q, scale, bias = _requantize8(w, rows)
-        bits = 8
     else:
-        q, scale, bias, bits = _affine(kind, blocks)
+        q, scale, bias, _ = _affine(kind, blocks)  # its bits are `to_affine`'s
     scales = np.asarray(scale, np.float32).reshape(rows, cols // GROUP).astype(np.float16)
     biases = np.asarray(bias, np.float32).reshape(rows, cols // GROUP).astype(np.float16)
-    return _pack(np.asarray(q).reshape(-1), bits, rows), scales, biases, bits
+    return _pack(np.asarray(q).reshape(-1), bits, rows), scales, biases
