@@ -216,6 +216,15 @@ async def test_tool_calls_show_folded_saved_and_exported(store):
         await pilot.click(fold.query_one(CollapsibleTitle))
         await wait_for(pilot, lambda: not fold.collapsed)
         assert json.loads(str(fold.body.render())) == CALL_ARGS
+        copied = []
+        app.copy_to_clipboard = copied.append
+        answer.focus()  # (the click left the focus on the fold's title)
+        await wait_for(pilot, lambda: app.focused is answer)
+        await pilot.press("c")
+        await wait_for(pilot, lambda: copied)
+        text, call = copied[0].split("\n\n")  # the text, then the call written out whole
+        assert text == answer.text and call.startswith("called get_weather({")
+        assert json.loads(call.removeprefix("called get_weather(")[:-1]) == CALL_ARGS
     conv = store.load(store.list()[0].id)
     [saved] = conv.messages[1].meta["tool_calls"]
     assert saved["name"] == "get_weather" and json.loads(saved["arguments"]) == CALL_ARGS

@@ -143,7 +143,7 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
         if not selected and focused is not None:
             selected = getattr(focused, "selected_text", "")  # the prompt's selection
         if not selected and isinstance(focused, MessageBox):
-            selected = focused.text
+            selected = focused.copy_text
         if selected:
             self.copy_to_clipboard(selected)
             self.notify(f"Copied {len(selected):,} characters (Ctrl+C twice quits).",

@@ -50,9 +50,10 @@ class MessageActions(Screen):
         if action in ("previous", "next"):
             self._move(box, -1 if action == "previous" else 1)
         elif action == "copy":
-            self.app.copy_to_clipboard(box.text)
+            text = box.copy_text
+            self.app.copy_to_clipboard(text)
             what = "question" if box.role == "user" else "answer"
-            self.notify(f"Copied the {what} ({len(box.text):,} characters).", timeout=2)
+            self.notify(f"Copied the {what} ({len(text):,} characters).", timeout=2)
         elif self._busy(action):
             return
         elif action == "retry":

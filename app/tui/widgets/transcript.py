@@ -171,6 +171,12 @@ class MessageBox(Vertical, can_focus=True):
                 self._stream = Markdown.get_stream(self.markdown)
             await self._stream.write(content)
 
+    @property
+    def copy_text(self) -> str:
+        """What c (or Ctrl+C) copies: the text, and the tool calls written out whole."""
+        calls = [f"called {c.name}({c.arguments})" for c in self.parts.calls]
+        return "\n\n".join(t for t in (self.text, *calls) if t)
+
     def parts_meta(self) -> dict:
         """The parts a saved message keeps besides its text."""
         return parts_meta(self.parts, reasoning_tokens=self.reasoning_tokens,
