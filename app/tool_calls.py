@@ -85,14 +85,12 @@ def parse_calls(text: str, names: Collection[str] | None = None, *,
 
 class ToolStream:
     """Streams an answer's text while it cannot yet be a tool call; holds it from the
-    first thing that may start one, so calls go out as calls, never as text.
+    first thing that may start one (a marker, or a ``{``/``[`` opening the answer), so calls
+    go out as calls, never as text."""
 
-    ``bare_json``: an answer starting with ``{`` or ``[`` may be a call (held whole).
-    """
-
-    def __init__(self, bare_json: bool = True):
+    def __init__(self):
         self.held = ""
-        self.started = not bare_json  # some text went out: a bare JSON call can no longer start
+        self.started = False  # some text went out: a bare JSON call can no longer start
 
     def feed(self, text: str) -> str:
         """Text safe to send now."""
