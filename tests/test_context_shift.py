@@ -173,3 +173,17 @@ def test_a_refused_setup_refuses_at_start_when_shifting_is_the_default(tiny):
     assert on.wants(None) is True
     with pytest.raises(KVChatError, match="across ranks"):
         on.refuse(reason)
+
+
+def test_pipelined_decoding_shifts_the_same(tiny_model):
+    # decode steps launched ahead (the GPU default): a shift planned while a step is in flight
+    ids = list(range(900, 940))
+    runs = []
+    for pipeline in (False, True):
+        e = Engine(tiny_model, EngineConfig(kv_budget_bytes=8 << 20, block_size=8,
+                                            max_context=64, pipeline=pipeline))
+        r = e.generate_text(ids, _params(150))
+        assert r.finish_reason == "length" and r.stats.context_shifts >= 3
+        runs.append(r.tokens)
+        _idle(e)
+    assert runs[0] == runs[1]
