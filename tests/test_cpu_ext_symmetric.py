@@ -106,3 +106,14 @@ def test_symmetric_layers_fuse_only_with_their_kind(tiled):
                                   for p in parts[1:]]]) is None
     assert linear.fuse([wide, linear.CpuTiledLinear.from_quantized(layer_of(*parts[1], 32, 4))
                         ]) is None
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tiling_in_row_parts_gives_the_same_layout(tiled, bits, monkeypatch):
+    # `tile` re-lays a big matrix (a tied embedding) some rows at a time to bound its memory
+    w, s, b = symmetric(96, 256, 32, bits)
+    whole = ops.tile(w, s, b, 32, bits)
+    monkeypatch.setattr(ops, "TILE_CHUNK_WEIGHTS", 40 * 256)  # parts of 32, 32 and 32 rows
+    parts = ops.tile(w, s, b, 32, bits)
+    for a, c in zip(whole, parts, strict=True):
+        assert a.shape == c.shape and mx.array_equal(a, c).item()

@@ -70,6 +70,7 @@ def tiled_supported() -> bool:
 
 
 TILE_ROWS = 16
+TILE_CHUNK_WEIGHTS = 1 << 23  # weights `tile` re-lays at a time
 
 
 def tile(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
@@ -90,22 +91,40 @@ def tile(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits:
         raise ValueError(f"tile: needs rows in 16s, groups of 32s and 4/8-bit uint32 w, "
                          f"not {w.shape}")
     T = N // TILE_ROWS
-    if bits == 8:
-        q = w.view(mx.uint8).reshape(T, TILE_ROWS, G, group_size // 4, 4)  # (t, i, g, j, b)
-        tiled = q.transpose(0, 2, 3, 1, 4).reshape(N, K).view(mx.uint32)
+    # Rows at a time, each part evaluated: unpacking 4-bit codes takes 4 bytes a weight, a
+    # whole tied embedding's ~0.5 GB at load for a 1B model (its peak memory).
+    step = max(TILE_ROWS, TILE_CHUNK_WEIGHTS // K // TILE_ROWS * TILE_ROWS)
+    if N > step:
+        parts = []
+        for r0 in range(0, N, step):
+            parts.append(_tile_rows(w[r0:r0 + step], group_size, bits))
+            mx.eval(parts[-1])
+        tiled = mx.concatenate(parts)
     else:
-        shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
-        q = ((w[:, :, None] >> shifts) & 0xF).astype(mx.uint8)  # (N, K / 8, 8): natural order
-        q = q.reshape(T, TILE_ROWS, G, group_size // 8, 2, 4)  # (t, i, g, p, half, b)
-        q = q.transpose(0, 2, 3, 4, 1, 5)  # (t, g, p, half, i, b)
-        tiled = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(N, K // 2).view(mx.uint32)
+        tiled = _tile_rows(w, group_size, bits)
 
     def params(a: mx.array) -> mx.array:
         if a.size == 1 and a.shape != scales.shape:  # a symmetric format's one bias factor
             return a
         return a.reshape(T, TILE_ROWS, G).transpose(0, 2, 1).reshape(N, G)
 
-    return tiled.reshape(N, packed), params(scales), params(biases)
+    return tiled, params(scales), params(biases)
+
+
+def _tile_rows(w: mx.array, group_size: int, bits: int) -> mx.array:
+    """`tile`'s packed weights for ``w`` (rows in 16s)."""
+    N, packed = w.shape
+    K = packed * 32 // bits
+    T, G = N // TILE_ROWS, K // group_size
+    if bits == 8:
+        q = w.view(mx.uint8).reshape(T, TILE_ROWS, G, group_size // 4, 4)  # (t, i, g, j, b)
+        return q.transpose(0, 2, 3, 1, 4).reshape(N, K).view(mx.uint32).reshape(N, packed)
+    shifts = mx.arange(0, 32, 4, dtype=mx.uint32)
+    q = ((w[:, :, None] >> shifts) & 0xF).astype(mx.uint8)  # (N, K / 8, 8): natural order
+    q = q.reshape(T, TILE_ROWS, G, group_size // 8, 2, 4)  # (t, i, g, p, half, b)
+    q = q.transpose(0, 2, 3, 4, 1, 5)  # (t, g, p, half, i, b)
+    return (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(N, K // 2).view(mx.uint32).reshape(
+        N, packed)
 
 
 def untile_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
