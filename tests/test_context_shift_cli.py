@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from engine.generation import RequestStats
 
 PROMPT = "Tell me a long story about a lighthouse keeper."
@@ -47,3 +49,26 @@ def test_server_and_chat_report_the_shift():
     assert extras["context_shifts"] == 6 and extras["shifted_tokens"] == 288
     assert "context shifted: 288 tokens dropped" in stats_line("length", stats)
     assert "context shifted" not in stats_line("length", RequestStats(generation_tokens=3))
+
+
+@pytest.mark.subprocess
+def test_serve_answers_past_the_context_and_says_so(tmp_path):
+    import httpx
+    from test_server_process import ServerProcess
+
+    srv = ServerProcess(tmp_path, "--no-disk-cache", "--kv-budget", "64M", "--max-context",
+                        "128", "--context-shift").start(timeout=600)
+    try:
+        r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=600, json={
+            "model": "kvchat", "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 300, "temperature": 0})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 300
+        assert body["choices"][0]["finish_reason"] == "length"
+        kvchat = body["kvchat"]
+        assert kvchat["context_shifts"] >= 3 and kvchat["shifted_tokens"] >= 3 * 48
+        assert kvchat["blocks_used"] <= 128 // 16
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert "stopped: 0 blocks in use" in srv.log()
