@@ -94,17 +94,24 @@ def test_shifted_blocks_are_not_served_under_their_old_keys(tiny, tiny_model):
     _idle(tiny)
 
 
-def test_speculation_leaves_greedy_output_unchanged(tiny_model):
+def test_speculation_leaves_greedy_output_unchanged(tiny_model, monkeypatch):
+    from engine.speculation import Speculator
+
+    # verify every lookup candidate (not only those measured to pay off)
+    monkeypatch.setattr(Speculator, "_allot", lambda self, cands, rows: dict(cands))
     ids = list(range(500, 530)) * 2
-    runs = []
-    for mode in ("off", "lookup"):
+    runs, proposed = [], []
+    for mode in ("off", "lookup", "draft:given"):  # the draft model: the model itself
         e = Engine(tiny_model, EngineConfig(kv_budget_bytes=8 << 20, block_size=8,
-                                            max_context=96, speculate=mode))
+                                            max_context=96, speculate=mode), draft=tiny_model)
+        e.speculator.config.fixed = 2 if mode.startswith("draft") else None
         r = e.generate_text(ids, _params(200))
         assert r.finish_reason == "length" and r.stats.context_shifts >= 2
         runs.append(r.tokens)
+        proposed.append(r.stats.spec_proposed)
         _idle(e)
-    assert runs[0] == runs[1]
+    assert runs[0] == runs[1] == runs[2]
+    assert proposed[0] == 0 and proposed[1] > 0 and proposed[2] > 0  # drafts were verified
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
