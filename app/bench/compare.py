@@ -17,7 +17,9 @@ blocks can match nothing), and the disk cache goes to a throwaway directory unle
 kvchat runs in this process (float32 weights + OpenBLAS on CPU). The peers run the
 way a user runs them, each in a fresh interpreter (`app.bench.peers`): mlx-lm with its
 shipped weights, and with ``--peer llama.cpp`` llama.cpp on the GGUF kvchat's model
-comes from.
+comes from. ``--peer llama-bench`` runs llama.cpp's C++ ``llama-bench`` on that file
+(`app.bench.llama_bench`: its own random prompts, pp N and tg G at depth N) right after
+kvchat's runs of each length.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 from app import arg_types
 from app.bench.common import load_avg, log, machine_info, summarize, time_stream
 from app.bench.compare_report import build_results, print_report, skip_note, warm_runs
+from app.bench.llama_bench import LLAMA_BENCH, LlamaBench
 from app.bench.peers import LLAMA_CPP, PEER_CHOICES, check_llama_cpp, run_llama_cpp, run_mlx_lm
 from app.bench.prompts import DEFAULT_SEED, cold_prompts
 from app.bench.worker import WARMUP_GEN_TOKENS
@@ -50,10 +53,14 @@ def add_arguments(p) -> None:
                    help="cold runs per length, each on its own prompt; the median is "
                         "reported (1)")
     p.add_argument("--peer", action="append", choices=PEER_CHOICES, default=[],
-                   help="also run llama.cpp on the same GGUF and token ids (needs "
-                        "pip install -e '.[peers]')")
+                   help="also run llama.cpp on the same GGUF: llama.cpp through "
+                        "llama-cpp-python on the same token ids (pip install -e '.[peers]'), "
+                        "llama-bench: llama.cpp's C++ llama-bench (--llama-cpp-bin)")
     p.add_argument("--llama-cpp-threads", type=arg_types.positive_int, default=None, metavar="N",
-                   help="llama.cpp's n_threads and n_threads_batch (default: every core)")
+                   help="llama.cpp's n_threads and n_threads_batch, llama-bench's -t "
+                        "(default: every core)")
+    p.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
+                   help="where llama-bench is, for --peer llama-bench (default: PATH)")
     p.add_argument("--seed", type=arg_types.non_negative_int, default=DEFAULT_SEED,
                    help=f"seed that picks and orders the prompts' source text ({DEFAULT_SEED})")
     p.add_argument("--mlx-lm-max-prompt", type=arg_types.positive_int, default=1024,
@@ -101,6 +108,8 @@ def run(args) -> int:
 
     peers = sorted(set(args.peer))
     gguf = check_llama_cpp(args.model) if LLAMA_CPP in peers else None  # before the slow part
+    lb = LlamaBench.from_args(args) if LLAMA_BENCH in peers else None
+    peer_gguf = gguf or (lb.gguf if lb else None)
     lengths = list(args.lengths)
     notes: list[str] = []
     bench_id = secrets.token_hex(6)  # in every tenant: no run can match an earlier one
@@ -130,6 +139,8 @@ def run(args) -> int:
             log("kvchat", f"length {n}: prefill {s['prefill_tps']:.1f} tok/s, "
                           f"decode {s['decode_tps']:.1f} tok/s, cached tokens "
                           f"{[r['cached_tokens'] for r in s['runs']]}")
+            if lb is not None:  # interleaved: each length's peer runs right after kvchat's
+                lb.measure(n)
         kvchat_info = {
             "weight_format": loaded.weight_format,
             "matmul": loaded.matmul,
@@ -172,6 +183,10 @@ def run(args) -> int:
     for key, info in infos.items():
         sides[key] = {int(k): summarize(runs) for k, runs in (info or {}).get("results",
                                                                              {}).items()}
+    sides["llama_bench"] = lb.results if lb else {}
+    if lb is not None:
+        notes += lb.notes()
+        status = 1 if lb.failures else status
     if not args.no_mlx_lm:
         slow = [n for n in fits if n > args.mlx_lm_max_prompt]
         if slow:
@@ -194,7 +209,7 @@ def run(args) -> int:
         "model": {
             "name": loaded.name,
             "path": str(loaded.path),
-            "gguf": str(gguf) if gguf else None,
+            "gguf": str(peer_gguf) if peer_gguf else None,
             "model_type": loaded.model_type,
             "fingerprint": loaded.fingerprint,
         },
@@ -213,11 +228,13 @@ def run(args) -> int:
                    "disk cache in a throwaway directory; mlx-lm: a new prompt cache per run; "
                    "llama.cpp: Llama.reset per run. cached_tokens per run is what each "
                    "engine reported (kvchat: request stats; mlx-lm: cache offset before the "
-                   "prompt; llama.cpp: prompt tokens minus those its perf counters evaluated)",
+                   "prompt; llama.cpp: prompt tokens minus those its perf counters evaluated); "
+                   "llama-bench: no prompt cache, its KV memory cleared per repetition",
         },
         "kvchat": kvchat_info,
         **{key: None if info is None else {k: v for k, v in info.items() if k != "results"}
            for key, info in infos.items()},
+        "llama_bench": lb.info() if lb else None,
         "results": results,
         "notes": notes,
     }

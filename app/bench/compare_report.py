@@ -3,11 +3,16 @@ check, and the text tables (prefill, decode, per-token latency).
 
 Every ratio reads "how many times faster kvchat is": tok/s kvchat / tok/s peer for
 prefill and decode, and peer ms / kvchat ms for the ITL P95 (so > 1 is kvchat ahead).
+llama-bench (`app.bench.llama_bench`) times whole tests on its own random prompts: it has
+no per-token latency, no tokens and no prompt cache, so its ITL and agreement are "n/a"
+and its runs are left out of the coldness check (there is no cache to count).
 """
 
 from __future__ import annotations
 
-PEERS = (("llama_cpp", "llama.cpp"), ("mlx_lm", "mlx-lm"))  # JSON key, display name
+PEERS = (("llama_cpp", "llama.cpp"), ("llama_bench", "llama-bench"),
+         ("mlx_lm", "mlx-lm"))  # JSON key, display name
+NO_PROMPT_CACHE = ("llama_bench",)  # sides with no cache to count cached tokens from
 SIDES = (("kvchat", "kvchat"),) + PEERS
 
 
@@ -31,7 +36,8 @@ def ratios(kv: dict, peer: dict | None) -> dict | None:
         return None
     return {"prefill": _div(kv["prefill_tps"], peer["prefill_tps"]),
             "decode": _div(kv["decode_tps"], peer["decode_tps"]),
-            "itl_p95": _div(peer["itl_p95_ms"], kv["itl_p95_ms"])}
+            "itl_p95": (None if peer["itl_p95_ms"] is None  # llama-bench has none
+                        else _div(peer["itl_p95_ms"], kv["itl_p95_ms"]))}
 
 
 def _public(summary: dict | None) -> dict | None:
@@ -48,7 +54,8 @@ def _skip_reason(key: str, n: int, args, peers: list[str]) -> str:
         if n > args.mlx_lm_max_prompt:
             return f"longer than --mlx-lm-max-prompt {args.mlx_lm_max_prompt}"
         return "mlx-lm failed"
-    return "llama.cpp failed" if "llama.cpp" in peers else "not requested (--peer llama.cpp)"
+    name = dict(PEERS)[key]
+    return f"{name} failed" if name in peers else f"not requested (--peer {name})"
 
 
 def build_results(lengths: list[int], sides: dict[str, dict[int, dict]], args,
@@ -77,7 +84,8 @@ def build_results(lengths: list[int], sides: dict[str, dict[int, dict]], args,
             "decode_ratio": _div(kv["decode_tps"], ml["decode_tps"]) if ml else None,
             "greedy_agree_tokens": agree(kv["tokens"], ml["tokens"]) if ml else None,
             "ratios": {key: ratios(kv, got[key]) for key, _ in PEERS},
-            "greedy_agree": {key: agree(kv["tokens"], got[key]["tokens"]) if got[key] else None
+            "greedy_agree": {key: agree(kv["tokens"], got[key]["tokens"])
+                             if got[key] and "tokens" in got[key] else None
                              for key, _ in PEERS},
         }
         results.append(row)
@@ -88,6 +96,8 @@ def warm_runs(sides: dict[str, dict[int, dict]]) -> list[dict]:
     """Every run whose engine reported cached prompt tokens, or did not report them."""
     warm = []
     for side, by_length in sides.items():
+        if side in NO_PROMPT_CACHE:
+            continue
         for n, summary in by_length.items():
             for i, run in enumerate(summary["runs"]):
                 if run["cached_tokens"] != 0:
@@ -149,6 +159,14 @@ def _header(report: dict) -> None:
               f"{lc['weight_format']} GGUF as shipped ({lc['gguf']}), {lc['n_threads']} "
               f"thread(s), n_batch {lc['n_batch']}, separate process, Llama.reset per run; "
               f"{lc['system_info']}")
+    lb = report.get("llama_bench")
+    if lb:
+        b = lb["build"] or {}
+        print(f"llama-bench {lb['binary']} (build {b.get('build_commit')} "
+              f"({b.get('build_number')}), backends {b.get('backends')}, cpu "
+              f"{b.get('cpu_info')}): {b.get('model_type') or lb['weight_format']} GGUF "
+              f"({lb['gguf']}), {lb['threads']} thread(s), -r {lb['repetitions']}, pp N on an "
+              f"empty context, tg at depth N, its own random prompts, no prompt cache")
     if ml:
         libs = ", ".join(ml["blas_libraries"]) or "?"
         print(f"mlx-lm {ml['mlx_lm_version']}: {ml['weight_format']} weights as shipped on "
@@ -180,10 +198,23 @@ def print_report(report: dict) -> None:
         return "failed" if "failed" in r[f"{key}_skipped"] else "skipped"
 
     def ratio(r: dict, key: str, what: str) -> str:
+        if what == "itl_p95" and r[key] and r[key]["itl_p95_ms"] is None:
+            return "n/a"
         return _fmt((r["ratios"][key] or {}).get(what), ".2f", "x")
 
+    def agreed(r: dict, key: str) -> str:
+        if r[key] and r["greedy_agree"][key] is None:
+            return "n/a"  # a side without tokens (llama-bench)
+        return _fmt(r["greedy_agree"][key], "d", f"/{r['kvchat']['generated_tokens']}")
+
+    def itl(s: dict) -> str:
+        if s["itl_p95_ms"] is None:
+            return "n/a"
+        return f"{s['itl_p50_ms']:.1f} / {s['itl_p95_ms']:.1f}"
+
     def cached(r: dict) -> str:
-        counts = [run["cached_tokens"] for key, _ in sides if r[key] for run in r[key]["runs"]]
+        counts = [run["cached_tokens"] for key, _ in sides if r[key] and key not in NO_PROMPT_CACHE
+                  for run in r[key]["runs"]]
         bad = [c for c in counts if c != 0]
         if not bad:
             return "0"
@@ -199,16 +230,14 @@ def print_report(report: dict) -> None:
     rows = [[str(r["length"])]
             + [cell(r, k, lambda s: _fmt(s["decode_tps"])) for k, _ in sides]
             + [ratio(r, k, "decode") for k, _ in shown]
-            + [_fmt(r["greedy_agree"][k], "d", f"/{r['kvchat']['generated_tokens']}")
-               for k, _ in shown]
+            + [agreed(r, k) for k, _ in shown]
             for r in report["results"]]
     _table("decode", ["length"] + [n for _, n in sides] + [f"vs {n}" for _, n in shown]
            + [f"agree {n}" for _, n in shown],
            ["tokens"] + ["tok/s"] * len(sides) + [""] * len(shown) + ["tokens"] * len(shown),
            rows)
     rows = [[str(r["length"])]
-            + [cell(r, k, lambda s: f"{s['itl_p50_ms']:.1f} / {s['itl_p95_ms']:.1f}")
-               for k, _ in sides]
+            + [cell(r, k, itl) for k, _ in sides]
             + [ratio(r, k, "itl_p95") for k, _ in shown]
             for r in report["results"]]
     _table("inter-token latency", ["length"] + [n for _, n in sides]

@@ -4,6 +4,8 @@
 - llama.cpp through llama-cpp-python (`app.bench.llama_worker`): with ``--peer llama.cpp``,
   on the GGUF file kvchat's model comes from. An optional extra (``pip install -e
   '.[peers]'``): it builds llama.cpp from source, so CI and ``make test`` go without it.
+- llama.cpp's own C++ ``llama-bench`` (`app.bench.llama_bench`): with ``--peer llama-bench``,
+  the binary from ``--llama-cpp-bin DIR`` (or PATH) on that same GGUF file.
 
 A fresh interpreter each: the mlx-lm side must run without kvchat's process-wide
 OpenBLAS preload, and llama.cpp's threads must not share a process with MLX's.
@@ -25,7 +27,8 @@ from pathlib import Path
 from engine.errors import KVChatError
 
 LLAMA_CPP = "llama.cpp"
-PEER_CHOICES = (LLAMA_CPP,)  # the optional peers of --peer (mlx-lm is the default one)
+LLAMA_BENCH = "llama-bench"  # llama.cpp's own C++ benchmark (`app.bench.llama_bench`)
+PEER_CHOICES = (LLAMA_CPP, LLAMA_BENCH)  # the optional peers of --peer (mlx-lm: the default)
 LLAMA_CPP_MODULE = "llama_cpp"  # what llama-cpp-python installs
 LLAMA_CPP_MISSING = ("llama.cpp peer: llama-cpp-python is not installed; "
                      "pip install -e '.[peers]'")
@@ -48,7 +51,7 @@ def check_llama_cpp(model_spec: str | None) -> Path:
     return gguf_for(model_spec)
 
 
-def gguf_for(model_spec: str | None) -> Path:
+def gguf_for(model_spec: str | None, *, peer: str = LLAMA_CPP) -> Path:
     """The GGUF file kvchat loads ``model_spec`` from: the same weights for llama.cpp."""
     from engine.model.loader import DEFAULT_MODEL, default_gguf_path
 
@@ -57,7 +60,7 @@ def gguf_for(model_spec: str | None) -> Path:
     path = Path(model_spec).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return path.resolve()
-    raise KVChatError(f"llama.cpp peer: needs the model as a GGUF file (--model default or "
+    raise KVChatError(f"{peer} peer: needs the model as a GGUF file (--model default or "
                       f"--model FILE.gguf), not {model_spec!r}")
 
 
