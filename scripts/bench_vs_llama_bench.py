@@ -11,6 +11,11 @@ depth N, the context kvchat decodes at; threads = cores) and a fresh ``kvchat ge
 run, so nothing is cached), timed under ``/usr/bin/time -v`` for peak RSS. Prints medians
 and kvchat / llama.cpp ratios (> 1: kvchat faster). Random-weight models come from
 ``kvchat dev make-model``; GGUF K-quants from llama.cpp's ``llama-quantize``.
+
+``kvchat bench --peer llama-bench`` is the same comparison in kvchat's own bench (same
+llama-bench commands, `app.bench.llama_bench`), in one process with every prefill cold;
+this script stays for what that does not measure: a fresh kvchat process per run, its peak
+RSS and load time, and MLX model directories paired with a GGUF.
 """
 
 from __future__ import annotations
@@ -32,14 +37,14 @@ KVCHAT = [sys.executable, "-m", "app.cli"]
 def llama_bench(binary: str, gguf: str, n_prompt: int, n_gen: int) -> dict:
     """Prefill of ``n_prompt`` tokens (pp, empty context), and decode of ``n_gen`` tokens
     after ``n_prompt`` (tg at depth ``n_prompt``): where kvchat's decode runs, since a
-    decode step's attention reads the whole context."""
-    def run(*args: str) -> float:
-        out = subprocess.run([binary, "-m", gguf, *args, "-t", str(os.cpu_count()), "-r", "1",
-                              "-o", "json"], capture_output=True, text=True, check=True).stdout
-        return json.loads(out)[0]["avg_ts"]
+    decode step's attention reads the whole context. The same commands and parsing as
+    ``kvchat bench --peer llama-bench`` (`app.bench.llama_bench`), one repetition each."""
+    from app.bench.llama_bench import command, rates, run_test
 
-    return {"prefill": run("-p", str(n_prompt), "-n", "0"),
-            "decode": run("-p", "0", "-n", str(n_gen), "-d", str(n_prompt))}
+    opts = dict(threads=os.cpu_count() or 1, repeats=1)
+    pp = run_test(command(binary, Path(gguf), n_prompt=n_prompt, n_gen=0, depth=0, **opts))
+    tg = run_test(command(binary, Path(gguf), n_prompt=0, n_gen=n_gen, depth=n_prompt, **opts))
+    return {"prefill": rates(pp)[0], "decode": rates(tg)[0]}
 
 
 def kvchat_run(model: str, prompt_file: str, n_gen: int, tenant: str) -> dict:
