@@ -172,3 +172,32 @@ def test_a_failed_llama_bench_is_a_note_not_a_row(tmp_path):
     assert lb.failures == ["llama-bench failed at length 32: llama-bench exited with "
                            "status 1: main: error: failed to load model"]
     assert lb.notes()[0] == lb.failures[0] and lb.info()["build"] is None
+
+
+def test_report_rows_when_llama_bench_failed_or_ran():
+    from app.bench.common import summarize
+    from app.bench.compare_report import build_results, warm_runs
+    from app.bench.llama_bench import summary
+
+    kv = summarize([dict(prompt_tokens=16, cached_tokens=0, generated_tokens=4, ttft_s=0.1,
+                         decode_s=0.3, prefill_tps=160.0, decode_tps=10.0,
+                         itl_s=[0.1, 0.1, 0.1], tokens=[1, 2, 3, 4])])
+    test = dict(n_prompt=16, n_gen=0, n_depth=0, avg_ns=2 * 10**8, avg_ts=80.0, stddev_ts=0.0,
+                samples_ns=[2 * 10**8])
+    lb = summary(test, dict(test, n_prompt=0, n_gen=4, n_depth=16, avg_ts=20.0,
+                            samples_ns=[2 * 10**8]))
+    args = argparse.Namespace(gen_tokens=4, no_mlx_lm=True, mlx_lm_max_prompt=1024)
+    notes: list[str] = []
+    for ran, expect in (({16: lb}, None), ({}, "llama-bench failed")):
+        sides = {"kvchat": {16: kv}, "llama_cpp": {}, "mlx_lm": {}, "llama_bench": ran}
+        (row,) = build_results([16], sides, args, ["llama-bench"], notes)
+        assert row["llama_bench_skipped"] == expect
+        assert row["llama_cpp_skipped"] == "not requested (--peer llama.cpp)"
+        if ran:  # 160 / (16 tokens / 0.2 s) and 10 / (4 tokens / 0.2 s)
+            assert row["ratios"]["llama_bench"] == {"prefill": 2.0, "decode": 0.5,
+                                                    "itl_p95": None}
+        else:
+            assert row["ratios"]["llama_bench"] is None
+        # llama-bench reports no cached tokens: nothing to count, never "NOT COLD"
+        assert warm_runs(sides) == []
+    assert notes == []
