@@ -81,6 +81,22 @@ def per_channel(fn, x, bits):
     return out[:, :, :L]
 
 
+def per_channel_appended(x, bits):
+    """`per_channel` as a pool without a float residual would have to store it: rows come one
+    at a time and each append re-quantizes the block's rows present, the older ones from their
+    dequantized values (a widened range re-rounds them); what a full block ends as."""
+    B, H, L, D = x.shape
+    pad = (-L) % BLOCK
+    xp = mx.pad(x, [(0, 0), (0, 0), (0, pad), (0, 0)], mode="edge") if pad else x
+    nb = xp.shape[2] // BLOCK
+    g = xp.reshape(B, H, nb, BLOCK, D)
+    rows = g[:, :, :, :1]
+    for r in range(BLOCK):
+        rows = g[:, :, :, :1] if r == 0 else mx.concatenate([rows, g[:, :, :, r:r + 1]], axis=3)
+        rows = affine(rows.swapaxes(-1, -2), bits).swapaxes(-1, -2)
+    return rows.reshape(B, H, nb * BLOCK, D)[:, :, :L]
+
+
 def fake(x, side: dict):
     """One side's scheme: {'bits', 'kind': affine|mlx|sym|chan|chansym, 'group', 'rot'}."""
     if side is None:
@@ -90,6 +106,8 @@ def fake(x, side: dict):
         x = x @ rotation.matrix(x.shape[-1])
     if kind == "mlx":
         y = mlx_affine(x, bits, side.get("group", 64))
+    elif kind == "chanappend":
+        y = per_channel_appended(x, bits)
     elif kind in ("affine", "sym"):
         y = per_token(affine if kind == "affine" else symmetric, x, bits, side.get("group", 64))
     else:
@@ -201,6 +219,9 @@ def schemes(bits_k: int, bits_v: int) -> dict:
         "K chan plain, V affine g64 rot": (side(bits_k, "chan", rot=False), side(bits_v, "mlx")),
         "K chan rot, V affine g64 rot": (side(bits_k, "chan"), side(bits_v, "mlx")),
         "K chan plain, V sym g32 rot": (side(bits_k, "chan", rot=False), side(bits_v, "sym", 32)),
+        "K chan appended plain, V affine g64 rot": (side(bits_k, "chanappend", rot=False),
+                                                    side(bits_v, "mlx")),
+        "K chan appended rot, V affine g64 rot": (side(bits_k, "chanappend"), side(bits_v, "mlx")),
     }
     out = {}
     for name, (k, v) in kinds.items():

@@ -109,3 +109,19 @@ def test_residual_and_sink_keys_are_the_float16_ones(study):
     assert np.abs(quantized[:, :, :32] - want[:, :, :32]).max() > 1e-2
     # block 2's queries also see block 1, quantized
     assert np.abs(exact[:, :, 32:] - want[:, :, 32:]).max() > 1e-3
+
+
+def test_appended_blocks_drift_only_when_a_row_widens_the_range(study):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(1, 2, 32, 64)).astype(np.float32)
+    # block 0: its first two rows hold every channel's min and max, so no later row widens
+    # a range and re-quantizing the rows already on the grid changes nothing
+    x[:, :, 0], x[:, :, 1] = -5.0, 5.0
+    appended = np.array(study.per_channel_appended(mx.array(x), 4))
+    whole = np.array(study.per_channel(study.affine, mx.array(x), 4))
+    np.testing.assert_allclose(appended[:, :, :16], whole[:, :, :16], atol=1e-6)
+    # block 1's ranges grow as rows come: its early rows are rounded again, never better
+    early = slice(16, 20)
+    err_appended = np.abs(appended[:, :, early] - x[:, :, early]).mean()
+    err_whole = np.abs(whole[:, :, early] - x[:, :, early]).mean()
+    assert err_appended > err_whole
