@@ -94,7 +94,7 @@ def tile(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits:
     # Rows at a time, each part evaluated: unpacking 4-bit codes takes 4 bytes a weight, a
     # whole tied embedding's ~0.5 GB at load for a 1B model (its peak memory).
     step = max(TILE_ROWS, TILE_CHUNK_WEIGHTS // K // TILE_ROWS * TILE_ROWS)
-    if N > step:
+    if step < N:
         parts = []
         for r0 in range(0, N, step):
             parts.append(_tile_rows(w[r0:r0 + step], group_size, bits))
