@@ -28,13 +28,15 @@ class StopMatcher:
         self.stops = list(stops)
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.pending = ""
+        self.matched: str | None = None  # the stop string that ended the text, if one did
 
     def feed(self, segment: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string was hit)."""
         self.pending += segment
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.pending = self.pending[: min(hits)], ""
+            at, self.matched = min(hits, key=lambda h: h[0])
+            out, self.pending = self.pending[:at], ""
             return out, True
         cut = len(self.pending) - self.hold
         if cut <= 0:

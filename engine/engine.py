@@ -255,6 +255,7 @@ class Engine(PromptMixin, EngineLoop):
             return
         decided = req.cancel_at or time.perf_counter()
         s = req.stats
+        s.stop_string = req.decoder.stop.matched
         window = self.blocks.window
         s.bytes_used = self.kv.bytes_for(s.blocks_used,
                                          window.held(req.request_id) if window else 0)

@@ -30,6 +30,7 @@ class RequestStats:
     spec_accepted: int = 0  # of which accepted
     context_shifts: int = 0  # times the context was shifted (`engine.shifting`)
     shifted_tokens: int = 0  # tokens those shifts dropped from the cache
+    stop_string: str | None = None  # the stop string that ended the answer, if one did
     inter_token_s: list[float] = field(default_factory=list)
 
     @property

@@ -87,7 +87,9 @@ def test_bench_decode_end_to_end(tiny_model, capsys, tmp_path):
     rc = main(["bench", "decode", "--model", str(tiny_model.path), "--kv-budget", "4M",
                "--batch", "3", "--gen", "4", "--rounds", "1", "--json-schema", str(schema)])
     assert rc == 0
-    free, held, ratio = capsys.readouterr().out.strip().splitlines()[-3:]
+    free, held, mixed, ratio, neighbours = capsys.readouterr().out.strip().splitlines()[-5:]
     assert free.startswith("free: 1 stream: ") and "3 streams: " in free and "mean batch" in free
-    assert held.startswith("json-schema: 1 stream: ")
+    assert held.startswith("json-schema: 1 stream: ") and mixed.startswith("mixed: 1 stream: ")
     assert ratio.startswith("json-schema vs free: ") and ratio.endswith("at 3 streams")
+    assert neighbours.startswith("free neighbours of constrained streams (half of 3")
+    assert float(neighbours.rsplit(": ", 1)[1].removesuffix("x the all-free rate")) > 0

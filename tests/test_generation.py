@@ -31,6 +31,13 @@ def test_stop_matcher_equals_find_on_whole_text(text, stop, cuts):
     idx = text.find(stop)
     assert hit == (idx >= 0)
     assert out == (text[:idx] if idx >= 0 else text)
+    assert m.matched == (stop if hit else None)
+
+
+def test_stop_matcher_names_the_earliest_stop_string():
+    m = StopMatcher(["lazy", "fox", "quick brown"])
+    assert m.feed("the quick brown fox jumps over the lazy dog") == ("the ", True)
+    assert m.matched == "quick brown"
 
 
 def test_stop_string_ends_generation(default_engine):

@@ -424,6 +424,18 @@ def test_anthropic_messages_whole_streamed_tools_and_errors(server):
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert kinds.index("content_block_start") < kinds.index("content_block_stop") \
         < kinds.index("message_delta")
+    word = m.content[0].text.split()[2]  # a stop sequence the greedy answer reaches
+    for stream in (False, True):
+        kw = dict(model="kvchat", max_tokens=16, system=system, extra_body=GREEDY,
+                  stop_sequences=["never here", word],
+                  messages=[{"role": "user", "content": "What is the capital of France?"}])
+        if stream:
+            with c.messages.stream(**kw) as s:
+                cut = s.get_final_message()
+        else:
+            cut = c.messages.create(**kw)
+        assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", word), stream
+        assert cut.content[0].text == m.content[0].text[:m.content[0].text.index(word)]
     tool = {"name": "get_weather", "description": "Weather in a city", "input_schema": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
         "required": ["city"]}}

@@ -60,6 +60,12 @@ def test_tool_turns_in_the_history():
     assert refused({"messages": USER + [{"role": "assistant", "content": "x",
                                          "tool_calls": [{"function": 3}]}, *USER]}
                    ).param == "messages[1].tool_calls[0]"
+    for bad in ('{"city": "Par', '["Paris"]', "Paris"):  # arguments that cannot parse to an object
+        call = {"id": "c", "type": "function",
+                "function": {"name": "get_weather", "arguments": bad}}
+        e = refused({"messages": USER + [{"role": "assistant", "content": None,
+                                          "tool_calls": [call]}, *USER], "tools": [WEATHER]})
+        assert e.param == "messages[1].tool_calls[0]" and "JSON object" in e.message
     msgs, tools = tc.render(p.messages, p.tools, native=False)
     assert tools == [] and msgs[0]["role"] == "system" and "<tools>" in msgs[0]["content"]
     assert '"name": "get_weather"' in msgs[0]["content"]

@@ -170,10 +170,19 @@ async def messages(request: Request) -> Response:
     except APIError as e:
         return error_response(e)
     blocks, tool_stop = _blocks(text, tools)
-    return JSONResponse({**head, "content": blocks,
-                         "stop_reason": tool_stop or STOP[final.finish_reason],
-                         "stop_sequence": None, "usage": _usage(final.stats), **cut},
+    return JSONResponse({**head, "content": blocks, **_stop(final, tool_stop),
+                         "usage": _usage(final.stats), **cut},
                         headers=reply.headers())
+
+
+def _stop(final, tool_stop: str | None) -> dict:
+    """``stop_reason`` and ``stop_sequence`` of an answer's final event."""
+    matched = final.stats.stop_string if final.stats is not None else None
+    if tool_stop:
+        return {"stop_reason": tool_stop, "stop_sequence": None}
+    if matched is not None:
+        return {"stop_reason": "stop_sequence", "stop_sequence": matched}
+    return {"stop_reason": STOP[final.finish_reason], "stop_sequence": None}
 
 
 async def _stream(state, handle, head: dict, tools: list, prompt_tokens: int):
@@ -219,7 +228,6 @@ async def _stream(state, handle, head: dict, tools: list, prompt_tokens: int):
             yield _event("content_block_stop", {"index": index})
             index += 1
         yield _event("message_delta", {
-            "delta": {"stop_reason": tool_stop or STOP[event.finish_reason],
-                      "stop_sequence": None},
+            "delta": _stop(event, tool_stop),
             "usage": {"output_tokens": event.stats.generation_tokens}})
         yield _event("message_stop", {})

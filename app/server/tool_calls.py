@@ -98,8 +98,16 @@ def check_history_calls(param: str, value) -> list[dict]:
                 or not isinstance(f.get("arguments", ""), str):
             raise invalid(f"{param}[{i}] must be a function call with a name and arguments",
                           f"{param}[{i}]")
+        arguments = f.get("arguments") or "{}"
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):  # the template would render it as something else
+            raise invalid(f"{param}[{i}].function.arguments must be a JSON object in a "
+                          f"string, not {arguments[:40]!r}", f"{param}[{i}]")
         out.append({"id": str(c.get("id", "")), "type": "function",
-                    "function": {"name": f["name"], "arguments": f.get("arguments") or "{}"}})
+                    "function": {"name": f["name"], "arguments": arguments}})
     return out
 
 
