@@ -113,7 +113,7 @@ def test_report_has_ratios_to_both_peers_and_shouts_when_warm(capsys):
     assert row["ratios"]["mlx_lm"] == pytest.approx({"prefill": 0.5, "decode": 0.5,
                                                      "itl_p95": 0.5})
     assert row["prefill_ratio"] == pytest.approx(0.5)  # the flat fields stay vs mlx-lm
-    assert row["greedy_agree"] == {"llama_cpp": GEN, "mlx_lm": GEN}
+    assert row["greedy_agree"] == {"llama_cpp": GEN, "mlx_lm": GEN, "llama_bench": None}
     assert [r["cached_tokens"] for r in row["llama_cpp"]["runs"]] == [0, 16]
     assert report["cold"]["warm_runs"] == [
         {"side": "llama_cpp", "length": 32, "repeat": 1, "cached_tokens": 16}]
@@ -138,7 +138,7 @@ def test_bench_runs_are_cold(tmp_path, bench_on_shared_model, capsys):
         runs = r["kvchat"]["runs"]
         assert [run["cached_tokens"] for run in runs] == [0, 0]
         assert [run["prompt_tokens"] for run in runs] == [r["length"]] * 2
-        assert set(r["ratios"]) == {"mlx_lm", "llama_cpp"}
+        assert set(r["ratios"]) == {"mlx_lm", "llama_cpp", "llama_bench"}
     assert report["kvchat"]["disk_cache"] == "throwaway directory"
     table = capsys.readouterr().out
     assert "prefill (cold)" in table and "NOT COLD" not in table

@@ -68,7 +68,7 @@ def build_results(lengths: list[int], sides: dict[str, dict[int, dict]], args,
     results = []
     for n in lengths:
         kv = sides["kvchat"][n]
-        got = {key: sides[key].get(n) for key, _ in PEERS}
+        got = {key: sides.get(key, {}).get(n) for key, _ in PEERS}  # a side never run: none
         for (key, name) in SIDES:
             s = kv if key == "kvchat" else got[key]
             if s is not None and s["generated_tokens"] != args.gen_tokens:
