@@ -48,7 +48,7 @@ def test_head_equals_norm_qmm_split_rope(ext, dtype, B, L, offsets, traditional,
     lin = linear((HEADS + 2 * KV_HEADS) * D, HIDDEN, bits, dtype, seed=L)
     rope = rebind(CpuRoPE, nn.RoPE(dims, traditional=traditional, base=10000.0))
     offs = mx.array(offsets, dtype=mx.int32)
-    got = ext.layer_head(h, norm, *lin[0], offs, eps=1e-5, qkv=lin[1], heads=HEADS,
+    got = ext.layer_head(h, norm, lin[0], offs, eps=1e-5, specs=[lin[1]], heads=HEADS,
                          kv_heads=KV_HEADS, dims=dims, traditional=traditional, base=10000.0,
                          scale=1.0)
     qkv = qmm(rms_norm(h, norm, 1e-5), lin)
@@ -79,6 +79,40 @@ def test_tail_equals_o_residual_norm_mlp_residual(ext, dtype, B, L, bits):
     want = h1 + qmm(swiglu(gate, up), down)
     assert got.shape == want.shape and got.dtype == want.dtype
     np.testing.assert_array_equal(bits_of(got), bits_of(want))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("B,L", [(1, 1), (2, 7)])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_head_with_q_k_v_apart_equals_the_separate_ops(ext, dtype, B, L, tiled):
+    # a K-quant file's v (Q6_K -> 8 bits) next to 4-bit q and k: three products, one op
+    if tiled and not ops.tiled_supported():
+        pytest.skip("this CPU has no AVX-512 VNNI: the tiled matmul is not built")
+    make = tiled_linear if tiled else linear
+    parts = [make(HEADS * D, HIDDEN, 4, dtype, 1), make(KV_HEADS * D, HIDDEN, 4, dtype, 2),
+             make(KV_HEADS * D, HIDDEN, 8, dtype, 3)]
+    h = (mx.random.normal((B, L, HIDDEN)) * 2).astype(dtype)
+    norm = (mx.random.normal((HIDDEN,)) * 0.1 + 1).astype(dtype)
+    rope = rebind(CpuRoPE, nn.RoPE(D, traditional=False, base=10000.0))
+    offs = mx.array([3], dtype=mx.int32)
+    got = ext.layer_head(h, norm, [a for p in parts for a in p[0]], offs, eps=1e-5,
+                         specs=[p[1] for p in parts], heads=HEADS, kv_heads=KV_HEADS, dims=D,
+                         traditional=False, base=10000.0, scale=1.0)
+    x = rms_norm(h, norm, 1e-5)
+    q, k, v = (qmm(x, p) for p in parts)
+    q = rope(q.reshape(B, L, HEADS, D).transpose(0, 2, 1, 3), offset=offs)
+    k = rope(k.reshape(B, L, KV_HEADS, D).transpose(0, 2, 1, 3), offset=offs)
+    v = v.reshape(B, L, KV_HEADS, D).transpose(0, 2, 1, 3)
+    want = [q] + [t.transpose(1, 0, 2, 3).reshape(KV_HEADS, B * L, D) for t in (k, v)]
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(bits_of(g), bits_of(w))
+    wrong = [make((HEADS + 1) * D, HIDDEN, 4, dtype, 4), make((KV_HEADS - 1) * D, HIDDEN, 4,
+                                                             dtype, 5), parts[2]]
+    with pytest.raises(ValueError, match="heads, kv_heads"):  # the right total, split wrong
+        ext.layer_head(h, norm, [a for p in wrong for a in p[0]], offs, eps=1e-5,
+                       specs=[p[1] for p in wrong], heads=HEADS, kv_heads=KV_HEADS, dims=D,
+                       traditional=False, base=10000.0, scale=1.0)
 
 
 def tiled_linear(n_out: int, n_in: int, bits: int, dtype, seed: int, symmetric: bool = False):
@@ -113,16 +147,19 @@ def test_a_tiled_tail_in_row_passes_equals_the_separate_ops(ext, B, L, dtype, sy
 
 def test_wrong_shapes_are_refused_in_one_line(ext):
     lin = linear((HEADS + 2 * KV_HEADS) * D, HIDDEN, 4, mx.float32, 0)
-    args = dict(eps=1e-5, qkv=lin[1], heads=HEADS, kv_heads=KV_HEADS, dims=D,
+    args = dict(eps=1e-5, specs=[lin[1]], heads=HEADS, kv_heads=KV_HEADS, dims=D,
                 traditional=False, base=1e4, scale=1.0)
     offs = mx.array([0], dtype=mx.int32)
     with pytest.raises(ValueError, match="h \\(B, L, hidden\\)"):
-        ext.layer_head(mx.zeros((1, HIDDEN)), mx.ones((HIDDEN,)), *lin[0], offs, **args)
+        ext.layer_head(mx.zeros((1, HIDDEN)), mx.ones((HIDDEN,)), lin[0], offs, **args)
     with pytest.raises(ValueError, match="qmm: shapes"):
-        ext.layer_head(mx.zeros((1, 1, 96)), mx.ones((96,)), *lin[0], offs, **args)
+        ext.layer_head(mx.zeros((1, 1, 96)), mx.ones((96,)), lin[0], offs, **args)
     with pytest.raises(ValueError, match="offsets"):
-        ext.layer_head(mx.zeros((2, 1, HIDDEN)), mx.ones((HIDDEN,)), *lin[0],
+        ext.layer_head(mx.zeros((2, 1, HIDDEN)), mx.ones((HIDDEN,)), lin[0],
                        mx.array([0, 1, 2], dtype=mx.int32), **args)
     with pytest.raises(ValueError, match="rope dims"):
-        ext.layer_head(mx.zeros((1, 1, HIDDEN)), mx.ones((HIDDEN,)), *lin[0], offs,
+        ext.layer_head(mx.zeros((1, 1, HIDDEN)), mx.ones((HIDDEN,)), lin[0], offs,
                        **{**args, "dims": 66})
+    with pytest.raises(ValueError, match="a spec"):
+        ext.layer_head(mx.zeros((1, 1, HIDDEN)), mx.ones((HIDDEN,)), lin[0], offs,
+                       **{**args, "specs": [lin[1], lin[1]]})

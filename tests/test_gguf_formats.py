@@ -123,11 +123,44 @@ def test_q4_k_m_file_loads_on_the_tiled_path(tmp_path):
         kinds = {type(m).__name__ for _, m in loaded.model.named_modules() if hasattr(m, "bits")}
         assert kinds <= {"CpuTiledLinear", "CpuTiledEmbedding", "CpuQuantizedLinear",
                          "CpuQuantizedEmbedding"}, kinds
+        _two_op_layers_with_qkv_apart(loaded)
     same, _ = mlx_load(loaded.path)
     a, b = same(IDS), loaded.model(IDS)
     assert (mx.abs(a - b).max() / mx.abs(a).max()).item() < 1e-2
     floats = random_model(dict(config, vocab_size=512), seed=2)(IDS)
     assert (mx.abs(a - floats).mean() / mx.abs(floats).mean()).item() < 0.5
+
+
+def _two_op_layers_with_qkv_apart(loaded):
+    """Every layer of a Q4_K_M file takes the extension's two ops, also those whose v is
+    8-bit beside 4-bit q and k (three products in one head op), with logits bit-identical
+    to the separate ops."""
+    from engine import Engine, EngineConfig
+    from engine.executor import build_batch
+
+    cfg = EngineConfig(kv_budget_bytes=8 << 20, prefix_cache=False)
+    two, separate = Engine(loaded, cfg), Engine(loaded, cfg)
+    try:
+        assert all(x is not None for x in two.runner.ext)
+        assert any(len(x.qkv) == 3 for x in two.runner.ext)  # Q6_K attn_v: q, k, v apart
+        separate.runner.ext = [None] * len(separate.runner.ext)
+        ids = IDS[0].tolist()
+        out = []
+        for eng in (two, separate):
+            eng.blocks.allocate(1)
+            logits = []
+            for tokens in (ids, [7]):  # a prefill chunk, then a decode
+                plan = eng.blocks.append(1, len(tokens))
+                batch = build_batch(eng.blocks, [1], mx.array([tokens], dtype=mx.int32),
+                                    [plan.slots])
+                logits.append(eng.runner(batch, eng.kv).astype(mx.float32))
+            eng.blocks.free(1)
+            out.append(logits)
+        for a, b in zip(*out, strict=True):
+            assert mx.array_equal(a, b).item()
+    finally:
+        two.shutdown()
+        separate.shutdown()
 
 
 def _write_raw(path, tensors, arch="llama", vocab_from=None):

@@ -23,7 +23,7 @@ class FusedLayer:
     bit-identical to the unfused modules (checked by the parity tests).
     """
 
-    w_qkv: mx.array  # (q + k + v out, hidden)
+    w_qkv: mx.array | None  # (q + k + v out, hidden); None: q, k, v apart (qkv_proj)
     b_qkv: mx.array | None
     qkv_split: tuple[int, int]  # split points of the qkv output
     w_gate_up: mx.array | None  # (2 * intermediate, hidden); None if the MLP is not SwiGLU
@@ -65,17 +65,18 @@ def fuse_layer_quantized(layer) -> FusedLayer | None:
     """Fused projections for quantized linears on the CPU extension (`cpu_ext.linear.fuse`):
     packed rows, scales and biases concatenated, one `qmm` for q/k/v and one for gate/up;
     None for any other quantized layer (MLX's own path keeps the modules as they are)."""
-    from engine.model.cpu_ext.linear import fuse
+    from engine.model.cpu_ext.linear import QkvParts, fuse
 
     attn, mlp = layer.self_attn, layer.mlp
-    qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+    projs = [attn.q_proj, attn.k_proj, attn.v_proj]
+    qkv = fuse(projs) or QkvParts.of(projs)  # q, k and v of other bits: side by side
     if qkv is None:
         return None
     nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
     ffn = [getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)]
     gate_up = fuse(ffn) if all(m is not None for m in ffn) else None
     n_ff = ffn[0].weight.shape[0] if gate_up is not None else 0
-    return FusedLayer(qkv.weight, None, (nq, nq + nk),
+    return FusedLayer(getattr(qkv, "weight", None), None, (nq, nq + nk),
                       gate_up.weight if gate_up is not None else None, n_ff,
                       qkv_proj=qkv, gate_up_proj=gate_up)
 

@@ -42,7 +42,7 @@ class ExtLayer:
     """What one layer's `head` and `tail` ops take (the modules' own arrays, not copies)."""
 
     input_norm: tuple[mx.array, float]
-    qkv: Linear
+    qkv: list[Linear]  # one fused projection, or q, k and v apart (`linear.QkvParts`)
     heads: int
     kv_heads: int
     rope: nn.Module  # one of `EXT_ROPES`
@@ -54,9 +54,10 @@ class ExtLayer:
     def head(self, h: mx.array, offsets: int | mx.array):
         """(q (B, heads, L, D), k, v (kv_heads, B * L, D)) of h (B, L, hidden): what
         rms_norm, the fused projection and `qkv_rope.qkv_rope` give."""
-        (w, eps), (wsb, spec), r = self.input_norm, self.qkv, self.rope
+        (w, eps), r = self.input_norm, self.rope
         q, k, v = build.require().layer_head(
-            h, w, *wsb, offsets_array(offsets), eps=eps, qkv=spec, heads=self.heads,
+            h, w, [a for wsb, _ in self.qkv for a in wsb], offsets_array(offsets), eps=eps,
+            specs=[spec for _, spec in self.qkv], heads=self.heads,
             kv_heads=self.kv_heads, dims=r.dims, traditional=r.traditional, base=r.base,
             scale=r.scale, freqs=getattr(r, "freqs", None))
         return q, k, v
@@ -80,7 +81,8 @@ def plan(layer, fused, heads: int, kv_heads: int) -> ExtLayer | None:
     attn, mlp = layer.self_attn, layer.mlp
     if type(getattr(attn, "rope", None)) not in EXT_ROPES or hasattr(attn, "q_norm"):
         return None  # other RoPE variants, or Qwen3's per-head norm before RoPE
-    parts = dict(input_norm=_norm(layer.input_layernorm), qkv=_linear(fused.qkv_proj),
+    qkv = [_linear(m) for m in getattr(fused.qkv_proj, "parts", [fused.qkv_proj])]
+    parts = dict(input_norm=_norm(layer.input_layernorm), qkv=None if None in qkv else qkv,
                  o=_linear(attn.o_proj), post_norm=_norm(layer.post_attention_layernorm),
                  gate_up=_linear(fused.gate_up_proj), down=_linear(mlp.down_proj))
     if any(v is None for v in parts.values()):

@@ -213,3 +213,29 @@ def fuse(layers: list[nn.Module]) -> CpuQuantizedLinear | None:
         for m, part in zip(layers, mx.split(fused[key], splits), strict=True):
             m[key] = part
     return fused
+
+
+class QkvParts(nn.Module):
+    """q, k and v projections that cannot be one matmul (a K-quant file's v often has other
+    bits than q and k), computed side by side: ``layer_ops`` runs them inside one layer
+    head op, and the runner's fused path calls this (outputs concatenated)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = parts
+
+    @classmethod
+    def of(cls, layers: list[nn.Module]) -> QkvParts | None:
+        """None unless all are the extension's quantized linears without a bias, of one
+        group size, input width and scales dtype, tiled or not alike."""
+        first = layers[0]
+        if not all(isinstance(m, CpuQuantizedLinear) and type(m).tiled == type(first).tiled
+                   and "bias" not in m and m.group_size == first.group_size
+                   and m["weight"].shape[1] * 32 // m.bits
+                   == first["weight"].shape[1] * 32 // first.bits
+                   and m["scales"].dtype == first["scales"].dtype for m in layers):
+            return None
+        return cls(list(layers))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.concatenate([m(x) for m in self.parts], axis=-1)

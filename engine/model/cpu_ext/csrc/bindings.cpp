@@ -69,17 +69,19 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "the pool is donated.");
   m.def(
       "layer_head",
-      [](const mx::array& h, const mx::array& norm, const mx::array& w, const mx::array& scales,
-         const mx::array& biases, const mx::array& offsets, float eps, const kvchat::Spec& qkv,
+      [](const mx::array& h, const mx::array& norm, const std::vector<mx::array>& qkv,
+         const mx::array& offsets, float eps, const std::vector<kvchat::Spec>& specs,
          int heads, int kv_heads, int dims, bool traditional, float base, float scale,
          const std::optional<mx::array>& freqs) {
-        return kvchat::layer_head(h, norm, w, scales, biases, offsets, eps, kvchat::spec_of(qkv),
-                                  heads, kv_heads, {dims, traditional, base, scale}, freqs);
+        std::vector<kvchat::LinearSpec> parts;
+        for (const auto& sp : specs) parts.push_back(kvchat::spec_of(sp));
+        return kvchat::layer_head(h, norm, qkv, parts, offsets, eps, heads, kv_heads,
+                                  {dims, traditional, base, scale}, freqs);
       },
-      "h"_a, "norm"_a, "w"_a, "scales"_a, "biases"_a, "offsets"_a, nb::kw_only(), "eps"_a,
-      "qkv"_a, "heads"_a, "kv_heads"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a,
-      "freqs"_a = nb::none(),
-      "rms_norm, the fused q/k/v qmm and qkv_rope of a layer as one op -> [q, k, v].");
+      "h"_a, "norm"_a, "qkv"_a, "offsets"_a, nb::kw_only(), "eps"_a, "specs"_a, "heads"_a,
+      "kv_heads"_a, "dims"_a, "traditional"_a, "base"_a, "scale"_a, "freqs"_a = nb::none(),
+      "rms_norm, the q/k/v qmm (one fused (w, scales, biases), or q, k and v apart, a spec\n"
+      "each) and qkv_rope of a layer as one op -> [q, k, v].");
   m.def(
       "layer_tail",
       [](const mx::array& h, const mx::array& att, const std::vector<mx::array>& o,

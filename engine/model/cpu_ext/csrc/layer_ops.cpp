@@ -110,20 +110,41 @@ int64_t tail_rows(bool tiled, int64_t M) {
 void LayerHead::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
   const mx::array& h = inputs[0];
+  const int P = int(qkv_.size());
   mx::array x = scratch(h.shape(), mx::promote_types(h.dtype(), inputs[1].dtype()));
   auto qkv_shape = h.shape();
-  qkv_shape.back() = inputs[2].shape(0);
+  qkv_shape.back() = 0;
+  for (int p = 0; p < P; ++p) qkv_shape.back() += inputs[2 + 3 * p].shape(0);
   mx::array qkv = scratch(qkv_shape, after(x, inputs[3]));
+  std::vector<mx::array> parts;  // q, k and v apart: each its own product, then interleaved
+  for (int p = 0; P > 1 && p < P; ++p)
+    parts.push_back(scratch(rows_of(h, inputs[2 + 3 * p].shape(0)), qkv.dtype()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   for (auto& o : outputs) encoder.set_output_array(o);
-  encoder.dispatch([in = inputs, outs = outputs, x, qkv, eps = eps_, sp = qkv_, hq = heads_,
-                    hkv = kv_heads_, p = rope_]() mutable {
+  encoder.dispatch([in = inputs, outs = outputs, x, qkv, parts, eps = eps_, sp = qkv_,
+                    hq = heads_, hkv = kv_heads_, p = rope_, P]() mutable {
     try {
       rms_norm_into(in[0], in[1], x, eps);
-      linear(x, &in[2], qkv, sp);
+      if (P == 1) {
+        linear(x, &in[2], qkv, sp[0]);
+      } else {
+        const size_t item = qkv.itemsize(), row = size_t(qkv.shape(-1)) * item;
+        const int64_t M = int64_t(qkv.size()) / qkv.shape(-1);
+        size_t at = 0;
+        for (int i = 0; i < P; ++i) {
+          linear(x, &in[2 + 3 * i], parts[i], sp[i]);
+          const size_t width = size_t(parts[i].shape(-1)) * item;
+          for (int64_t m = 0; m < M; ++m)
+            std::memcpy(qkv.data<char>() + m * row + at, parts[i].data<char>() + m * width,
+                        width);
+          at += width;
+        }
+      }
       std::vector<float> f_buf;
-      qkv_rope_into(qkv, in[5], outs, hq, hkv, p, freqs_of(in.size() > 6 ? &in[6] : nullptr, f_buf));
+      const size_t o = 2 + 3 * size_t(P);  // offsets, then freqs if given
+      qkv_rope_into(qkv, in[o], outs, hq, hkv, p,
+                    freqs_of(in.size() > o + 1 ? &in[o + 1] : nullptr, f_buf));
     } catch (...) {  // an exception must not leave a dispatched task
       for (auto& o : outs) fill_nan(o);
     }
@@ -180,19 +201,33 @@ void LayerTail::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("KvchatLayerTail runs on the CPU only");
 }
 
-std::vector<mx::array> layer_head(const mx::array& h, const mx::array& norm, const mx::array& w,
-                                  const mx::array& scales, const mx::array& biases,
-                                  const mx::array& offsets, float eps, LinearSpec qkv, int heads,
+std::vector<mx::array> layer_head(const mx::array& h, const mx::array& norm,
+                                  const std::vector<mx::array>& qkv,
+                                  const std::vector<LinearSpec>& specs,
+                                  const mx::array& offsets, float eps, int heads,
                                   int kv_heads, RopeParams rope,
                                   const std::optional<mx::array>& freqs, mx::StreamOrDevice s) {
   if (h.ndim() != 3 || !is_float_dtype(h.dtype()) || norm.ndim() != 1 ||
       norm.shape(0) != h.shape(2) || !is_float_dtype(norm.dtype()))
     throw std::invalid_argument("layer_head: h (B, L, hidden) and norm (hidden,) float");
-  check_qmm(h.shape(2), h.dtype(), w, scales, biases, qkv.group, qkv.bits, qkv.tiled);
-  const int width = heads + 2 * kv_heads, N = w.shape(0);
+  if (specs.empty() || qkv.size() != 3 * specs.size())
+    throw std::invalid_argument("layer_head: each projection is (w, scales, biases) and a spec");
+  int N = 0;
+  for (size_t p = 0; p < specs.size(); ++p) {
+    const LinearSpec& sp = specs[p];
+    check_qmm(h.shape(2), h.dtype(), qkv[3 * p], qkv[3 * p + 1], qkv[3 * p + 2], sp.group,
+              sp.bits, sp.tiled);
+    if (qkv[3 * p + 1].dtype() != qkv[1].dtype())
+      throw std::invalid_argument("layer_head: q, k and v scales of one dtype");
+    N += qkv[3 * p].shape(0);
+  }
+  const int width = heads + 2 * kv_heads;
   if (heads <= 0 || kv_heads <= 0 || N % width != 0)
     throw std::invalid_argument("layer_head: the projection must be (heads + 2 kv_heads) * D");
   const int D = N / width, B = h.shape(0), L = h.shape(1);
+  if (specs.size() == 3 && (qkv[0].shape(0) != heads * D || qkv[3].shape(0) != kv_heads * D))
+    throw std::invalid_argument("layer_head: q, k and v apart must be heads, kv_heads and "
+                                "kv_heads times D rows");
   if (rope.dims <= 0 || rope.dims % 2 != 0 || rope.dims > D)
     throw std::invalid_argument("layer_head: rope dims must be even, positive and <= D");
   if (offsets.dtype() != mx::int32 || offsets.ndim() > 1 ||
@@ -200,11 +235,13 @@ std::vector<mx::array> layer_head(const mx::array& h, const mx::array& norm, con
     throw std::invalid_argument("layer_head: offsets must be int32, one or one per row");
   check_freqs(freqs, rope.dims, "layer_head");
   const mx::Dtype t =
-      mx::promote_types(mx::promote_types(h.dtype(), norm.dtype()), scales.dtype());
+      mx::promote_types(mx::promote_types(h.dtype(), norm.dtype()), qkv[1].dtype());
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  auto prim = std::make_shared<LayerHead>(stream, eps, qkv, heads, kv_heads, rope);
+  auto prim = std::make_shared<LayerHead>(stream, eps, specs, heads, kv_heads, rope);
   const mx::Shape kv{kv_heads, B * L, D};
-  std::vector<mx::array> inputs{h, norm, w, scales, biases, offsets};
+  std::vector<mx::array> inputs{h, norm};
+  inputs.insert(inputs.end(), qkv.begin(), qkv.end());
+  inputs.push_back(offsets);
   if (freqs) inputs.push_back(*freqs);
   return mx::array::make_arrays({{B, heads, L, D}, kv, kv}, {t, t, t}, prim, inputs);
 }

@@ -23,10 +23,10 @@ struct LinearSpec {
 
 class LayerHead : public mx::Primitive {
  public:
-  LayerHead(mx::Stream stream, float eps, LinearSpec qkv, int heads, int kv_heads,
+  LayerHead(mx::Stream stream, float eps, std::vector<LinearSpec> qkv, int heads, int kv_heads,
             RopeParams rope)
-      : mx::Primitive(stream), eps_(eps), qkv_(qkv), heads_(heads), kv_heads_(kv_heads),
-        rope_(rope) {}
+      : mx::Primitive(stream), eps_(eps), qkv_(std::move(qkv)), heads_(heads),
+        kv_heads_(kv_heads), rope_(rope) {}
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
   const char* name() const override {
@@ -35,7 +35,7 @@ class LayerHead : public mx::Primitive {
 
  private:
   float eps_;
-  LinearSpec qkv_;
+  std::vector<LinearSpec> qkv_;  // one fused projection, or q, k and v apart
   int heads_, kv_heads_;
   RopeParams rope_;
 };
@@ -56,12 +56,14 @@ class LayerTail : public mx::UnaryPrimitive {
 };
 
 // h (B, L, hidden) -> [q (B, heads, L, D), k, v (kv_heads, B * L, D)]: rms_norm(h,
-// norm, eps), then `qmm` by the fused q/k/v weights (w, scales, biases), then
-// RoPE of q and k at offsets (`freqs` as `rope` takes them); each step rounded to the
-// dtype its own op would give.
-std::vector<mx::array> layer_head(const mx::array& h, const mx::array& norm, const mx::array& w,
-                                  const mx::array& scales, const mx::array& biases,
-                                  const mx::array& offsets, float eps, LinearSpec qkv, int heads,
+// norm, eps), then `qmm` by the q/k/v weights (`qkv`: (w, scales, biases) of one fused
+// projection, or of q, k and v apart, one spec each: a K-quant file's v may have other
+// bits), then RoPE of q and k at offsets (`freqs` as `rope` takes them); each step
+// rounded to the dtype its own op would give.
+std::vector<mx::array> layer_head(const mx::array& h, const mx::array& norm,
+                                  const std::vector<mx::array>& qkv,
+                                  const std::vector<LinearSpec>& specs,
+                                  const mx::array& offsets, float eps, int heads,
                                   int kv_heads, RopeParams rope,
                                   const std::optional<mx::array>& freqs = std::nullopt,
                                   mx::StreamOrDevice s = {});
