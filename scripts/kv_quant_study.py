@@ -271,6 +271,9 @@ def main(argv=None) -> int:
         table = schemes(bk, bv)
         for name in args.only.split(";") if args.only else table:
             Scheme.current = table[name.strip()]
+            if Scheme.mu is None and (Scheme.current["center"] or Scheme.current["smooth"]):
+                print(f"| K{bk}/V{bv} | {name} | needs --calib |", flush=True)
+                continue
             ppl, agree, kl = compare(ref, run_docs(model, docs))
             print(f"| K{bk}/V{bv} | {name} | {ppl:.4f} | {100 * (ppl / base - 1):+.2f} % | "
                   f"{100 * agree:.2f} % | {kl:.5f} |", flush=True)
