@@ -38,6 +38,19 @@ def bits_of(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32))
 
 
+def assert_head(got, q, k, v, rope, offs) -> None:
+    """``got`` (layer_head's [q, k, v]) is bit for bit the projections' outputs q, k, v
+    (B, L, ·) after RoPE and the head layouts."""
+    B, L = q.shape[:2]
+    q = rope(q.reshape(B, L, HEADS, D).transpose(0, 2, 1, 3), offset=offs)
+    k = rope(k.reshape(B, L, KV_HEADS, D).transpose(0, 2, 1, 3), offset=offs)
+    v = v.reshape(B, L, KV_HEADS, D).transpose(0, 2, 1, 3)
+    want = [q] + [t.transpose(1, 0, 2, 3).reshape(KV_HEADS, B * L, D) for t in (k, v)]
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(bits_of(g), bits_of(w))
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("B,L,offsets", [(1, 1, [127]), (1, 5, [0]), (3, 1, [5, 900, 33])])
 @pytest.mark.parametrize("traditional,dims,bits", [(False, 64, 4), (True, 64, 8),
@@ -53,13 +66,7 @@ def test_head_equals_norm_qmm_split_rope(ext, dtype, B, L, offsets, traditional,
                          scale=1.0)
     qkv = qmm(rms_norm(h, norm, 1e-5), lin)
     q, k, v = mx.split(qkv, [HEADS * D, (HEADS + KV_HEADS) * D], axis=-1)
-    q = rope(q.reshape(B, L, HEADS, D).transpose(0, 2, 1, 3), offset=offs)
-    k = rope(k.reshape(B, L, KV_HEADS, D).transpose(0, 2, 1, 3), offset=offs)
-    v = v.reshape(B, L, KV_HEADS, D).transpose(0, 2, 1, 3)
-    want = [q] + [t.transpose(1, 0, 2, 3).reshape(KV_HEADS, B * L, D) for t in (k, v)]
-    for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_array_equal(bits_of(g), bits_of(w))
+    assert_head(got, q, k, v, rope, offs)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
@@ -100,13 +107,7 @@ def test_head_with_q_k_v_apart_equals_the_separate_ops(ext, dtype, B, L, tiled):
                          traditional=False, base=10000.0, scale=1.0)
     x = rms_norm(h, norm, 1e-5)
     q, k, v = (qmm(x, p) for p in parts)
-    q = rope(q.reshape(B, L, HEADS, D).transpose(0, 2, 1, 3), offset=offs)
-    k = rope(k.reshape(B, L, KV_HEADS, D).transpose(0, 2, 1, 3), offset=offs)
-    v = v.reshape(B, L, KV_HEADS, D).transpose(0, 2, 1, 3)
-    want = [q] + [t.transpose(1, 0, 2, 3).reshape(KV_HEADS, B * L, D) for t in (k, v)]
-    for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        np.testing.assert_array_equal(bits_of(g), bits_of(w))
+    assert_head(got, q, k, v, rope, offs)
     wrong = [make((HEADS + 1) * D, HIDDEN, 4, dtype, 4), make((KV_HEADS - 1) * D, HIDDEN, 4,
                                                              dtype, 5), parts[2]]
     with pytest.raises(ValueError, match="heads, kv_heads"):  # the right total, split wrong
