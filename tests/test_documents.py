@@ -216,3 +216,17 @@ def test_retrieval_takes_only_relevant_chunks_not_the_whole_budget():
     assert len(p.selected) < len(chunks) // 4  # the filler does not ride along
     q = place([doc], lambda: chunks, "zebra quantum?", 400, words)  # no word matches
     assert q.selected[0].index == 0  # the document's start, in order
+
+
+def test_a_document_that_nearly_fits_fills_the_budget():
+    # issue 32: a document 30 tokens over its budget went as less than half of the budget
+    doc = document_from_text(long_text(60, needle_at=45))
+    chunks = split_document(doc, 0, words, chunk_tokens=80)
+    whole = words(doc.text)
+    budget = int(whole / 1.05)
+    q = "What is the secret code of the blue door?"
+    p = place([doc], lambda: chunks, q, budget, words)
+    assert p.mode == "retrieval" and "4817" in p.text and p.tokens <= budget
+    assert p.tokens >= 0.85 * budget and 0 < p.left_out_tokens < 0.15 * whole
+    score = dict(rank(chunks, q))
+    assert max(score[c.index] for c in p.left_out) <= min(score[c.index] for c in p.selected)

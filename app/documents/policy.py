@@ -4,7 +4,8 @@ A context window is a ceiling, not a quota. The budget is the smallest of the mo
 context and the free KV pool, less the answer, the question, the template and the
 conversation kept. Documents that fit go in whole, first (a pinned prefix whose blocks
 every later question reuses). Otherwise they are cut into chunks; the chunks BM25 ranks
-highest for the question (those within a share of the best score) go in, up to the budget,
+highest for the question (those within a share of the best score; all of them, best first,
+for documents that nearly fit) go in, up to the budget,
 in document order with their positions shown, and everything else is reported as left
 out. Nothing is ever cut silently.
 """
@@ -20,6 +21,7 @@ from app.documents.retrieval import rank
 
 HISTORY_SHARE = 4  # earlier turns may take at most 1/4 of the budget; the oldest go first
 RELEVANT_SHARE = 0.2  # retrieval keeps chunks scoring at least this share of the best one
+NEAR_FIT = 1.1  # documents at most this much over the budget fill it, in order of relevance
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,18 +138,27 @@ def place(docs: Sequence[Document], chunks: Callable[[], list[Chunk]], question:
     ``at_least`` bounds the whole documents' tokens from below (their own counts): past
     the budget, the whole is neither rendered nor counted again (seconds per MB of text).
     """
+    whole_tokens = None
     if at_least <= budget:
         whole = render_whole(docs)
         n = count(whole)
         if n <= budget:
             return Placement("whole", whole, n)
+        whole_tokens = n
     every = chunks()
     ranked = rank(every, question)
     best = ranked[0][1] if ranked else 0.0
-    # Only what is relevant: a filled window adds noise and cost (the budget is a ceiling).
-    # With no word of the question in any chunk, the document's start is all there is.
-    order = ([every[i] for i, s in ranked if s >= RELEVANT_SHARE * best] if best > 0
-             else list(every))
+    near = whole_tokens is not None and whole_tokens <= NEAR_FIT * budget
+    if near:
+        # Nearly fits: only the least relevant chunks stay out (cutting it to the relevant
+        # share would leave most of what the budget holds unused).
+        order = [every[i] for i, _ in ranked]
+    elif best > 0:
+        # Only what is relevant: a filled window adds noise and cost (the budget is a
+        # ceiling).
+        order = [every[i] for i, s in ranked if s >= RELEVANT_SHARE * best]
+    else:  # no word of the question in any chunk: the document's start is all there is
+        order = list(every)
     chosen: list[Chunk] = []
     used = 0
     for c in order:  # headers cost tokens too: keep a margin, then check the real count
@@ -160,6 +171,12 @@ def place(docs: Sequence[Document], chunks: Callable[[], list[Chunk]], question:
         chosen.pop()  # the least relevant of those chosen
         text = render_chunks(docs, chosen, every)
         n = count(text)
+    if near:  # the margin above is generous: fill what it left, checking the real count
+        for c in [c for c in order if c not in chosen]:
+            more = render_chunks(docs, chosen + [c], every)
+            m = count(more)
+            if m <= budget:
+                chosen, text, n = chosen + [c], more, m
     picked = {(c.doc, c.index) for c in chosen}
     left = [c for c in every if (c.doc, c.index) not in picked]
     chosen.sort(key=lambda c: (c.doc, c.index))
