@@ -62,6 +62,10 @@ def test_affine_and_odd_factors_keep_their_biases(tiled):
     odd = b.at[3, 1].add(mx.array(1.0, dtype=b.dtype))  # one group off
     assert linear.bias_factor(layer_of(w, s, odd, 32, 4)) is None
     assert linear.bias_factor(layer_of(w, s, s * -16, 32, 4)) == -16  # Q5_0's codes at 8 bits
+    big = s.at[0, 0].add(mx.array(float("inf"), dtype=s.dtype))  # the largest scale: inf
+    assert linear.bias_factor(layer_of(w, big, big * -8, 32, 4)) is None
+    nan = b.at[0, 0].add(mx.array(float("nan"), dtype=b.dtype))
+    assert linear.bias_factor(layer_of(w, s, nan, 32, 4)) is None
     kept = linear.CpuTiledLinear.from_quantized(layer_of(w, s, odd, 32, 4))
     assert kept["biases"].shape == s.shape
 

@@ -69,7 +69,9 @@ def fuse_layer_quantized(layer) -> FusedLayer | None:
 
     attn, mlp = layer.self_attn, layer.mlp
     projs = [attn.q_proj, attn.k_proj, attn.v_proj]
-    qkv = fuse(projs) or QkvParts.of(projs)  # q, k and v of other bits: side by side
+    qkv = fuse(projs)
+    if qkv is None:  # q, k and v of other bits (a K-quant file's v): side by side
+        qkv = QkvParts.of(projs)
     if qkv is None:
         return None
     nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]

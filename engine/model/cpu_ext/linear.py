@@ -71,6 +71,8 @@ def bias_factor(layer: nn.Module) -> float | None:
     if s0 == 0 or b0 / s0 >= 0:  # Q4_0's scales take the sign of the group's extreme
         return None
     factor = b0 / s0
+    if not math.isfinite(factor):  # an overflowed or NaN bias (a damaged file): keep them
+        return None
     k = round(math.log2(-factor))
     if factor != -(2.0 ** k) or not mx.array_equal(b32, s32 * factor).item():
         return None
