@@ -69,6 +69,19 @@ def test_head_equals_norm_qmm_split_rope(ext, dtype, B, L, offsets, traditional,
     assert_head(got, q, k, v, rope, offs)
 
 
+def assert_tail(ext, h, att, norm, o, gate_up, down) -> None:
+    """layer_tail of these is bit for bit the separate ops: o_proj, residual, norm,
+    gate/up, swiglu, down, residual."""
+    B, L = h.shape[:2]
+    got = ext.layer_tail(h, att, o[0], norm, gate_up[0], down[0], eps=1e-6, o_spec=o[1],
+                         gate_up_spec=gate_up[1], down_spec=down[1])
+    h1 = h + qmm(att.transpose(0, 2, 1, 3).reshape(B, L, -1), o)
+    gate, up = mx.split(qmm(rms_norm(h1, norm, 1e-6), gate_up), [FF], axis=-1)
+    want = h1 + qmm(swiglu(gate, up), down)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(bits_of(got), bits_of(want))
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 @pytest.mark.parametrize("B,L", [(1, 1), (1, 6), (4, 1)])
 @pytest.mark.parametrize("bits", [4, 8])
@@ -79,13 +92,7 @@ def test_tail_equals_o_residual_norm_mlp_residual(ext, dtype, B, L, bits):
     o = linear(HIDDEN, HEADS * D, bits, dtype, 1)
     gate_up = linear(2 * FF, HIDDEN, bits, dtype, 2)
     down = linear(HIDDEN, FF, 8 if bits == 4 else 4, dtype, 3)  # a K-quant file mixes bits
-    got = ext.layer_tail(h, att, o[0], norm, gate_up[0], down[0], eps=1e-6, o_spec=o[1],
-                         gate_up_spec=gate_up[1], down_spec=down[1])
-    h1 = h + qmm(att.transpose(0, 2, 1, 3).reshape(B, L, -1), o)
-    gate, up = mx.split(qmm(rms_norm(h1, norm, 1e-6), gate_up), [FF], axis=-1)
-    want = h1 + qmm(swiglu(gate, up), down)
-    assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_array_equal(bits_of(got), bits_of(want))
+    assert_tail(ext, h, att, norm, o, gate_up, down)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
@@ -137,13 +144,7 @@ def test_a_tiled_tail_in_row_passes_equals_the_separate_ops(ext, B, L, dtype, sy
     o = tiled_linear(HIDDEN, HEADS * D, 4, dtype, 1, symmetric)
     gate_up = tiled_linear(2 * FF, HIDDEN, 4, dtype, 2, symmetric)
     down = tiled_linear(HIDDEN, FF, 8, dtype, 3, symmetric)
-    got = ext.layer_tail(h, att, o[0], norm, gate_up[0], down[0], eps=1e-6, o_spec=o[1],
-                         gate_up_spec=gate_up[1], down_spec=down[1])
-    h1 = h + qmm(att.transpose(0, 2, 1, 3).reshape(B, L, -1), o)
-    gate, up = mx.split(qmm(rms_norm(h1, norm, 1e-6), gate_up), [FF], axis=-1)
-    want = h1 + qmm(swiglu(gate, up), down)
-    assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_array_equal(bits_of(got), bits_of(want))
+    assert_tail(ext, h, att, norm, o, gate_up, down)
 
 
 def test_wrong_shapes_are_refused_in_one_line(ext):
