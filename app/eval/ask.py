@@ -183,9 +183,7 @@ def run(args) -> int:
               "plain_recall": [sum(r["plain"]["recalled"] for r in plain), len(plain)],
               "model": loaded.name or "default", "context": eng.max_context,
               "seconds": round(time.perf_counter() - started, 1)}
-    table = markdown(result)
-    report.publish(table, result, args.out, "ask_eval", args.json)
-    print(table)
+    report.publish(markdown(result), result, args.out, "ask_eval", args.json)
     return 0
 
 

@@ -158,9 +158,7 @@ def run(args) -> int:
               "seeds": list(seeds),
               "facts_per_conversation": FACTS, "table": tally(results),
               "conversations": results, "seconds": round(time.perf_counter() - started, 1)}
-    table = markdown(result)
-    report.publish(table, result, args.out, "chat_eval", args.json)
-    print(table)
+    report.publish(markdown(result), result, args.out, "chat_eval", args.json)
     return 0
 
 

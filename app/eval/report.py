@@ -8,7 +8,7 @@ from pathlib import Path
 def publish(table: str, result: dict, out: str | Path, name: str,
             json_path: str | None = None) -> None:
     """Write the Markdown ``table`` as ``out/name.md`` (``out`` made if missing) and, with
-    ``json_path``, every figure of ``result`` as JSON there."""
+    ``json_path``, every figure of ``result`` as JSON there; then print the table."""
     import json
 
     out = Path(out)
@@ -16,6 +16,7 @@ def publish(table: str, result: dict, out: str | Path, name: str,
     (out / f"{name}.md").write_text(table + "\n")
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    print(table)
 
 
 def ctx(n: int | str) -> str:

@@ -163,9 +163,7 @@ def run(args) -> int:
               "factor": args.factor, "sink_tokens": args.sinks, "kv_bits": args.kv_bits,
               "block_size": eng.layout.block_size, "streams": streams,
               "seconds": round(time.perf_counter() - started, 1)}
-    table = markdown(result)
-    report.publish(table, result, args.out, "shift_eval", args.json)
-    print(table)
+    report.publish(markdown(result), result, args.out, "shift_eval", args.json)
     return 0
 
 
