@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from test_tui_app import SIZE, boxes, make_app, wait_for
+from test_tui_app import SIZE, ask, boxes, make_app, wait_for
 from test_tui_fakes import FakeEngine, FakeHandle, fixed_stats
 from textual.widgets.collapsible import CollapsibleTitle
 
@@ -172,9 +172,7 @@ async def test_enter_and_click_unfold_and_a_reopened_chat_keeps_the_fold(store):
     app = make_app(store, ChunkEngine(chunked(THINKING_REPLY, 4)))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine is not None)
-        app.chat.query_one(PromptInput).text = "What is 2+2?"
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.chat.generating)
+        await ask(pilot, app, "What is 2+2?")
         answer = boxes(app)[1]
         fold = reasoning_fold(answer)
         assert fold.collapsed
@@ -202,9 +200,7 @@ async def test_tool_calls_show_folded_saved_and_exported(store):
     app = make_app(store, ChunkEngine(chunked(CALL_REPLY, 5)))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine is not None)
-        app.chat.query_one(PromptInput).text = "Weather in Paris?"
-        await pilot.press("enter")
-        await wait_for(pilot, lambda: not app.chat.generating)
+        await ask(pilot, app, "Weather in Paris?")
         await pilot.pause()
         answer = boxes(app)[1]
         [fold] = answer.query(ToolCallFold)
@@ -259,9 +255,7 @@ async def test_json_command_constrains_the_next_questions(store):
         assert prompt.text == ""
         await wait_for(pilot, lambda: "JSON" in str(status.render()))
         for question in ("What is 2+2?", "And 3+3?"):
-            prompt.text = question
-            await pilot.press("enter")
-            await wait_for(pilot, lambda: not app.chat.generating)
+            await ask(pilot, app, question)
         assert [p.constraint.kind for p in engine.params] == ["json_object"] * 2
         assert all("JSON" in system for system in engine.systems)  # asked for in words too
         answer = boxes(app)[-1]

@@ -35,13 +35,18 @@ async def test_paste_dialog_shows_its_keys(store):
         assert question.endswith("[Enter] yes / [Esc] no")
 
 
-async def test_fast_slash_query_goes_to_the_search_box(store):
-    """"/lighthouse" typed in one burst: the keys after "/" must not reach the list, whose
-    one-letter keys act on the selected chat (e exported it)."""
+def save_lighthouse_chat(store) -> None:
+    """One saved chat for F4's search to find as "lighthouse"."""
     conv = store.new()
     conv.add("user", "about lighthouses")
     conv.add("assistant", "They guide ships.")
     store.save(conv)
+
+
+async def test_fast_slash_query_goes_to_the_search_box(store):
+    """"/lighthouse" typed in one burst: the keys after "/" must not reach the list, whose
+    one-letter keys act on the selected chat (e exported it)."""
+    save_lighthouse_chat(store)
     app = make_app(store)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine is not None)
@@ -59,10 +64,7 @@ async def test_f4_and_a_query_in_one_burst_search_the_list(store):
     """F4 and "/lighthouse" typed together: the list opens before the keys after F4 are
     handed on (they landed in the chat's prompt), and "/" moves to the search box (the
     box had the focus first, so "/" was search text)."""
-    conv = store.new()
-    conv.add("user", "about lighthouses")
-    conv.add("assistant", "They guide ships.")
-    store.save(conv)
+    save_lighthouse_chat(store)
     app = make_app(store)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine is not None)
