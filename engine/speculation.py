@@ -5,8 +5,9 @@ n-grams that already occurred in its prompt or answer (prompt lookup: document Q
 copies spans of the document). The step verifies them in the same batched forward as
 every other sequence's decode (`engine.verify`): one forward yields up to ``k + 1``
 tokens. How many drafts a sequence gets is decided per step from what was measured: each
-sequence's recent acceptance rate, and what a plain step of this batch size and each
-verified token on top of it cost (`SpecCost`); a draft token is added only while its
+sequence's recent acceptance (two rates: of a first draft, and of a draft whose predecessor
+held -- a copy that started tends to go on), and what a plain step of this batch size and
+each verified token on top of it cost (`SpecCost`); a draft token is added only while its
 expected yield per second beats the step's (so in a large batch, where every extra token costs as
 much as a whole sequence's decode, speculation switches itself off).
 """
@@ -33,7 +34,9 @@ class SpecConfig:
 
     mode: str = "off"  # "off", "lookup" or "draft" (a `DraftModel` proposes)
     max_draft: int = 6  # drafts verified per sequence and step at most
-    min_ngram: int = 2  # shortest suffix n-gram a lookup matches on
+    # shortest suffix n-gram a lookup matches on: one token (a name's first piece) already
+    # finds spans worth copying; whether its guesses pay is measured like any other's
+    min_ngram: int = 1
     max_ngram: int = 4
     fixed: int | None = None  # verify this many drafts every step, unmeasured (A/B, tests)
 
@@ -76,7 +79,12 @@ class SpecState:
     """One sequence's speculation: its lookup index and its measured acceptance."""
 
     index: LookupIndex | None
-    accept_rate: float  # EMA of the share of tried drafts accepted
+    accept_rate: float  # EMA of the share of first drafts accepted
+    cont_rate: float  # EMA of the share of later drafts accepted, the one before held
+
+    def chance(self, i: int) -> float:
+        """Expected chance that draft ``i`` (1-based) holds: every one before it must."""
+        return self.accept_rate * self.cont_rate ** (i - 1)
 
 
 @dataclass(slots=True)
@@ -121,7 +129,10 @@ class Speculator:
     draft: DraftModel | None = None  # mode "draft": who proposes
     idle_steps: int = 0  # steps since drafts were last verified
     states: dict[int, SpecState] = field(default_factory=dict)
-    prior: float = 0.5  # acceptance of a sequence not yet measured: the engine-wide EMA
+    # acceptance of a sequence not yet measured: the engine-wide EMAs of its two rates (a
+    # draft that follows an accepted one holds far more often than a first one: copying)
+    prior: float = 0.5
+    prior_cont: float = 0.8
     # the first draft of a sequence that verifies none this step: checked against the
     # token it gets, so a sequence's rate keeps being measured while it does not speculate
     shadow: dict[int, int] = field(default_factory=dict)
@@ -141,7 +152,7 @@ class Speculator:
             if seq not in self.states:
                 self.states[seq] = SpecState(
                     LookupIndex(c.min_ngram, c.max_ngram) if self.draft is None else None,
-                    self.prior)
+                    self.prior, self.prior_cont)
         if self.draft is not None:
             return self._plan_draft(decoding)
         cands: dict[int, list[int]] = {}
@@ -157,7 +168,7 @@ class Speculator:
     def _allot(self, cands: dict[int, list[int]], rows: int) -> dict[int, list[int]]:
         """Keep the draft tokens whose expected yield per second beats the step's.
 
-        Draft i of a sequence is accepted with probability ~ rate^i (all before it must be);
+        Draft i of a sequence is accepted with probability first x cont^(i-1) (`SpecState`);
         a step's yield is its rows plus the accepted drafts, its cost fixed + per-token x
         tokens. Greedily add the draft with the highest acceptance while that raises the
         step's expected tokens per second."""
@@ -166,7 +177,7 @@ class Speculator:
             return {}
         seconds, per = fit
         tokens = float(rows)
-        heap = [(-self.states[s].accept_rate, s, 1) for s in cands]
+        heap = [(-self.states[s].chance(1), s, 1) for s in cands]
         heapq.heapify(heap)
         taken: dict[int, int] = {}
         while heap:
@@ -177,7 +188,7 @@ class Speculator:
             tokens, seconds = tokens + p, seconds + per
             taken[s] = i
             if i < len(cands[s]):
-                heapq.heappush(heap, (-(p * self.states[s].accept_rate), s, i + 1))
+                heapq.heappush(heap, (-self.states[s].chance(i + 1), s, i + 1))
         self.idle_steps = 0 if taken else self.idle_steps + 1
         if not taken and self.idle_steps % PROBE_EVERY == 0:  # keep the cost measured
             s = max(cands, key=lambda s: self.states[s].accept_rate)
@@ -193,11 +204,12 @@ class Speculator:
             return {}
         best = self.config.fixed or 1  # unmeasured: one draft each measures both costs
         if fit is not None and ds is not None and not self.config.fixed:
-            rates = [self.states[s].accept_rate for s, _, _ in ready]
+            states = [self.states[s] for s, _, _ in ready]
             fixed, per = fit
 
             def rate(k: int) -> float:
-                tokens = len(decoding) + sum(sum(r ** i for i in range(1, k + 1)) for r in rates)
+                tokens = len(decoding) + sum(st.chance(i) for st in states
+                                             for i in range(1, k + 1))
                 return tokens / (fixed + k * (per * len(ready) + ds))
 
             best = max(range(self.config.max_draft + 1), key=rate)
@@ -209,12 +221,16 @@ class Speculator:
         return {s: d[:rooms[s]] for s, d in drafts.items() if d}
 
     def observe(self, seq: int, tried: int, accepted: int) -> None:
-        """``accepted`` of ``tried`` drafts of ``seq`` held (or would have)."""
+        """``accepted`` of ``tried`` drafts of ``seq`` held (or would have): the first
+        counts toward the first-draft rate, the ones tried after it toward the other."""
         st = self.states.get(seq)
         if st is None or tried == 0:
             return
-        st.accept_rate = ema(st.accept_rate, accepted / tried)
-        self.prior = ema(self.prior, accepted / tried)
+        first = float(accepted > 0)
+        st.accept_rate, self.prior = ema(st.accept_rate, first), ema(self.prior, first)
+        if tried > 1:  # the drafts tried after the first (which held)
+            later = (accepted - 1) / (tried - 1)
+            st.cont_rate, self.prior_cont = ema(st.cont_rate, later), ema(self.prior_cont, later)
 
     def forget(self, seq: int) -> SpecState | None:
         """Drop a finished sequence's state (and its draft-model blocks); returns it."""
@@ -231,6 +247,9 @@ class Speculator:
                              r.max_new - r.stats.generation_tokens - 1) for r in ready])
         for r in running:
             r.draft = drafts.get(r.request_id, [])
+            end = next((i for i, t in enumerate(r.draft) if t in r.decoder.eos), None)
+            if end is not None:  # nothing after an end token is ever used
+                r.draft = r.draft[:end + 1]
             g = r.decoder.grammar
             if r.draft and g is not None:  # only what the grammar takes can be verified
                 r.draft = r.draft[:g.accepts(r.draft)]
