@@ -13,7 +13,7 @@
 #include <limits>
 #include <vector>
 
-#include "paged_decode_task.h"
+#include "paged_decode_quant.h"
 #include "pool.h"
 
 namespace kvchat {

@@ -38,6 +38,30 @@ inline void token_range(const Problem& pb, int b, int part, int& t0, int& t1) {
 // exp(score - m_new) in place, m and l move on; returns the factor (0 on the
 // first block) by which the caller rescales its output accumulator.
 inline float softmax_block(float* pg, int r0, int r1, float& m, float& l) {
+#if defined(__AVX512F__)
+  // Masked vectors over [r0, r1): one max and one sum reduction per block, not a scalar
+  // pass per row (the block's softmax cost as much as its 16 rows' dot products).
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 vmax = neg_inf;
+  for (int c = r0; c < r1; c += W) {
+    const __mmask16 k = r1 - c >= W ? __mmask16(0xffff) : __mmask16((1u << (r1 - c)) - 1);
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(neg_inf, k, pg + c));
+  }
+  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+  const float alpha = m_new == m ? 1.0f : std::exp(m - m_new);  // exp(0) is 1 exactly
+  m = m_new;
+  __m512 vsum = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m_new);
+  for (int c = r0; c < r1; c += W) {
+    const __mmask16 k = r1 - c >= W ? __mmask16(0xffff) : __mmask16((1u << (r1 - c)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(k, pg + c);
+    const vf e = exp_neg(reinterpret_cast<vf>(_mm512_sub_ps(x, mv)));
+    _mm512_mask_storeu_ps(pg + c, k, reinterpret_cast<__m512>(e));
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(k, reinterpret_cast<__m512>(e)));
+  }
+  l = l * alpha + _mm512_reduce_add_ps(vsum);
+  return alpha;
+#else
   float block_max = pg[r0];
   for (int r = r0 + 1; r < r1; ++r) block_max = std::max(block_max, pg[r]);
   const float m_new = std::max(m, block_max);
@@ -56,13 +80,14 @@ inline float softmax_block(float* pg, int r0, int r1, float& m, float& l) {
   }
   l = l * alpha + sum;
   return alpha;
+#endif
 }
 
 // Row `row` of one pool side (D = NV * W floats) in registers: float rows converted as
 // loaded, quantized rows dequantized exactly as `Side::row` does (4-bit rows in its
 // (evens, odds) order of each 32-chunk), without the round trip through memory.
 template <int NV>
-inline void load_row(const Side& side, int64_t row, vf* out) {
+__attribute__((always_inline)) inline void load_row(const Side& side, int64_t row, vf* out) {
   if (side.bits == 0) {
     const int64_t base = row * NV * W;
     for (int j = 0; j < NV; ++j) out[j] = load_any(side.data, side.elem, base + j * W);
@@ -139,30 +164,6 @@ void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st)
     st.l[g] = l[g];
     for (int j = 0; j < NV; ++j) store(st.acc + size_t(g) * D + j * W, acc[g][j]);
   }
-}
-
-using AttendFn = void (*)(const Problem&, int, int, int, int, Partial);
-
-template <int NV>
-AttendFn plain_for_heads(int G) {
-  switch (G) {
-    case 1: return attend_plain<NV, 1>;
-    case 2: return attend_plain<NV, 2>;
-    case 3: return attend_plain<NV, 3>;
-    case 4: return attend_plain<NV, 4>;
-    case 5: return attend_plain<NV, 5>;
-    case 6: return attend_plain<NV, 6>;
-    case 7: return attend_plain<NV, 7>;
-    case 8: return attend_plain<NV, 8>;
-    default: return nullptr;
-  }
-}
-
-// The specialized `attend` for this task's shape, or nullptr for the general one.
-inline AttendFn plain_attend(const Problem& pb, int G) {
-  if (pb.D == 4 * W) return plain_for_heads<4>(G);
-  if (pb.D == 8 * W) return plain_for_heads<8>(G);
-  return nullptr;
 }
 
 }  // namespace kvchat::decode_task

@@ -112,7 +112,7 @@ inline void interleave(vb lo, vb hi, vb& first, vb& second) {
 }
 
 // v[i] <- column i of the 16 x 16 matrix whose rows are v[0..15].
-inline void transpose16(vf* v) {
+__attribute__((always_inline)) inline void transpose16(vf* v) {
 #if defined(__AVX512F__)
   __m512 r[W], t[W];
   std::memcpy(r, v, sizeof(r));

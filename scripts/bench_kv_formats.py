@@ -1,0 +1,203 @@
+"""Decode on a float16 vs a quantized KV pool at a long context, side by side in one run.
+
+    .venv/bin/python scripts/bench_kv_formats.py [--ctx 4096] [--rounds 3] [--gen 32]
+        [--only kernel|step|decode] [--formats f16,q8,k8v4,q4]
+
+1. kernel: the CPU extension's paged decode attention alone (Hq 9, Hkv 3, D 64, one
+   sequence of --ctx tokens), us per layer call, with and without the rotation of queries
+   and outputs (`attention.paged_attention`, what a layer runs);
+2. step: the default model's decode step at --ctx tokens of context, one engine per
+   format: graph nodes and ms per step (best of the interleaved rounds);
+3. decode: engine decode tok/s (``Engine.generate``, the prompt served from the prefix
+   cache after the first round), --gen tokens, interleaved rounds, best and median.
+
+Every section measures the formats interleaved, round after round: the build machines are
+shared 2-core VMs, and only figures taken side by side compare. The load average is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import tempfile
+import time
+from functools import partial
+
+import engine  # noqa: F401  (OpenBLAS before mlx.core)
+
+# isort: split
+import mlx.core as mx
+
+from engine import Engine, EngineConfig, SamplingParams, load_model
+from engine.executor import build_batch
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache
+from engine.kvcache.quant import QuantSpec
+from engine.model.attention import cpu
+from engine.model.attention.dispatch import paged_attention
+from engine.model.cpu_ext import build, ops
+
+FORMATS = {"f16": (16, 16), "q8": (8, 8), "k8v4": (8, 4), "q4": (4, 4), "q8-plain": (8, 8)}
+TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps by the fire. " * 900
+
+
+def load() -> str:
+    return "load average {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
+
+
+def count_ops(*outs) -> int:
+    path = tempfile.mktemp(suffix=".dot")
+    mx.export_to_dot(path, *outs)
+    with open(path) as f:
+        return len(re.findall(r"shape=rectangle", f.read()))
+
+
+def best_us(fn, n: int) -> float:
+    """The fastest of n calls (the least disturbed on a shared machine)."""
+    best = float("inf")
+    for _ in range(n):
+        t = time.perf_counter()
+        mx.eval(fn())
+        best = min(best, time.perf_counter() - t)
+    return best * 1e6
+
+
+def _quant(bits: int, name: str) -> QuantSpec | None:
+    return None if bits == 16 else QuantSpec(bits, 64, 0 if name.endswith("plain") else 1)
+
+
+def bench_kernel(names: list[str], ctx: int, rounds: int) -> None:
+    print(f"== paged decode attention, 1 x {ctx} tokens (Hq 9, Hkv 3, D 64, block 16): "
+          f"us per layer call, best of {rounds} interleaved rounds ({load()})")
+    Hq, Hkv, D, bs = 9, 3, 64, 16
+    nb = ctx // bs + 1
+    table = mx.array([list(range(1, nb))], dtype=mx.int32)
+    slots = mx.arange(bs, nb * bs, dtype=mx.int32)
+    mx.random.seed(0)
+    rows_k = mx.random.normal((Hkv, len(slots), D)).astype(mx.float16)
+    rows_v = mx.random.normal((Hkv, len(slots), D)).astype(mx.float16)
+    q = mx.random.normal((1, Hq, 1, D)).astype(mx.float32)
+    cases = {}
+    for name in names:
+        kb, vb = FORMATS[name]
+        layout = KVLayout(1, Hkv, D, bs, mx.float16, _quant(kb, name), _quant(vb, name))
+        cache = PagedKVCache(layout, nb, ops.kv_write, quant_writer=ops.kv_write_quant)
+        cache.write(0, slots, rows_k, rows_v)
+        mx.eval(cache.keys, cache.values)
+        k, v = cache.block_view(0)
+        cases[name] = (partial(cpu.paged_decode, q, k, v, table, [ctx], 0.125),
+                       partial(paged_attention, q, k, v, table, [ctx], 0.125))
+    best: dict = {}
+    for _ in range(rounds):
+        for name, fns in cases.items():
+            for i, fn in enumerate(fns):
+                mx.eval(fn())
+                us = best_us(fn, 50)
+                best[name, i] = min(best.get((name, i), float("inf")), us)
+    for name in cases:
+        print(f"{name:9s}: kernel {best[name, 0]:6.0f} us   with the rotation "
+              f"{best[name, 1]:6.0f} us", flush=True)
+
+
+def engines(names: list[str], ctx: int) -> dict[str, Engine]:
+    out = {}
+    loaded = load_model()
+    for name in names:
+        kb, vb = FORMATS[name]
+        cfg = EngineConfig(kv_budget_bytes=(2 * ctx * 23_040 + (64 << 20)), k_bits=kb,
+                           v_bits=vb, kv_rotation=not name.endswith("plain"))
+        out[name] = Engine(loaded, cfg)
+        print(f"{name:9s}: KV {out[name].layout.kv_format}", flush=True)
+    return out
+
+
+def bench_step(engs: dict[str, Engine], ctx: int, rounds: int) -> None:
+
+    print(f"== decode step at {ctx} tokens of context: graph nodes, ms per step "
+          f"(best of {rounds} interleaved rounds of 8 steps; {load()})")
+    ids = next(iter(engs.values())).loaded.tokenizer.encode(TEXT)[:ctx]
+    state = {}
+    for name, eng in engs.items():
+        sid = 777
+        eng.blocks.allocate(sid)
+        for i in range(0, len(ids), 512):
+            chunk = ids[i:i + 512]
+            plan = eng.blocks.append(sid, len(chunk))
+            eng.runner(build_batch(eng.blocks, [sid], mx.array([chunk], dtype=mx.int32),
+                                   [plan.slots]), eng.kv, logits=False)
+            mx.eval(eng.kv.keys, eng.kv.values)
+        state[name] = [sid, 5, 0, float("inf")]
+
+    def step(name: str, eng: Engine, count: bool) -> float:
+        sid, nxt = state[name][:2]
+        plan = eng.blocks.append(sid, 1)
+        batch = build_batch(eng.blocks, [sid], mx.array([[nxt]], dtype=mx.int32), [plan.slots])
+        t = time.perf_counter()
+        logits = eng.runner(batch, eng.kv)
+        if count:
+            state[name][2] = count_ops(logits, *eng.kv.keys, *eng.kv.values)
+            t = time.perf_counter()
+            logits = logits + 0
+        y = mx.argmax(logits, axis=-1)
+        mx.eval(y, eng.kv.keys, eng.kv.values)
+        state[name][1] = int(y.item())
+        return time.perf_counter() - t
+
+    for name, eng in engs.items():
+        step(name, eng, True)
+    for _ in range(rounds):
+        for name, eng in engs.items():
+            step(name, eng, False)
+            state[name][3] = min(state[name][3], min(step(name, eng, False) for _ in range(8)))
+    base = state[next(iter(engs))][3]
+    for name, (sid, _, nodes, best) in state.items():
+        engs[name].blocks.free(sid)
+        print(f"{name:9s}: {nodes:5d} graph nodes, {best * 1e3:6.2f} ms per step "
+              f"({base / best:.2f}x the first)", flush=True)
+
+
+def bench_decode(engs: dict[str, Engine], ctx: int, gen: int, rounds: int) -> None:
+    print(f"== engine decode tok/s, {ctx}-token prompt (prefix-cached after the first "
+          f"round), {gen} tokens, {rounds} interleaved rounds ({load()})")
+    ids = next(iter(engs.values())).loaded.tokenizer.encode(TEXT)[:ctx]
+    params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+    tps: dict[str, list[float]] = {name: [] for name in engs}
+    for eng in engs.values():  # the cold prefill, not timed
+        eng.generate_text(ids, SamplingParams(max_tokens=2, ignore_eos=True), tenant="b")
+    for _ in range(rounds):
+        for name, eng in engs.items():
+            r = eng.generate_text(ids, params, tenant="b")
+            tps[name].append(r.stats.decode_tps)
+    base = max(tps[next(iter(engs))])
+    for name, xs in tps.items():
+        print(f"{name:9s}: best {max(xs):6.1f} tok/s ({max(xs) / base:.2f}x the first), "
+              f"median {statistics.median(xs):6.1f}", flush=True)
+    print(f"({load()})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ctx", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--gen", type=int, default=32)
+    p.add_argument("--only", choices=["kernel", "step", "decode"])
+    p.add_argument("--formats", default="f16,q8,k8v4,q4")
+    args = p.parse_args()
+    if not build.available():
+        raise SystemExit(f"the extension is unavailable: {build.unavailable_reason()}")
+    names = args.formats.split(",")
+    if args.only in (None, "kernel"):
+        bench_kernel(names, args.ctx, args.rounds)
+    if args.only in ("step", "decode", None):
+        engs = engines(names, args.ctx)
+        if args.only in (None, "step"):
+            bench_step(engs, args.ctx, args.rounds)
+        if args.only in (None, "decode"):
+            bench_decode(engs, args.ctx, args.gen, args.rounds)
+        for eng in engs.values():
+            eng.shutdown()
+
+
+if __name__ == "__main__":
+    main()
