@@ -5,9 +5,8 @@ n-grams that already occurred in its prompt or answer (prompt lookup: document Q
 copies spans of the document). The step verifies them in the same batched forward as
 every other sequence's decode (`engine.verify`): one forward yields up to ``k + 1``
 tokens. How many drafts a sequence gets is decided per step from what was measured: each
-sequence's recent acceptance (two rates: of a first draft, and of a draft whose predecessor
-held -- a copy that started tends to go on), and what a plain step of this batch size and
-each verified token on top of it cost (`SpecCost`); a draft token is added only while its
+sequence's recent acceptance rate, and what a plain step of this batch size and each
+verified token on top of it cost (`SpecCost`); a draft token is added only while its
 expected yield per second beats the step's (so in a large batch, where every extra token costs as
 much as a whole sequence's decode, speculation switches itself off).
 """
@@ -79,12 +78,7 @@ class SpecState:
     """One sequence's speculation: its lookup index and its measured acceptance."""
 
     index: LookupIndex | None
-    accept_rate: float  # EMA of the share of first drafts accepted
-    cont_rate: float  # EMA of the share of later drafts accepted, the one before held
-
-    def chance(self, i: int) -> float:
-        """Expected chance that draft ``i`` (1-based) holds: every one before it must."""
-        return self.accept_rate * self.cont_rate ** (i - 1)
+    accept_rate: float  # EMA of the share of tried drafts accepted
 
 
 @dataclass(slots=True)
@@ -129,10 +123,7 @@ class Speculator:
     draft: DraftModel | None = None  # mode "draft": who proposes
     idle_steps: int = 0  # steps since drafts were last verified
     states: dict[int, SpecState] = field(default_factory=dict)
-    # acceptance of a sequence not yet measured: the engine-wide EMAs of its two rates (a
-    # draft that follows an accepted one holds far more often than a first one: copying)
-    prior: float = 0.5
-    prior_cont: float = 0.8
+    prior: float = 0.5  # acceptance of a sequence not yet measured: the engine-wide EMA
     # the first draft of a sequence that verifies none this step: checked against the
     # token it gets, so a sequence's rate keeps being measured while it does not speculate
     shadow: dict[int, int] = field(default_factory=dict)
@@ -152,7 +143,7 @@ class Speculator:
             if seq not in self.states:
                 self.states[seq] = SpecState(
                     LookupIndex(c.min_ngram, c.max_ngram) if self.draft is None else None,
-                    self.prior, self.prior_cont)
+                    self.prior)
         if self.draft is not None:
             return self._plan_draft(decoding)
         cands: dict[int, list[int]] = {}
@@ -168,7 +159,7 @@ class Speculator:
     def _allot(self, cands: dict[int, list[int]], rows: int) -> dict[int, list[int]]:
         """Keep the draft tokens whose expected yield per second beats the step's.
 
-        Draft i of a sequence is accepted with probability first x cont^(i-1) (`SpecState`);
+        Draft i of a sequence is accepted with probability ~ rate^i (all before it must be);
         a step's yield is its rows plus the accepted drafts, its cost fixed + per-token x
         tokens. Greedily add the draft with the highest acceptance while that raises the
         step's expected tokens per second."""
@@ -177,7 +168,7 @@ class Speculator:
             return {}
         seconds, per = fit
         tokens = float(rows)
-        heap = [(-self.states[s].chance(1), s, 1) for s in cands]
+        heap = [(-self.states[s].accept_rate, s, 1) for s in cands]
         heapq.heapify(heap)
         taken: dict[int, int] = {}
         while heap:
@@ -188,7 +179,7 @@ class Speculator:
             tokens, seconds = tokens + p, seconds + per
             taken[s] = i
             if i < len(cands[s]):
-                heapq.heappush(heap, (-self.states[s].chance(i + 1), s, i + 1))
+                heapq.heappush(heap, (-(p * self.states[s].accept_rate), s, i + 1))
         self.idle_steps = 0 if taken else self.idle_steps + 1
         if not taken and self.idle_steps % PROBE_EVERY == 0:  # keep the cost measured
             s = max(cands, key=lambda s: self.states[s].accept_rate)
@@ -204,12 +195,11 @@ class Speculator:
             return {}
         best = self.config.fixed or 1  # unmeasured: one draft each measures both costs
         if fit is not None and ds is not None and not self.config.fixed:
-            states = [self.states[s] for s, _, _ in ready]
+            rates = [self.states[s].accept_rate for s, _, _ in ready]
             fixed, per = fit
 
             def rate(k: int) -> float:
-                tokens = len(decoding) + sum(st.chance(i) for st in states
-                                             for i in range(1, k + 1))
+                tokens = len(decoding) + sum(sum(r ** i for i in range(1, k + 1)) for r in rates)
                 return tokens / (fixed + k * (per * len(ready) + ds))
 
             best = max(range(self.config.max_draft + 1), key=rate)
@@ -221,16 +211,12 @@ class Speculator:
         return {s: d[:rooms[s]] for s, d in drafts.items() if d}
 
     def observe(self, seq: int, tried: int, accepted: int) -> None:
-        """``accepted`` of ``tried`` drafts of ``seq`` held (or would have): the first
-        counts toward the first-draft rate, the ones tried after it toward the other."""
+        """``accepted`` of ``tried`` drafts of ``seq`` held (or would have)."""
         st = self.states.get(seq)
         if st is None or tried == 0:
             return
-        first = float(accepted > 0)
-        st.accept_rate, self.prior = ema(st.accept_rate, first), ema(self.prior, first)
-        if tried > 1:  # the drafts tried after the first (which held)
-            later = (accepted - 1) / (tried - 1)
-            st.cont_rate, self.prior_cont = ema(st.cont_rate, later), ema(self.prior_cont, later)
+        st.accept_rate = ema(st.accept_rate, accepted / tried)
+        self.prior = ema(self.prior, accepted / tried)
 
     def forget(self, seq: int) -> SpecState | None:
         """Drop a finished sequence's state (and its draft-model blocks); returns it."""

@@ -92,34 +92,13 @@ def test_shadow_measurement_turns_speculation_back_on():
     assert sp.states[0].accept_rate > 0.016 / 0.036
 
 
-def test_first_and_later_drafts_are_measured_apart():
-    """A first draft fails often where a later one, once a copy started, seldom does: the two
-    rates are kept apart, and a high later rate buys longer drafts than one blended rate."""
-    sp = speculator(0.020, 0.004)
-    sp.observe(0, 1, 1)  # no state yet: ignored
-    sp.plan([(0, copying(), 10)])
-    st = sp.states[0]
-    st.accept_rate, st.cont_rate = 0.5, 0.5
-    sp.observe(0, 4, 4)  # the first held, and the three after it
-    assert st.accept_rate == pytest.approx(0.65) and st.cont_rate == pytest.approx(0.65)
-    sp.observe(0, 1, 0)  # the first failed: nothing after it was tried
-    assert st.accept_rate == pytest.approx(0.455) and st.cont_rate == pytest.approx(0.65)
-    sp.observe(0, 3, 2)  # the first held, one of the two after it
-    assert st.cont_rate == pytest.approx(0.605)
-    assert st.chance(3) == pytest.approx(st.accept_rate * st.cont_rate ** 2)
-    st.accept_rate, st.cont_rate = 0.5, 0.5  # one blended rate: two drafts pay
-    assert len(sp.plan([(0, copying(), 10)])[0]) == 2
-    st.cont_rate = 0.95  # copies go on once started: all four
-    assert len(sp.plan([(0, copying(), 10)])[0]) == 4
-
-
 def test_one_token_lookup_and_end_tokens():
     """The default lookup matches on the last token alone when nothing longer repeats;
     drafts stop at an end-of-sequence token (nothing after it is ever used)."""
     assert SpecConfig().min_ngram == 1
     assert LookupIndex(SpecConfig().min_ngram, 4).propose([7, 8, 9, 6, 7], 3) == [8, 9, 6]
     sp = speculator(0.020, 0.002)
-    sp.prior, sp.prior_cont = 0.9, 0.9
+    sp.prior = 0.9
     req = SimpleNamespace(request_id=0, in_prefill=False, num_dropped=0, all_ids=copying(),
                           max_new=20, stats=SimpleNamespace(generation_tokens=1), draft=[],
                           decoder=SimpleNamespace(speculable=True, grammar=None, eos={4}))
