@@ -96,3 +96,49 @@ def test_error_is_float_rounding(kv):
                                     v_quant=(kv[1], 64))
         errs.append(float32_error(q, k, v, tables, lens))
     assert errs[0] < 1e-4 and errs[1] < 2e-6, errs
+
+
+@pytest.mark.parametrize("q_dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize("rotated", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("L", [1, 5])
+def test_rotation_inside_the_op_is_the_rotation_around_it(rotated, L, q_dtype):
+    # the op's own rotation of queries and outputs gives, bit for bit, what the two
+    # `rotation` ops around it give (decode and prefill)
+    from engine.kvcache import rotation
+
+    lens = [40, 77]
+    q, k, v, tables = make_case(lens, 6, 2, 64, 16, seed=L, k_quant=(8, 64), v_quant=(4, 64))
+    q = mx.random.normal((2, 6, L, 64), key=mx.random.key(L)).astype(q_dtype)
+    op = cpu.paged_decode if L == 1 else cpu.paged_prefill
+    inside = op(q, k, v, tables, lens, 0.125, rotated=rotated)
+    around = op(rotation.rotate(q) if rotated[0] else q, k, v, tables, lens, 0.125)
+    around = rotation.unrotate(around) if rotated[1] else around
+    assert inside.dtype == q_dtype
+    assert mx.array_equal(inside, around)
+
+
+def test_rotated_pools_through_the_dispatcher_match_the_reference():
+    # `paged_attention` on a rotated pool: the CPU op rotating inside, the reference with
+    # the rotation ops around it
+    from engine.kvcache import rotation
+    from engine.kvcache.quant import QuantSpec
+    from engine.model.attention import paged_attention
+
+    lens = [33, 260]
+    q, k, v, tables = make_case(lens, 9, 3, 64, 16, seed=4)
+    H, nb, bs, D = k.shape
+
+    def rotated_pool(pool, bits):
+        rows = rotation.rotate(pool.reshape(-1, D))
+        data, s, b = mx.quantize(rows, group_size=64, bits=bits)
+        return QuantizedBlocks(data.reshape(H, nb, bs, -1), s.astype(mx.float16).reshape(
+            H, nb, bs, -1), b.astype(mx.float16).reshape(H, nb, bs, -1),
+            QuantSpec(bits, 64, 1), D)
+
+    kr, vr = rotated_pool(k, 8), rotated_pool(v, 8)
+    out = paged_attention(q, kr, vr, tables, lens, 0.125)
+    ref = rotation.unrotate(paged_attention_ref(rotation.rotate(q), kr, vr, tables, lens,
+                                                AttentionSpec(0.125, None, None)))
+    assert mx.abs(out - ref).max().item() < 2e-3
+    plain = paged_attention_ref(q, k, v, tables, lens, AttentionSpec(0.125, None, None))
+    assert mx.abs(out - plain).max().item() < 0.05  # what 8-bit K/V cost, rotated back

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from engine.kvcache import rotation
 from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.model.attention.spec import AttentionSpec, PagedCall, Pool
 from engine.model.cpu_ext import build
@@ -33,22 +34,26 @@ def _side(pool: Pool) -> dict:
     return dict(rows=pool, scales=None, biases=None, bits=0, group=0)
 
 
-def _paged(queries, k_pool, v_pool, block_tables, context_lens, scale) -> mx.array:
+def _paged(queries, k_pool, v_pool, block_tables, context_lens, scale,
+           rotated: tuple[bool, bool] = (False, False)) -> mx.array:
     spec = AttentionSpec.of(scale)
     if not isinstance(context_lens, mx.array):
         context_lens = mx.array([int(n) for n in context_lens], dtype=mx.int32)
     k, v = _side(k_pool), _side(v_pool)
+    signs = rotation.signs(queries.shape[-1]) if any(rotated) else None
     return build.require().paged_attention(
         queries, k["rows"], v["rows"], block_tables.astype(mx.int32),
         context_lens.astype(mx.int32), scale=float(spec.scale), window=spec.window or 0,
         sinks=spec.sinks,
         k_scales=k["scales"], k_biases=k["biases"], k_bits=k["bits"], k_group=k["group"],
-        v_scales=v["scales"], v_biases=v["biases"], v_bits=v["bits"], v_group=v["group"])
+        v_scales=v["scales"], v_biases=v["biases"], v_bits=v["bits"], v_group=v["group"],
+        rotation=signs, rotate_queries=rotated[0], unrotate_out=rotated[1])
 
 
 def paged_decode(queries: mx.array, k_pool: Pool, v_pool: Pool, block_tables: mx.array,
                  context_lens: Sequence[int] | mx.array,
-                 scale: float | AttentionSpec) -> mx.array:
+                 scale: float | AttentionSpec, *,
+                 rotated: tuple[bool, bool] = (False, False)) -> mx.array:
     """Decode attention read through the block table (plain layers).
 
     Args:
@@ -58,18 +63,22 @@ def paged_decode(queries: mx.array, k_pool: Pool, v_pool: Pool, block_tables: mx
         block_tables: (B, max_blocks) int32 physical block ids.
         context_lens: B ints, tokens per sequence including the new one.
         scale: softmax scale, or the layer's `AttentionSpec` (its window and sinks).
+        rotated: (K, V) stored rotated (`kvcache.rotation`): the op rotates the queries
+            first (K) and the outputs back (V), as `rotation.rotate` / `unrotate` would
+            around it, bit for bit, without their two graph nodes.
 
     Returns:
         (B, Hq, 1, D) in the queries' dtype.
     """
     if queries.ndim != 4 or queries.shape[2] != 1:
         raise ValueError(f"paged_decode: queries must be (B, Hq, 1, D), not {queries.shape}")
-    return _paged(queries, k_pool, v_pool, block_tables, context_lens, scale)
+    return _paged(queries, k_pool, v_pool, block_tables, context_lens, scale, rotated)
 
 
 def paged_prefill(queries: mx.array, k_pool: Pool, v_pool: Pool, block_tables: mx.array,
                   context_lens: Sequence[int] | mx.array,
-                  scale: float | AttentionSpec) -> mx.array:
+                  scale: float | AttentionSpec, *,
+                  rotated: tuple[bool, bool] = (False, False)) -> mx.array:
     """Causal attention of each sequence's L newest positions (already written to the
     pool) over its blocks: `paged_decode`'s arguments with queries (B, Hq, L, D); query i
     of sequence b sits at position ``context_lens[b] - L + i``.
@@ -77,7 +86,7 @@ def paged_prefill(queries: mx.array, k_pool: Pool, v_pool: Pool, block_tables: m
     Returns:
         (B, Hq, L, D) in the queries' dtype.
     """
-    return _paged(queries, k_pool, v_pool, block_tables, context_lens, scale)
+    return _paged(queries, k_pool, v_pool, block_tables, context_lens, scale, rotated)
 
 
 def supports(queries: mx.array, k_pool: Pool, v_pool: Pool) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -23,6 +23,7 @@ class KernelPath:
     ready: Callable[[PagedCall], bool]
     launch: Callable[..., mx.array]  # the kernel entry point, fed `PagedCall.args()`
     variant: Callable[[PagedCall], tuple]  # what the first-launch check tells apart, per backend
+    rotates: bool = False  # launch takes ``rotated=(K, V)`` and rotates inside (no extra ops)
 
 
 def _cpu_ready(call: PagedCall) -> bool:
@@ -39,12 +40,13 @@ def _gpu_variant(kind: str) -> Callable[[PagedCall], tuple]:
     return key
 
 
-def _cpu_launch(*args) -> mx.array:
-    return (cpu.paged_decode if args[0].shape[2] == 1 else cpu.paged_prefill)(*args)
+def _cpu_launch(*args, rotated=(False, False)) -> mx.array:
+    fn = cpu.paged_decode if args[0].shape[2] == 1 else cpu.paged_prefill
+    return fn(*args, rotated=rotated) if any(rotated) else fn(*args)
 
 
 KERNEL_PATHS: dict[str, KernelPath] = {
-    "cpu": KernelPath(_cpu_ready, _cpu_launch, cpu.variant_key),
+    "cpu": KernelPath(_cpu_ready, _cpu_launch, cpu.variant_key, rotates=True),
     "one_pass": KernelPath(_gpu_ready, lambda *a: one_pass.paged_decode_attention(*a),
                            _gpu_variant("one_pass")),
     "two_pass": KernelPath(_gpu_ready, lambda *a: two_pass.paged_decode_two_pass(*a),
@@ -73,27 +75,37 @@ def paged_attention(
     (``use_kernels=False``, ``KVCHAT_KERNELS=0``, an earlier failure) or decline.
 
     A quantized side stored rotated (`QuantSpec.rotation`) is met here, for every path:
-    rotated keys take queries rotated alike, rotated values give outputs rotated back.
+    rotated keys take queries rotated alike, rotated values give outputs rotated back (the
+    CPU extension does both inside its op; elsewhere they are ops around the call).
     """
-    k_rot, v_rot = (isinstance(p, QuantizedBlocks) and p.quant.rotation for p in (k_pool, v_pool))
-    if k_rot:
-        queries = rotation.rotate(queries)
-    out = _paged_attention(queries, k_pool, v_pool, block_tables, context_lens, scale,
-                           block_run=block_run, use_kernels=use_kernels)
-    return rotation.unrotate(out) if v_rot else out
-
-
-def _paged_attention(queries, k_pool, v_pool, block_tables, context_lens, scale, *,
-                     block_run, use_kernels) -> mx.array:
+    rotated = tuple(bool(isinstance(p, QuantizedBlocks) and p.quant.rotation)
+                    for p in (k_pool, v_pool))
     call = PagedCall(queries, k_pool, v_pool, block_tables, tuple(map(int, context_lens)),
                      AttentionSpec.of(scale), block_run)
+
+    def around(fn: Callable[[PagedCall], mx.array]) -> mx.array:
+        """fn on the call with its queries rotated, its output rotated back, as needed."""
+        c = replace(call, queries=rotation.rotate(queries)) if rotated[0] else call
+        out = fn(c)
+        return rotation.unrotate(out) if rotated[1] else out
+
     if use_kernels and not GUARD.switch.tripped and backend.kernels_enabled():
         where = backend.kernel_backend() or "cpu"  # MLX's CPU backend: the extension's rows
         name = routes.route(call, where).path
         path = KERNEL_PATHS.get(name)
         if path is not None and path.ready(call):
+            if path.rotates:
+                def launch(*args):
+                    return path.launch(*args, rotated=rotated)
+
+                args = call.args()
+            else:
+                def launch(*args):
+                    return around(lambda c: path.launch(*c.args()))
+
+                args = ()
             out = GUARD.run(f"{name} attention on {where}", (where, *path.variant(call)),
-                            path.launch, call.args(), lambda: _reference(call), (k_pool, v_pool))
+                            launch, args, lambda: around(_reference), (k_pool, v_pool))
             if out is not None:
                 return out
-    return _reference(call)
+    return around(_reference)

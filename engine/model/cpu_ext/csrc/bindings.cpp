@@ -53,9 +53,11 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "block_tables"_a, "context_lens"_a, nb::kw_only(), "scale"_a, "k_scales"_a = nb::none(),
         "k_biases"_a = nb::none(), "k_bits"_a = 0, "k_group"_a = 0, "v_scales"_a = nb::none(),
         "v_biases"_a = nb::none(), "v_bits"_a = 0, "v_group"_a = 0, "window"_a = 0,
-        "sinks"_a = nb::none(), "stream"_a = nb::none(),
+        "sinks"_a = nb::none(), "rotation"_a = nb::none(), "rotate_queries"_a = false,
+        "unrotate_out"_a = false, "stream"_a = nb::none(),
         "Causal attention of each sequence's L newest positions over a block-paged K/V pool\n"
-        "(L == 1: decode; see engine/model/attention).");
+        "(L == 1: decode; see engine/model/attention); a rotated pool's queries and outputs\n"
+        "rotated inside the op (rotation: R's (D,) signs, `kvcache.rotation`).");
   m.def("rms_norm", &kvchat::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
         "stream"_a = nb::none(), "RMSNorm over the last axis (mx.fast.rms_norm), one op.");
   m.def("rope", &kvchat::rope, "x"_a, "offsets"_a, nb::kw_only(), "dims"_a, "traditional"_a,
@@ -100,6 +102,12 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "stream"_a = nb::none(),
         "One part (0 packed rows, 1 scales, 2 biases) of a quantized pool (H, S, W) with rows\n"
         "(H, N, D) (rotated by `rotation` first) quantized and written at slots (N,): one op.");
+  m.def("kv_write_quant_all", &kvchat::kv_write_quant_all, "data"_a, "scales"_a, "biases"_a,
+        "slots"_a, "rows"_a, "rotation"_a = nb::none(), nb::kw_only(), "bits"_a, "group"_a,
+        "stream"_a = nb::none(),
+        "A quantized pool's three parts (packed rows, scales, biases), each (H, S, .), with\n"
+        "rows (H, N, D) (rotated by `rotation` first) quantized and written at slots (N,):\n"
+        "one op with three outputs, each in place when donated.");
   m.def("hadamard", &kvchat::hadamard, "x"_a, "signs"_a, nb::kw_only(), "inverse"_a = false,
         "stream"_a = nb::none(),
         "x (..., D) times kvchat's K/V rotation R (inverse: R^T), given R's (D,) signs: one op.");

@@ -1,4 +1,4 @@
-// Writing new K or V rows into a quantized pool: one node per stored part.
+// Writing new K or V rows into a quantized pool: one node for the three stored parts.
 //
 // A quantized side is three arrays (packed rows, scales, biases). Through MLX the
 // write was the rotation, `mx.quantize`, casts and three scatters of ~12 nodes each:
@@ -6,8 +6,9 @@
 // on a float16 one although attention reads a half or a quarter of the bytes. Here
 // each part is one `kv_write`-like node (in place when donated) that rotates (a fast
 // Walsh-Hadamard transform: the same R as `kvcache.rotation`, O(D log D)) and quantizes
-// the new rows itself; the three recompute the same rows, a few hundred operations
-// each, so that each can own its pool array.
+// the new rows itself. `kv_write_quant_all` writes all three parts from one node (three
+// outputs, each in place when its part is donated): a decode step's per-layer graph then
+// has one write per side, as a float pool's; `kv_write_quant` writes one part.
 //
 // The quantization is MLX's affine `quantize` step for step (min/max per group, the
 // scale's sign and edge rule, rint, clamp), scales and biases rounded to the rows'
@@ -78,15 +79,30 @@ void quantize_row(const float* x, int D, int bits, int group, Elem e, uint32_t* 
   }
 }
 
-void write_part(const mx::array& pool, const mx::array& slots, const mx::array& rows,
-                const mx::array* rotation, mx::array& out, bool donated, const QuantWrite& q) {
+// Writes the rows into the parts of `outs` (null: a part not written): outs[0] packed rows,
+// outs[1] scales, outs[2] biases; each part's old contents copied first unless donated.
+void write_parts(const mx::array* pools, const mx::array& slots, const mx::array& rows,
+                 const mx::array* rotation, mx::array* const* outs, const bool* donated,
+                 const QuantWrite& q) {
   // rotation: the (D,) signs of kvchat's rotation; its Hadamard blocks are D's largest
   // power-of-two divisor wide (`quant.rotation_block`)
-  const int64_t H = pool.shape(0), S = pool.shape(1), W = pool.shape(2), N = rows.shape(1);
+  const int64_t N = rows.shape(1);
   const int D = rows.shape(2), G = D / q.group;
-  char* dst = out.data<char>();
-  std::vector<char> pool_buf, slot_buf;
-  if (!donated) std::memcpy(dst, row_major(pool, pool_buf), out.nbytes());
+  int64_t H = 0, S = 0;
+  char* dst[3] = {nullptr, nullptr, nullptr};
+  int64_t width[3] = {0, 0, 0}, item[3] = {0, 0, 0};
+  std::vector<char> pool_buf;
+  for (int i = 0; i < 3; ++i) {
+    if (outs[i] == nullptr) continue;
+    const mx::array& pool = pools[i];
+    H = pool.shape(0);
+    S = pool.shape(1);
+    width[i] = pool.shape(2);
+    item[i] = outs[i]->itemsize();
+    dst[i] = outs[i]->data<char>();
+    if (!donated[i]) std::memcpy(dst[i], row_major(pool, pool_buf), outs[i]->nbytes());
+  }
+  std::vector<char> slot_buf;
   std::vector<float> r_buf, m_buf, rot(D), scales(G), biases(G);
   const float* rf = rows_as_float(rows, r_buf);
   const float* signs = rotation ? rows_as_float(*rotation, m_buf) : nullptr;
@@ -103,11 +119,13 @@ void write_part(const mx::array& pool, const mx::array& slots, const mx::array& 
         x = rot.data();
       }
       quantize_row(x, D, q.bits, q.group, re, words.data(), scales.data(), biases.data());
-      char* row = dst + (h * S + s[i]) * W * out.itemsize();
-      if (q.part == 0)
-        std::memcpy(row, words.data(), words.size() * sizeof(uint32_t));
-      else
-        store_any(row, elem_of(out.dtype()), q.part == 1 ? scales.data() : biases.data(), G);
+      const int64_t at = h * S + s[i];
+      if (dst[0]) std::memcpy(dst[0] + at * width[0] * item[0], words.data(),
+                              words.size() * sizeof(uint32_t));
+      if (dst[1]) store_any(dst[1] + at * width[1] * item[1], elem_of(outs[1]->dtype()),
+                            scales.data(), G);
+      if (dst[2]) store_any(dst[2] + at * width[2] * item[2], elem_of(outs[2]->dtype()),
+                            biases.data(), G);
     }
 }
 
@@ -121,19 +139,47 @@ void KvWriteQuant::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
   encoder.set_output_array(out);
   encoder.dispatch([in = inputs, out, donated, q = q_]() mutable {
     try {
-      write_part(in[0], in[1], in[2], in.size() > 3 ? &in[3] : nullptr, out, donated, q);
+      mx::array* outs[3] = {nullptr, nullptr, nullptr};
+      outs[q.part] = &out;
+      bool don[3] = {false, false, false};
+      don[q.part] = donated;
+      const mx::array pools[3] = {in[0], in[0], in[0]};
+      write_parts(pools, in[1], in[2], in.size() > 3 ? &in[3] : nullptr, outs, don, q);
     } catch (...) {  // an exception must not leave a dispatched task; the rows stay unwritten
     }
   });
+}
+
+void KvWriteQuantAll::eval_cpu(const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs) {
+  bool donated[3];
+  for (int i = 0; i < 3; ++i) donated[i] = share_if_donated(inputs[i], outputs[i]);
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) encoder.set_input_array(a);
+  for (auto& o : outputs) encoder.set_output_array(o);
+  encoder.dispatch([in = inputs, outputs, d0 = donated[0], d1 = donated[1], d2 = donated[2],
+                    q = q_]() mutable {
+    try {
+      mx::array* outs[3] = {&outputs[0], &outputs[1], &outputs[2]};
+      const bool don[3] = {d0, d1, d2};
+      write_parts(in.data(), in[3], in[4], in.size() > 5 ? &in[5] : nullptr, outs, don, q);
+    } catch (...) {  // as above
+    }
+  });
+}
+
+void KvWriteQuantAll::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("KvchatKvWriteQuantAll runs on the CPU only");
 }
 
 void KvWriteQuant::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("KvchatKvWriteQuant runs on the CPU only");
 }
 
-mx::array kv_write_quant(const mx::array& pool, const mx::array& slots, const mx::array& rows,
-                         const std::optional<mx::array>& rotation, int part, int bits, int group,
-                         mx::StreamOrDevice s) {
+namespace {
+
+void check_part(const mx::array& pool, const mx::array& slots, const mx::array& rows,
+                const std::optional<mx::array>& rotation, int part, int bits, int group) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("kv_write_quant: bits must be 4 or 8");
   if (part < 0 || part > 2) throw std::invalid_argument("kv_write_quant: part is 0, 1 or 2");
   if (rows.ndim() != 3 || pool.ndim() != 3 || slots.ndim() != 1 || slots.dtype() != mx::int32 ||
@@ -150,12 +196,39 @@ mx::array kv_write_quant(const mx::array& pool, const mx::array& slots, const mx
   if (rotation && (rotation->ndim() != 1 || rotation->shape(0) != D ||
                    rotation->dtype() != mx::float32))
     throw std::invalid_argument("kv_write_quant: rotation must be D float32 signs");
+}
+
+}  // namespace
+
+mx::array kv_write_quant(const mx::array& pool, const mx::array& slots, const mx::array& rows,
+                         const std::optional<mx::array>& rotation, int part, int bits, int group,
+                         mx::StreamOrDevice s) {
+  check_part(pool, slots, rows, rotation, part, bits, group);
   auto stream = mx::to_stream(s, mx::Device::cpu);
   std::vector<mx::array> inputs{pool, slots, rows};
   if (rotation) inputs.push_back(*rotation);
   return mx::array(pool.shape(), pool.dtype(),
                    std::make_shared<KvWriteQuant>(stream, QuantWrite{part, bits, group}),
                    inputs);
+}
+
+std::vector<mx::array> kv_write_quant_all(const mx::array& data, const mx::array& scales,
+                                          const mx::array& biases, const mx::array& slots,
+                                          const mx::array& rows,
+                                          const std::optional<mx::array>& rotation, int bits,
+                                          int group, mx::StreamOrDevice s) {
+  const mx::array* parts[3] = {&data, &scales, &biases};
+  for (int i = 0; i < 3; ++i) check_part(*parts[i], slots, rows, rotation, i, bits, group);
+  if (scales.shape(1) != data.shape(1) || biases.shape(1) != data.shape(1))
+    throw std::invalid_argument("kv_write_quant: the parts must hold the same slots");
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  std::vector<mx::array> inputs{data, scales, biases, slots, rows};
+  if (rotation) inputs.push_back(*rotation);
+  return mx::array::make_arrays({data.shape(), scales.shape(), biases.shape()},
+                                {data.dtype(), scales.dtype(), biases.dtype()},
+                                std::make_shared<KvWriteQuantAll>(stream,
+                                                                  QuantWrite{-1, bits, group}),
+                                inputs);
 }
 
 }  // namespace kvchat

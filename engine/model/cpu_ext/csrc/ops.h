@@ -34,6 +34,8 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
                           const std::optional<mx::array>& v_scales,
                           const std::optional<mx::array>& v_biases, int v_bits, int v_group,
                           int window = 0, const std::optional<mx::array>& sinks = std::nullopt,
+                          const std::optional<mx::array>& rotation = std::nullopt,
+                          bool rotate_queries = false, bool unrotate_out = false,
                           mx::StreamOrDevice s = {});
 
 // `pool` (H, S, D) with rows (H, N, D) written at `slots` (N,): one node, in
@@ -100,9 +102,9 @@ struct QuantSide {
 class PagedAttention : public mx::UnaryPrimitive {
  public:
   PagedAttention(mx::Stream stream, float scale, QuantSide k, QuantSide v, int window,
-                 bool sinks)
+                 bool sinks, bool rotate_queries, bool unrotate_out)
       : mx::UnaryPrimitive(stream), scale_(scale), k_(k), v_(v), window_(window),
-        sinks_(sinks) {}
+        sinks_(sinks), rotate_q_(rotate_queries), unrotate_out_(unrotate_out) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -115,6 +117,9 @@ class PagedAttention : public mx::UnaryPrimitive {
   QuantSide k_, v_;
   int window_;  // a sliding window (0: none)
   bool sinks_;  // the last input is (Hq,) float32 sinks
+  // A rotated pool (`kvcache.rotation`): queries times R before, outputs times R^T after,
+  // inside the op (the input before the sinks: R's (D,) signs)
+  bool rotate_q_, unrotate_out_;
 };
 
 }  // namespace kvchat

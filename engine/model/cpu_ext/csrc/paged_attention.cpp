@@ -8,6 +8,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
+#include "kernels.h"
 #include "ops.h"
 #include "paged_decode_kernel.h"
 #include "tensor.h"
@@ -15,6 +16,17 @@
 namespace kvchat {
 
 namespace {
+
+// v rounded to the dtype `e` in place (a no-op for float32).
+void round_to(Elem e, float* v, int64_t n) {
+  if (e == Elem::f32) return;
+  uint16_t h[W];
+  for (int64_t i = 0; i < n; i += W) {
+    const int m = int(std::min<int64_t>(W, n - i));
+    store_any(h, e, v + i, m);
+    for (int j = 0; j < m; ++j) v[i + j] = scalar_any(h, e, j);
+  }
+}
 
 Side make_side(const mx::array& rows, const mx::array* scales, const mx::array* biases,
                QuantSide quant, int D, std::vector<char>* bufs) {
@@ -35,7 +47,7 @@ Side make_side(const mx::array& rows, const mx::array* scales, const mx::array* 
 }
 
 void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, QuantSide kq,
-         QuantSide vq, int window, bool sinks) {
+         QuantSide vq, int window, bool sinks, bool rotate_q, bool unrotate_out) {
   const mx::array& queries = inputs[0];
   const mx::array& k = inputs[1];
   const mx::array& v = inputs[2];
@@ -44,6 +56,9 @@ void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, Quan
   const mx::array* kb = kq.bits ? &inputs[next++] : nullptr;
   const mx::array* vs = vq.bits ? &inputs[next++] : nullptr;
   const mx::array* vb_ = vq.bits ? &inputs[next++] : nullptr;
+  const mx::array* signs_in = rotate_q || unrotate_out ? &inputs[next++] : nullptr;
+  std::vector<float> sign_buf;
+  const float* signs = signs_in ? rows_as_float(*signs_in, sign_buf) : nullptr;
 
   Problem pb{};
   std::vector<float> q_buf;
@@ -53,6 +68,15 @@ void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, Quan
   pb.Hq = queries.shape(1);
   pb.L = queries.shape(2);
   pb.D = queries.shape(3);
+  const int64_t q_rows = int64_t(pb.B) * pb.Hq * pb.L;
+  std::vector<float> q_rot;
+  if (rotate_q) {  // q R, rounded to the queries' dtype as `rotation.rotate` returns it
+    q_rot.resize(size_t(q_rows) * pb.D);
+    for (int64_t r = 0; r < q_rows; ++r)
+      hadamard_row(pb.q + r * pb.D, q_rot.data() + r * pb.D, pb.D, signs, false);
+    round_to(elem_of(queries.dtype()), q_rot.data(), int64_t(q_rot.size()));
+    pb.q = q_rot.data();
+  }
   pb.Hkv = k.shape(0);
   pb.num_blocks = k.shape(1);
   pb.BS = k.shape(2);
@@ -82,6 +106,14 @@ void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, Quan
     run_problem(pb, o);
   else
     run_prefill(pb, o);
+  if (unrotate_out) {  // o R^T, from the output rounded to its dtype as the op returned it
+    round_to(elem_of(out.dtype()), o, size);
+    std::vector<float> row(pb.D);
+    for (int64_t r = 0; r < q_rows; ++r) {
+      hadamard_row(o + r * pb.D, row.data(), pb.D, signs, true);
+      std::copy(row.begin(), row.end(), o + r * pb.D);
+    }
+  }
   if (out.dtype() != mx::float32) store_any(out.data<char>(), elem_of(out.dtype()), o, size);
 }
 
@@ -93,8 +125,8 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
   encoder.dispatch([inputs, out, scale = scale_, kq = k_, vq = v_, window = window_,
-                    sinks = sinks_]() mutable {
-    guarded(out, [&] { run(inputs, out, scale, kq, vq, window, sinks); });
+                    sinks = sinks_, rq = rotate_q_, ro = unrotate_out_]() mutable {
+    guarded(out, [&] { run(inputs, out, scale, kq, vq, window, sinks, rq, ro); });
   });
 }
 
@@ -105,7 +137,7 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const PagedAttention&>(other);
   return scale_ == o.scale_ && k_ == o.k_ && v_ == o.v_ && window_ == o.window_ &&
-         sinks_ == o.sinks_;
+         sinks_ == o.sinks_ && rotate_q_ == o.rotate_q_ && unrotate_out_ == o.unrotate_out_;
 }
 
 namespace {
@@ -143,7 +175,8 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
                        const std::optional<mx::array>& v_scales,
                        const std::optional<mx::array>& v_biases, int v_bits, int v_group,
                        int window, const std::optional<mx::array>& sinks,
-                       mx::StreamOrDevice s) {
+                       const std::optional<mx::array>& rotation, bool rotate_queries,
+                       bool unrotate_out, mx::StreamOrDevice s) {
   if (queries.ndim() != 4 || queries.shape(2) < 1 || !is_float_dtype(queries.dtype()))
     throw std::invalid_argument("paged_attention: queries must be float (B, Hq, L, D)");
   const int B = queries.shape(0), Hq = queries.shape(1), D = queries.shape(3);
@@ -163,15 +196,20 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
   if (window < 0) throw std::invalid_argument("paged_attention: window must be >= 0");
   if (sinks && (sinks->ndim() != 1 || sinks->shape(0) != Hq))
     throw std::invalid_argument("paged_attention: sinks must be (Hq,)");
+  if ((rotate_queries || unrotate_out) &&
+      (!rotation || rotation->ndim() != 1 || rotation->shape(0) != D ||
+       rotation->dtype() != mx::float32 || (D & -D) < 16))
+    throw std::invalid_argument("paged_attention: a rotation needs R's (D,) float32 signs");
   std::vector<mx::array> inputs = {queries, k, v, block_tables, context_lens};
   if (k_bits) inputs.insert(inputs.end(), {*k_scales, *k_biases});
   if (v_bits) inputs.insert(inputs.end(), {*v_scales, *v_biases});
+  if (rotate_queries || unrotate_out) inputs.push_back(*rotation);
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (sinks) inputs.push_back(mx::astype(*sinks, mx::float32, stream));
   return mx::array(queries.shape(), queries.dtype(),
                    std::make_shared<PagedAttention>(stream, scale, QuantSide{k_bits, k_group},
                                                  QuantSide{v_bits, v_group}, window,
-                                                 bool(sinks)),
+                                                 bool(sinks), rotate_queries, unrotate_out),
                    std::move(inputs));
 }
 
