@@ -45,7 +45,7 @@ def kv_write_quant(store: tuple[mx.array, mx.array, mx.array], slots: mx.array,
                    rows: mx.array, quant) -> tuple[mx.array, mx.array, mx.array]:
     """A quantized pool's (packed rows, scales, biases), each (H, S, ·), with ``rows``
     (H, N, D) written at ``slots``: what `PagedKVCache.write` stores through `mx.quantize`,
-    as one op with three outputs, each in place when donated. Rotated rows (``quant.rotation``) go
+    as one op per part, each in place when donated. Rotated rows (``quant.rotation``) go
     through a fast Walsh-Hadamard transform of each row alone, so a row's bytes never
     depend on the rows written with it (`rotation.rotate`'s GEMM may round them
     differently in the last bit)."""
@@ -54,8 +54,8 @@ def kv_write_quant(store: tuple[mx.array, mx.array, mx.array], slots: mx.array,
     slots = slots.astype(mx.int32) if slots.dtype != mx.int32 else slots
     signs = rotation.signs(rows.shape[-1]) if quant.rotation else None
     ext = build.require()
-    return tuple(ext.kv_write_quant_all(*store, slots, rows, signs, bits=quant.bits,
-                                        group=quant.group_size))
+    return tuple(ext.kv_write_quant(part, slots, rows, signs, part=i, bits=quant.bits,
+                                    group=quant.group_size) for i, part in enumerate(store))
 
 
 def greedy_pick(logits: mx.array) -> mx.array:

@@ -102,12 +102,6 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "stream"_a = nb::none(),
         "One part (0 packed rows, 1 scales, 2 biases) of a quantized pool (H, S, W) with rows\n"
         "(H, N, D) (rotated by `rotation` first) quantized and written at slots (N,): one op.");
-  m.def("kv_write_quant_all", &kvchat::kv_write_quant_all, "data"_a, "scales"_a, "biases"_a,
-        "slots"_a, "rows"_a, "rotation"_a = nb::none(), nb::kw_only(), "bits"_a, "group"_a,
-        "stream"_a = nb::none(),
-        "A quantized pool's three parts (packed rows, scales, biases), each (H, S, .), with\n"
-        "rows (H, N, D) (rotated by `rotation` first) quantized and written at slots (N,):\n"
-        "one op with three outputs, each in place when donated.");
   m.def("hadamard", &kvchat::hadamard, "x"_a, "signs"_a, nb::kw_only(), "inverse"_a = false,
         "stream"_a = nb::none(),
         "x (..., D) times kvchat's K/V rotation R (inverse: R^T), given R's (D,) signs: one op.");

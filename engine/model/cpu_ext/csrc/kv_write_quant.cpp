@@ -1,4 +1,4 @@
-// Writing new K or V rows into a quantized pool: one node for the three stored parts.
+// Writing new K or V rows into a quantized pool: one node per stored part.
 //
 // A quantized side is three arrays (packed rows, scales, biases). Through MLX the
 // write was the rotation, `mx.quantize`, casts and three scatters of ~12 nodes each:
@@ -6,9 +6,10 @@
 // on a float16 one although attention reads a half or a quarter of the bytes. Here
 // each part is one `kv_write`-like node (in place when donated) that rotates (a fast
 // Walsh-Hadamard transform: the same R as `kvcache.rotation`, O(D log D)) and quantizes
-// the new rows itself. `kv_write_quant_all` writes all three parts from one node (three
-// outputs, each in place when its part is donated): a decode step's per-layer graph then
-// has one write per side, as a float pool's; `kv_write_quant` writes one part.
+// the new rows itself; the three recompute the same rows, a few hundred operations
+// each, so that each can own its pool array. (One node with three outputs cannot write in
+// place: MLX counts each sibling output's reference to the inputs, so `is_donatable` is
+// false and every write copied the whole pool, measured 28 ms a write.)
 //
 // The quantization is MLX's affine `quantize` step for step (min/max per group, the
 // scale's sign and edge rule, rint, clamp), scales and biases rounded to the rows'
@@ -150,28 +151,6 @@ void KvWriteQuant::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
   });
 }
 
-void KvWriteQuantAll::eval_cpu(const std::vector<mx::array>& inputs,
-                               std::vector<mx::array>& outputs) {
-  bool donated[3];
-  for (int i = 0; i < 3; ++i) donated[i] = share_if_donated(inputs[i], outputs[i]);
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) encoder.set_input_array(a);
-  for (auto& o : outputs) encoder.set_output_array(o);
-  encoder.dispatch([in = inputs, outputs, d0 = donated[0], d1 = donated[1], d2 = donated[2],
-                    q = q_]() mutable {
-    try {
-      mx::array* outs[3] = {&outputs[0], &outputs[1], &outputs[2]};
-      const bool don[3] = {d0, d1, d2};
-      write_parts(in.data(), in[3], in[4], in.size() > 5 ? &in[5] : nullptr, outs, don, q);
-    } catch (...) {  // as above
-    }
-  });
-}
-
-void KvWriteQuantAll::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("KvchatKvWriteQuantAll runs on the CPU only");
-}
-
 void KvWriteQuant::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("KvchatKvWriteQuant runs on the CPU only");
 }
@@ -210,25 +189,6 @@ mx::array kv_write_quant(const mx::array& pool, const mx::array& slots, const mx
   return mx::array(pool.shape(), pool.dtype(),
                    std::make_shared<KvWriteQuant>(stream, QuantWrite{part, bits, group}),
                    inputs);
-}
-
-std::vector<mx::array> kv_write_quant_all(const mx::array& data, const mx::array& scales,
-                                          const mx::array& biases, const mx::array& slots,
-                                          const mx::array& rows,
-                                          const std::optional<mx::array>& rotation, int bits,
-                                          int group, mx::StreamOrDevice s) {
-  const mx::array* parts[3] = {&data, &scales, &biases};
-  for (int i = 0; i < 3; ++i) check_part(*parts[i], slots, rows, rotation, i, bits, group);
-  if (scales.shape(1) != data.shape(1) || biases.shape(1) != data.shape(1))
-    throw std::invalid_argument("kv_write_quant: the parts must hold the same slots");
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  std::vector<mx::array> inputs{data, scales, biases, slots, rows};
-  if (rotation) inputs.push_back(*rotation);
-  return mx::array::make_arrays({data.shape(), scales.shape(), biases.shape()},
-                                {data.dtype(), scales.dtype(), biases.dtype()},
-                                std::make_shared<KvWriteQuantAll>(stream,
-                                                                  QuantWrite{-1, bits, group}),
-                                inputs);
 }
 
 }  // namespace kvchat

@@ -12,7 +12,7 @@ namespace kvchat {
 namespace mx = mlx::core;
 
 struct QuantWrite {
-  int part;  // 0: packed rows (uint32), 1: scales, 2: biases; -1: all three
+  int part;  // 0: packed rows (uint32), 1: scales, 2: biases
   int bits, group;
 };
 
@@ -33,36 +33,11 @@ class KvWriteQuant : public mx::UnaryPrimitive {
   QuantWrite q_;
 };
 
-// The three parts at once: outputs (packed rows, scales, biases).
-class KvWriteQuantAll : public mx::Primitive {
- public:
-  KvWriteQuantAll(mx::Stream stream, QuantWrite q) : mx::Primitive(stream), q_(q) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  const char* name() const override {
-    return "KvchatKvWriteQuantAll";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const QuantWrite& o = static_cast<const KvWriteQuantAll&>(other).q_;
-    return q_.bits == o.bits && q_.group == o.group;
-  }
-
- private:
-  QuantWrite q_;
-};
-
 // `part` of a quantized pool (H, S, W) with rows (H, N, D) (rotated first by kvchat's
 // rotation when its (D,) signs are given) quantized as MLX's affine quantize does and written at slots (N,):
 // one node, in place when the pool part is donated.
 mx::array kv_write_quant(const mx::array& pool, const mx::array& slots, const mx::array& rows,
                          const std::optional<mx::array>& rotation, int part, int bits, int group,
                          mx::StreamOrDevice s = {});
-
-// All three parts of a quantized pool with the rows written, as one node.
-std::vector<mx::array> kv_write_quant_all(const mx::array& data, const mx::array& scales,
-                                          const mx::array& biases, const mx::array& slots,
-                                          const mx::array& rows,
-                                          const std::optional<mx::array>& rotation, int bits,
-                                          int group, mx::StreamOrDevice s = {});
 
 }  // namespace kvchat
