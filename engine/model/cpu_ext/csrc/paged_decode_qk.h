@@ -110,9 +110,12 @@ template <int D, int G, int NG, int Bits>
 inline void score_rows(const Side& k, int64_t row, int a, int b, const IntQueries<D, G>& qq,
                        vf* out) {
   const uint8_t* base = reinterpret_cast<const uint8_t*>(k.data);
-  __m512i acc[G][NG];
+  // four partial sums per head and group (even and odd elements of even and odd dwords):
+  // one chain of 2 * D / 4 dependent vpdpwssd would bound the loop by their latency
+  __m512i acc[G][NG][4];
   for (int g = 0; g < G; ++g)
-    for (int gi = 0; gi < NG; ++gi) acc[g][gi] = _mm512_setzero_si512();
+    for (int gi = 0; gi < NG; ++gi)
+      for (int c = 0; c < 4; ++c) acc[g][gi][c] = _mm512_setzero_si512();
   const __m512i low_bytes = _mm512_set1_epi32(0x00ff00ff);
   for (int slab = 0; slab < D / 64; ++slab) {
     vf m[W];
@@ -129,9 +132,11 @@ inline void score_rows(const Side& k, int64_t row, int a, int b, const IntQuerie
       const __m512i even = _mm512_and_si512(x, low_bytes);  // elements 4j, 4j+2 as int16
       const __m512i odd = _mm512_srli_epi16(x, 8);  // 4j+1, 4j+3
       const int dw = slab * W + j, gi = dw * 4 * NG / D;
+      const int c = (j & 1) * 2;
       for (int g = 0; g < G; ++g) {
-        acc[g][gi] = _mm512_dpwssd_epi32(acc[g][gi], even, _mm512_set1_epi32(int(qq.lo[g][dw])));
-        acc[g][gi] = _mm512_dpwssd_epi32(acc[g][gi], odd, _mm512_set1_epi32(int(qq.hi[g][dw])));
+        __m512i* a = acc[g][gi];
+        a[c] = _mm512_dpwssd_epi32(a[c], even, _mm512_set1_epi32(int(qq.lo[g][dw])));
+        a[c + 1] = _mm512_dpwssd_epi32(a[c + 1], odd, _mm512_set1_epi32(int(qq.hi[g][dw])));
       }
     }
   }
@@ -140,7 +145,10 @@ inline void score_rows(const Side& k, int64_t row, int a, int b, const IntQuerie
   for (int g = 0; g < G; ++g) {
     vf s{};
     for (int gi = 0; gi < NG; ++gi) {
-      const vf dot = reinterpret_cast<vf>(_mm512_cvtepi32_ps(acc[g][gi]));
+      const __m512i* a = acc[g][gi];  // integer sums: exact in any order
+      const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(a[0], a[1]),
+                                           _mm512_add_epi32(a[2], a[3]));
+      const vf dot = reinterpret_cast<vf>(_mm512_cvtepi32_ps(sum));
       s += dot * (S[gi] * qq.step[g][gi]) + B[gi] * qq.sum[g][gi];
     }
     out[g] = s;
