@@ -183,6 +183,7 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
     path = resolve_model_path(spec)
+    memory.pin_mmap_threshold()
     blas.prepare_cache()  # the GEMV shim compiled here, for the processes after this one
     try:
         config = json.loads((path / "config.json").read_text())
@@ -194,7 +195,7 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
     try:
-        model, config = mlx_load_model(path)
+        model, config = mlx_load_model(path, lazy=True)
         tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
     except Exception as e:  # corrupt safetensors, shape mismatch, bad tokenizer...
         raise ModelLoadError(f"cannot load model from {path}: {e}") from e

@@ -26,7 +26,7 @@ from engine.model.cpu_ext.layer_ops import ExtLayer
 from engine.model.cpu_ext.norm_rope import swiglu as cpu_swiglu
 from engine.model.fused import FusedLayer, fuse_layers
 from engine.model.layer_step import LayerStep, route_attention
-from engine.model.memory import release_freed
+from engine.model.memory import no_buffer_cache, release_freed
 from engine.model.packed_batch import PackedBatch
 
 Interrupt = Callable[[], bool]
@@ -111,10 +111,11 @@ class PagedModel:
         layers fused. The modules path keeps mlx-lm's modules as they are."""
         if self.modules:
             return False
-        self.fused = fuse_layers(self.layers)
-        self.ext = [layer_ops.plan(layer, f, self.num_heads, self.num_kv_heads)
-                    for layer, f in zip(self.layers, self.fused, strict=True)]
-        mx.eval(self.model.parameters())
+        with no_buffer_cache():  # each layer's unfused arrays freed as it is fused
+            self.fused = fuse_layers(self.layers)
+            self.ext = [layer_ops.plan(layer, f, self.num_heads, self.num_kv_heads)
+                        for layer, f in zip(self.layers, self.fused, strict=True)]
+            mx.eval(self.model.parameters())
         release_freed()
         return all(self.fused)
 

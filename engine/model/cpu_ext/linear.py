@@ -150,7 +150,10 @@ def install(model: nn.Module, *, tiled: bool = False) -> int:
     With ``tiled``, the layers that fit the tiled layout become `CpuTiledLinear` /
     `CpuTiledEmbedding`."""
     count = 0
-    for name, module in model.named_modules():
+    # largest first: a layer's re-laid copy and its lazily loaded source are alive together,
+    # and the embedding's pair is the peak only while the rest is not yet loaded
+    modules = sorted(model.named_modules(), key=lambda nm: -_weight_bytes(nm[1]))
+    for name, module in modules:
         if tiled and tileable(module):
             cls = CpuTiledLinear if isinstance(module, nn.QuantizedLinear) else CpuTiledEmbedding
         elif type(module) is nn.QuantizedLinear and supported(module):
@@ -162,6 +165,11 @@ def install(model: nn.Module, *, tiled: bool = False) -> int:
         replace_layer(model, name, module, cls.from_quantized(module), drop_old=cls.tiled)
         count += 1
     return count
+
+
+def _weight_bytes(module: nn.Module) -> int:
+    w = module.get("weight") if isinstance(module, nn.Module) else None
+    return w.nbytes if isinstance(w, mx.array) else 0
 
 
 def replace_layer(model: nn.Module, name: str, old: nn.Module, new: nn.Module, *,
