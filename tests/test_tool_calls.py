@@ -137,3 +137,27 @@ def test_the_stream_holds_back_anything_that_may_be_a_call():
     s3 = tc.ToolStream()
     assert s3.feed("a <t") == "a " and s3.feed("ea") == "<tea"  # not a marker after all
     assert tc.ToolStream().feed("x [TOOL") == "x "
+
+
+def test_a_forced_call_holds_only_the_keys_its_schema_declares(default_engine):
+    # JSON Schema admits undeclared keys unless told otherwise; a forced call's grammar does
+    # not, or a sampled small model invents keys until max_tokens (seen on the default model)
+    open_obj = {"type": "object", "properties": {"city": {"type": "string"}},
+                "required": ["city"]}
+    extra = dict(open_obj, additionalProperties={"type": "integer"})
+    tools = tc.check_tools("tools", [
+        {"type": "function", "function": {"name": "w", "parameters": open_obj}},
+        {"type": "function", "function": {"name": "x", "parameters": extra}}])
+    assert tc.closed(open_obj)["additionalProperties"] is False
+    assert "additionalProperties" not in open_obj  # the tool's own schema is left as it was
+    nested = tc.closed({"type": "object", "properties": {"a": open_obj},
+                        "$defs": {"d": open_obj}, "items": [open_obj]})
+    assert all(s["additionalProperties"] is False
+               for s in (nested["properties"]["a"], nested["$defs"]["d"], nested["items"][0]))
+    for name, more, admitted in (("w", ',"temp":1', False), ("x", ',"temp":1', True)):
+        c = tc.grammar(tools, name, parallel=False, style="hermes")
+        args = f'{{"city":"Paris"{more}}}'
+        call = f'<tool_call>\n{{"name":"{name}","arguments":{args}}}\n</tool_call>'
+        ids = default_engine.tokenizer.encode(call, add_special_tokens=False)
+        got = default_engine.grammars.matcher(c).accepts(ids)
+        assert (got == len(ids)) is admitted, name

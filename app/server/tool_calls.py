@@ -157,11 +157,37 @@ def render(messages: list[dict], tools: list[Tool], native: bool) -> tuple[list[
     return out, []
 
 
+def closed(schema, depth: int = 0):
+    """``schema`` with every object that declares ``properties`` but says nothing of others
+    closed to them (``additionalProperties: false``), for a forced call's grammar only: JSON
+    Schema allows undeclared keys by default, and a small model sampled under it fills a
+    call with invented ones until max_tokens cuts it. Past 32 levels a schema is kept as is."""
+    if depth > 32:
+        return schema
+    if isinstance(schema, list):
+        return [closed(s, depth + 1) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v, depth + 1) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for k in _NAMED_SUBSCHEMAS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed(v, depth + 1) for name, v in out[k].items()}
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
+            and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "anyOf", "oneOf", "allOf", "prefixItems")
+_NAMED_SUBSCHEMAS = ("properties", "$defs", "definitions")
+
+
 def grammar(tools: list[Tool], choice: str, parallel: bool, style: str) -> Constraint:
     """The grammar a ``required`` or named ``tool_choice`` decodes under."""
     chosen = [t for t in tools if choice == "required" or t.name == choice]
     key = "parameters" if style == "llama" else "arguments"
-    calls = [{"type": "object", "properties": {"name": {"const": t.name}, key: t.parameters},
+    calls = [{"type": "object",
+              "properties": {"name": {"const": t.name}, key: closed(t.parameters)},
               "required": ["name", key], "additionalProperties": False} for t in chosen]
     # compact JSON, as for response_format: free whitespace lets a small model pad a call
     # with newlines until max_tokens cuts it
