@@ -1,4 +1,4 @@
-"""The extension's tiled 4-bit matmul (int16 x, AVX-512 VNNI) and its one-op K/V write.
+"""The extension's tiled 4/5/6/8-bit matmul (int16 x, AVX-512 VNNI) and its one-op K/V write.
 
 The tiled matmul is checked two ways: exactly, against the formula it promises computed
 in float64 (x quantized to int16 per group, exact integer dot products, then scale and
@@ -54,7 +54,7 @@ def promised(x: mx.array, w, s, b, group: int, bits: int) -> np.ndarray:
     return (isum * sn[None] * dx[:, None]).sum(-1) + (bn[None] * xg.sum(-1)[:, None]).sum(-1)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("M,N,K", [(1, 16, 128), (3, 96, 256), (33, 48, 512), (70, 160, 384)])
 def test_tiled_qmm_computes_what_it_promises(tiled, bits, group, M, N, K):
@@ -114,7 +114,8 @@ def test_tiled_qmm_rejects_what_it_cannot_take(tiled):
         ops.qmm(mx.zeros((1, 64)), w, s, b, group_size=32, bits=4, tiled=True)
 
 
-@pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (4, 64), (4, 128), (8, 128)])
+@pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (4, 64), (4, 128), (8, 128), (5, 32),
+                                        (6, 32), (6, 128)])
 def test_tiled_embedding_looks_up_and_projects_like_mlx(tiled, bits, group):
     import mlx.nn as nn
 
@@ -195,3 +196,28 @@ def test_paged_cache_with_the_row_writer_matches_the_plain_one(ext):
             kv.write(step % 2, slots, k, v)
     for a, b in zip(plain.keys + plain.values, fast.keys + fast.values, strict=True):
         assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+def test_5_and_6_bit_layers_widen_exactly_off_the_tiled_path(ext, bits):
+    """Without the tiled path (no VNNI, ``KVCHAT_TILED=0``) a 5/6-bit layer (GGUF Q5, Q6_K)
+    runs the extension's 8-bit path with the same codes: the same weights."""
+    import mlx.nn as nn
+
+    from engine.model.cpu_ext import bit_planes
+
+    layer = nn.QuantizedLinear(128, 32, bias=False, group_size=32, bits=bits)
+    ref = mx.dequantize(layer["weight"], layer["scales"], layer["biases"], group_size=32,
+                        bits=bits)
+    w8 = bit_planes.widen_to_8(layer["weight"], bits)
+    assert mx.array_equal(mx.dequantize(w8, layer["scales"], layer["biases"], group_size=32,
+                                        bits=8), ref).item()
+    assert mx.array_equal(bit_planes.pack_codes(bit_planes.unpack_codes(layer["weight"], bits),
+                                                bits), layer["weight"]).item()
+    model = nn.Sequential(layer)
+    x = mx.random.normal((2, 128))
+    want = model(x)
+    assert linear.install(model, tiled=False) == 1
+    assert type(model.layers[0]) is linear.CpuQuantizedLinear and model.layers[0].bits == 8
+    err = (mx.abs(model(x) - want).max() / mx.abs(want).max()).item()
+    assert err < 1e-5, err

@@ -37,7 +37,7 @@ from engine.paths import (
 )
 
 # Bumped when the conversion changes what it writes: a new directory, not a stale one.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 
 
 def _write_tree(out_dir: Path, write) -> None:

@@ -3,11 +3,13 @@
 Every block type kvchat reads becomes MLX's affine layout, which the CPU extension's tiled
 `qmm` and MLX's own kernels compute. Exact where the block format is affine per 32 weights:
 - Q4_0, Q4_1, Q4_K -> 4 bits, group 32 (Q4_K: scale d*sc, bias -dmin*m per sub-block);
-- Q8_0, Q5_0, Q5_1, Q5_K -> 8 bits, group 32 (5-bit codes fit 8 bits unchanged).
+- Q5_0, Q5_1, Q5_K -> 5 bits, group 32 (the tiled matmul's bit planes, `cpu_ext.bit_planes`);
+- Q8_0 -> 8 bits, group 32.
 Scales and biases are float16, so d*sc rounds to float16 (relative error <= 2^-11, far
 below the 4/5-bit step). Q6_K has one scale per 16 weights, which MLX's groups (32+) cannot
-hold: it is dequantized and re-quantized to 8 bits per 32 (error <= 1/8 of Q6_K's own
-step; measured in the README). Block layouts: ggml-quants.c / gguf-py's quants.py.
+hold: it is re-quantized to 6 bits per 32, each group the better of its min/max fit and its
+larger half's own Q6_K step (that half exact); its cost is measured in the README. Block
+layouts: ggml-quants.c / gguf-py's quants.py.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def _pack(q: np.ndarray, bits: int, rows: int) -> np.ndarray:
     q = q.astype(np.uint8).reshape(rows, -1)
     if bits == 4:
         q = q[:, 0::2] | (q[:, 1::2] << 4)
+    elif bits != 8:  # one little-endian bit stream, as `mx.quantize` packs 5 and 6 bits
+        stream = (q[:, :, None] >> np.arange(bits, dtype=np.uint8)) & 1
+        q = np.packbits(stream.reshape(rows, -1), axis=1, bitorder="little")
     return np.ascontiguousarray(q).view(np.uint32)
 
 
@@ -70,7 +75,7 @@ def _affine(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
         q = _nibbles32(b[:, -16:])
         if kind.startswith("Q5"):
             q = q | (_high_bits(b[:, off:off + 4]) << 4)
-        bits = 4 if kind.startswith("Q4") else 8
+        bits = 4 if kind.startswith("Q4") else 5
         bias = m if m is not None else -d * (8 if bits == 4 else 16)
         return q, d[:, None], bias[:, None], bits
     if kind == "Q8_0":
@@ -86,20 +91,37 @@ def _affine(kind: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
             qh = b[:, 16:48]  # bit s of byte l: weight l of sub-block s
             q = q | (((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4)
         return q.reshape(-1, QK_K), d[:, None] * sc, -(dmin[:, None] * mn), (
-            4 if kind == "Q4_K" else 8)
+            4 if kind == "Q4_K" else 5)
     raise ModelLoadError(f"no affine form for {kind}")
 
 
-def _requantize8(w: np.ndarray, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """float weights (rows, K) -> 8-bit group-32 codes, float16 scales and biases
-    (min/max per group, as `mx.quantize` does)."""
+def _requantize6(w: np.ndarray, sub: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K weights (rows, K), dequantized, with each 16 weights' step ``sub`` (rows, K / 16)
+    -> 6-bit group-32 codes, float16 scales and biases. Per group, the better (least squares)
+    of two fits: the group's min/max over 63 steps (`mx.quantize`'s), or the larger half's
+    own step and zero point (that half then exact, Q6_K's codes as they are)."""
+    rows = w.shape[0]
     g = w.astype(np.float32).reshape(rows, -1, GROUP)
     lo, hi = g.min(-1), g.max(-1)
-    scale = ((hi - lo) / 255).astype(np.float16).astype(np.float32)
-    safe = np.where(scale == 0, 1, scale)
-    bias = lo.astype(np.float16).astype(np.float32)
-    q = np.clip(np.rint((g - bias[..., None]) / safe[..., None]), 0, 255)
-    return q, scale, bias
+    fits = [(lo, (hi - lo) / 63)]
+    halves = np.abs(sub.reshape(rows, -1, 2))
+    step = halves.max(-1)
+    fits.append((-32 * step, step))
+    best_q = best_s = best_b = best_err = None
+    for bias, scale in fits:
+        scale = scale.astype(np.float16).astype(np.float32)
+        bias = bias.astype(np.float16).astype(np.float32)
+        safe = np.where(scale == 0, 1, scale)
+        q = np.clip(np.rint((g - bias[..., None]) / safe[..., None]), 0, 63)
+        err = ((q * scale[..., None] + bias[..., None] - g) ** 2).sum(-1)
+        if best_err is None:
+            best_q, best_s, best_b, best_err = q, scale, bias, err
+            continue
+        better = err < best_err
+        best_q = np.where(better[..., None], q, best_q)
+        best_s, best_b = np.where(better, scale, best_s), np.where(better, bias, best_b)
+        best_err = np.minimum(err, best_err)
+    return best_q, best_s, best_b
 
 
 def to_affine(kind: str, data: np.ndarray, shape: tuple[int, int]
@@ -121,7 +143,7 @@ def to_affine(kind: str, data: np.ndarray, shape: tuple[int, int]
     if cols % per or raw.size != rows * cols // per * nbytes:
         raise ModelLoadError(f"{kind} tensor of shape {shape} has {raw.size} bytes")
     blocks = raw.reshape(rows, cols // per * nbytes)
-    bits = 4 if kind in ("Q4_0", "Q4_1", "Q4_K") else 8
+    bits = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8}.get(kind, 6 if kind == "Q6_K" else 5)
     w = np.empty((rows, cols * bits // 32), np.uint32)
     scales = np.empty((rows, cols // GROUP), np.float16)
     biases = np.empty_like(scales)
@@ -143,7 +165,9 @@ def _rows_affine(kind: str, raw: np.ndarray, rows: int, cols: int, bits: int
         from gguf import GGMLQuantizationType, quants
 
         w = quants.dequantize(blocks, GGMLQuantizationType.Q6_K).reshape(rows, cols)
-        q, scale, bias = _requantize8(w, rows)
+        sub = blocks[:, 192:208].view(np.int8).astype(np.float32) * _f16(blocks[:, 208:210])[
+            :, None]  # each 16 weights' step, natural order
+        q, scale, bias = _requantize6(w, sub.reshape(rows, -1))
     else:
         q, scale, bias, _ = _affine(kind, blocks)  # its bits are `to_affine`'s
     scales = np.asarray(scale, np.float32).reshape(rows, cols // GROUP).astype(np.float16)

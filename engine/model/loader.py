@@ -152,11 +152,12 @@ def use_cpu_ext(model: nn.Module, weights: str, tiled: bool = True) -> bool:
     here (built on first use)."""
     if weights != "auto" or backend.backend() != "cpu" or not _quant_format(model):
         return False
-    from engine.model.cpu_ext import build, linear, switch
+    from engine.model.cpu_ext import build, linear, ops, switch
 
     quantized = [m for _, m in model.named_modules() if hasattr(m, "bits")]
     experts = {id(m) for m in quantized if switch.switch_supported(m)}
-    if not all(linear.supported(m) or id(m) in experts for m in quantized):
+    # 5/6 bits: tiled, or widened to 8 bits at install (exact)
+    if not all(linear.supported(m, ops.TILED_BITS) or id(m) in experts for m in quantized):
         return False  # a layer left on MLX's slow quantized matmul: float32 is faster
     if experts and not (tiled and build.available() and linear.tiled_enabled()):
         return False

@@ -16,15 +16,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from engine.model.cpu_ext import ops
+from engine.model.cpu_ext import bit_planes, ops
 
 
-def supported(layer: nn.Module) -> bool:
-    """A quantized layer `qmm` computes: affine mode, 4/8 bits, group 32/64/128."""
+def supported(layer: nn.Module, bits: tuple[int, ...] = ops.QMM_BITS) -> bool:
+    """A quantized layer `qmm` computes: affine mode, 4/8 bits (or ``bits``), group
+    32/64/128."""
     return (
         isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding))
         and getattr(layer, "mode", "affine") == "affine"
-        and layer.bits in ops.QMM_BITS
+        and layer.bits in bits
         and layer.group_size in ops.QMM_GROUP_SIZES
         and layer.get("biases") is not None
         and layer["scales"].dtype in ops.FLOAT_DTYPES
@@ -106,9 +107,10 @@ class CpuTiledLinear(CpuQuantizedLinear):
 
 def tileable(layer: nn.Module) -> bool:
     """A supported linear or embedding the tiled classes can take: rows in 16s, groups of
-    32s."""
+    32s, 4, 5, 6 or 8 bits."""
     kind = type(layer) in (nn.QuantizedLinear, nn.QuantizedEmbedding)
-    return (kind and supported(layer) and layer["weight"].shape[0] % ops.TILE_ROWS == 0
+    return (kind and supported(layer, ops.TILED_BITS)
+            and layer["weight"].shape[0] % ops.TILE_ROWS == 0
             and layer.group_size % 32 == 0)
 
 
@@ -156,15 +158,30 @@ def install(model: nn.Module, *, tiled: bool = False) -> int:
     for name, module in modules:
         if tiled and tileable(module):
             cls = CpuTiledLinear if isinstance(module, nn.QuantizedLinear) else CpuTiledEmbedding
-        elif type(module) is nn.QuantizedLinear and supported(module):
-            cls = CpuQuantizedLinear
-        elif type(module) is nn.QuantizedEmbedding and supported(module):
-            cls = CpuQuantizedEmbedding
+            new = cls.from_quantized(module)
+        elif type(module) in (nn.QuantizedLinear, nn.QuantizedEmbedding) and supported(
+                module, ops.TILED_BITS):
+            cls = CpuQuantizedLinear if isinstance(module, nn.QuantizedLinear) \
+                else CpuQuantizedEmbedding
+            new = cls.from_quantized(widened(module))
         else:
             continue
-        replace_layer(model, name, module, cls.from_quantized(module), drop_old=cls.tiled)
+        # the old arrays are dropped when the new layer holds copies (re-laid or widened)
+        replace_layer(model, name, module, new, drop_old=new["weight"] is not module["weight"])
         count += 1
     return count
+
+
+def widened(layer: nn.Module) -> nn.Module:
+    """``layer`` itself, or for 5/6 bits (which only the tiled path reads) the same layer
+    with its codes in 8 bits: same scales and biases, so the same weights."""
+    if layer.bits not in bit_planes.BITS:
+        return layer
+    new = rebind(type(layer), layer)
+    new["weight"] = bit_planes.widen_to_8(layer["weight"], layer.bits)
+    new.bits = 8
+    mx.eval(new["weight"])
+    return new
 
 
 def _weight_bytes(module: nn.Module) -> int:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from engine.model.cpu_ext import build
+from engine.model.cpu_ext import bit_planes, build
 
 QMM_BITS = (4, 8)
+TILED_BITS = (4, 5, 6, 8)  # 5 and 6: the tiled layout only (`bit_planes`)
 QMM_GROUP_SIZES = (32, 64, 128)
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
@@ -75,25 +76,28 @@ TILE_CHUNK_WEIGHTS = 1 << 23  # weights `tile` re-lays at a time
 
 def tile(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int,
          ) -> tuple[mx.array, mx.array, mx.array]:
-    """MLX 4/8-bit affine weights (N, K * bits / 32) rearranged into the tiled layout `qmm`
+    """MLX 4/5/6/8-bit affine weights (N, K * bits / 32) rearranged into the tiled layout `qmm`
     reads with ``tiled=True``; same shapes, dtypes and bytes, another order.
 
     Rows go in tiles of 16. For tile t, group g and quad j (4 weights) of the group,
     16 rows x 4 bytes: byte 4i + b is weight ``g * group + 4j + b`` of row ``16t + i``
     (one int32 lane per row). 4 bits: quads 2p and 2p + 1 share 64 bytes, 2p in the low
-    nibbles. Scales and biases go (t, g, i). Row slices at multiples of 16 stay valid tiles.
+    nibbles (5/6 bits: `bit_planes`). Scales and biases go (t, g, i). Row slices at
+    multiples of 16 stay valid tiles.
     """
     N, packed = w.shape
     K = packed * 32 // bits
     G = K // group_size
-    if (N % TILE_ROWS or group_size % 32 or w.dtype != mx.uint32 or bits not in (4, 8)
+    if (N % TILE_ROWS or group_size % 32 or w.dtype != mx.uint32 or bits not in TILED_BITS
             or scales.shape != (N, G)):
-        raise ValueError(f"tile: needs rows in 16s, groups of 32s and 4/8-bit uint32 w, "
+        raise ValueError(f"tile: needs rows in 16s, groups of 32s and 4/5/6/8-bit uint32 w, "
                          f"not {w.shape}")
     T = N // TILE_ROWS
     # Rows at a time, each part evaluated: unpacking 4-bit codes takes 4 bytes a weight, a
-    # whole tied embedding's ~0.5 GB at load for a 1B model (its peak memory).
-    step = max(TILE_ROWS, TILE_CHUNK_WEIGHTS // K // TILE_ROWS * TILE_ROWS)
+    # whole tied embedding's ~0.5 GB at load for a 1B model (its peak memory); 5/6-bit ones
+    # go through a bit stream of 4 bytes a bit
+    chunk = TILE_CHUNK_WEIGHTS // (8 if bits in bit_planes.BITS else 1)
+    step = max(TILE_ROWS, chunk // K // TILE_ROWS * TILE_ROWS)
     if step < N:
         parts = []
         for r0 in range(0, N, step):
@@ -113,6 +117,8 @@ def tile(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits:
 
 def _tile_rows(w: mx.array, group_size: int, bits: int) -> mx.array:
     """`tile`'s packed weights for ``w`` (rows in 16s)."""
+    if bits in bit_planes.BITS:
+        return bit_planes.tile_rows(w, group_size, bits)
     N, packed = w.shape
     K = packed * 32 // bits
     T, G = N // TILE_ROWS, K // group_size
@@ -138,19 +144,21 @@ def untile_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
         return data, s, s * biases.reshape(())
     if bits == 8:
         return untile8_rows(w, scales, biases, rows, group_size)
-    N, packed = w.shape
-    K, G = packed * 8, scales.shape[1]
-    T = N // TILE_ROWS
+    N, G = scales.shape
     t, i = rows // TILE_ROWS, rows % TILE_ROWS
+
+    def params(a: mx.array) -> mx.array:
+        return a.reshape(N // TILE_ROWS, G, TILE_ROWS).transpose(0, 2, 1)[t, i]
+
+    if bits in bit_planes.BITS:
+        return bit_planes.untile_rows(w, rows, group_size, bits), params(scales), params(biases)
+    N, packed = w.shape
+    K, T = packed * 8, N // TILE_ROWS
     # (t, g, p, i, b): byte b of row i holds quad 2p's weight in its low nibble, 2p + 1's high
     q = w.view(mx.uint8).reshape(T, G, group_size // 8, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4)
     q = q[t, i]  # (..., G, P, 4)
     codes = mx.stack([q & 0xF, q >> 4], axis=-2).reshape(*rows.shape, K)  # natural order
     data = (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(mx.uint32)
-
-    def params(a: mx.array) -> mx.array:
-        return a.reshape(T, G, TILE_ROWS).transpose(0, 2, 1)[t, i]
-
     return data, params(scales), params(biases)
 
 

@@ -214,7 +214,8 @@ bool QuantizedMatmul::is_equivalent(const mx::Primitive& other) const {
 
 void check_qmm(int K, mx::Dtype x_dtype, const mx::array& w, const mx::array& scales,
                const mx::array& biases, int group_size, int bits, bool tiled) {
-  if (bits != 4 && bits != 8) throw std::invalid_argument("qmm: bits must be 4 or 8");
+  if (bits != 4 && bits != 8 && !(tiled && (bits == 5 || bits == 6)))
+    throw std::invalid_argument("qmm: bits must be 4 or 8 (5 or 6: tiled weights only)");
   if (group_size != 32 && group_size != 64 && group_size != 128)
     throw std::invalid_argument("qmm: group_size must be 32, 64 or 128");
   if (w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2)

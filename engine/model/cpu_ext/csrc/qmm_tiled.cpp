@@ -185,7 +185,7 @@ void qmm_tiled(const QuantWeights& q, const float* x, int64_t M, float* y) {
     const int t1 = std::min(tiles, (task + 1) * per_task);
     for (int t = task * per_task; t < t1; ++t)
       for (int mb = 0; mb < m_blocks; ++mb)
-        (q.bits == 4 ? tile_rows<4> : tile_rows<8>)(
+        KVCHAT_BY_BITS(q.bits, tile_rows)(
             q, qx, t, int64_t(mb) * kRowBlock,
             std::min<int64_t>(M, int64_t(mb + 1) * kRowBlock), y);
   });

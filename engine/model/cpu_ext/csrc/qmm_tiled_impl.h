@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "quant.h"
@@ -36,16 +37,32 @@ inline const uint8_t* tile_group(const QuantWeights& q, int t, int g) {
 }
 
 // Quad j of tile-group `wg` as 16 rows x 4 weight bytes (byte 4i + b: row i). 4 bits:
-// quads 2p and 2p + 1 share 64-byte block p, 2p in the low nibbles.
+// quads 2p and 2p + 1 share 64-byte block p, 2p in the low nibbles. 5 and 6 bits: block p
+// is 16 x BITS bytes, the 64 nibble bytes of 4 bits, then per quad (2p, then 2p + 1) its
+// bit planes above the nibble, 8 bytes each: bit 4i + b of plane h is bit 4 + h of byte
+// 4i + b. A mask register widens a plane to bytes (GGUF Q5's codes stay exact in 5 bits,
+// 6 bits where 8 held them).
 template <int BITS>
 inline __m512i quad_bytes(const uint8_t* wg, int j) {
-  if constexpr (BITS == 4) {
-    const __m512i v = _mm512_loadu_si512(wg + (j / 2) * 64);
-    return _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0f));
-  } else {
+  if constexpr (BITS == 8) {
     return _mm512_loadu_si512(wg + j * 64);
+  } else {
+    const uint8_t* block = wg + (j / 2) * 16 * BITS;
+    const __m512i v = _mm512_loadu_si512(block);
+    __m512i q = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0f));
+    const uint8_t* planes = block + 64 + (j % 2) * 8 * (BITS - 4);
+    for (int h = 0; h < BITS - 4; ++h) {
+      uint64_t m;
+      std::memcpy(&m, planes + 8 * h, 8);
+      q = _mm512_or_si512(q, _mm512_maskz_mov_epi8(m, _mm512_set1_epi8(char(16 << h))));
+    }
+    return q;
   }
 }
+
+// f<BITS> for the tiled kernels' weight widths.
+#define KVCHAT_BY_BITS(bits, f)                                                  \
+  ((bits) == 4 ? f<4> : (bits) == 5 ? f<5> : (bits) == 6 ? f<6> : f<8>)
 
 // One quad's 16 rows x 4 weights (bytes 4i..4i+3: row i) as words. Zero-extending
 // bytes to words puts row r's weights in int32 lanes 2r, 2r + 1 of `lo` (rows 0-7)

@@ -152,7 +152,7 @@ void qmm_lanes(const QuantWeights& q, const QuantX& qx, int64_t M, float* y, int
   });
   pool.run(tasks, [&](int task) {
     const int t0 = task * per_task, t1 = std::min(tiles, (task + 1) * per_task);
-    (q.bits == 4 ? tiles_lanes<4> : tiles_lanes<8>)(q, lx, M, t0, t1, y);
+    KVCHAT_BY_BITS(q.bits, tiles_lanes)(q, lx, M, t0, t1, y);
   });
 }
 
