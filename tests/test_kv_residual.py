@@ -212,3 +212,26 @@ def test_engine_refuses_what_the_residual_formats_do_not_carry(default_model_ext
         EngineConfig(**KIVI, speculate="lookup")
     with pytest.raises(ValueError, match="kv_residual"):
         EngineConfig(kv_bits=4, kv_key_channel=True)
+
+
+def test_an_oversubscribed_pool_recomputes_and_leaks_nothing(default_model_ext, prompts):
+    # blocks of 4: the prompts fit, their answers do not, so sequences are preempted (by
+    # recompute: the residual formats do not swap) with their newest block half filled
+    cfg = dict(KIVI, block_size=4, max_running=3)
+    p = SamplingParams(max_tokens=16, ignore_eos=True)
+    alone = Engine(default_model_ext, EngineConfig(**cfg))
+    ref = [alone.generate_text(ids, p).tokens for ids in prompts]
+    tight = Engine(default_model_ext, EngineConfig(
+        **{**cfg, "kv_budget_bytes": 16 * alone.layout.bytes_per_block}))
+    assert tight.scheduler.config.preempt_mode == "recompute"
+    handles = [tight.submit(ids, p) for ids in prompts]
+    out = [[e.token for e in h if e.token is not None] for h in handles]
+    m = tight.metrics()
+    assert m.preemptions > 0, "no pressure"
+    assert m.blocks_free == m.blocks_total and all(len(o) == 16 for o in out)
+    # a recompute prefill reads what the decode steps read (a query's own block exact,
+    # earlier ones quantized), and the extension's kernels compute a row alike in any
+    # batch, so the answers are the lone runs' (measured: equal in full)
+    assert out == ref
+    tight.kv.reclaim()
+    assert tight.kv.num_residual_blocks == 0
