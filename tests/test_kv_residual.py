@@ -208,6 +208,8 @@ def test_engine_refuses_what_the_residual_formats_do_not_carry(default_model_ext
     e = Engine(default_model_ext, EngineConfig(**KIVI, disk_cache=True,
                                                disk_cache_dir=str(tmp_path)))
     assert e.prefix.store is None and any("disk" in n for n in e.notices)
+    with pytest.raises(KVChatError, match="context shift"):
+        Engine(default_model_ext, EngineConfig(**KIVI, context_shift=True))
     with pytest.raises(ValueError, match="speculative"):
         EngineConfig(**KIVI, speculate="lookup")
     with pytest.raises(ValueError, match="kv_residual"):
