@@ -44,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
                    help="K's bits alone (overrides --kv-bits for K)")
     p.add_argument("--v-bits", type=int, choices=[16, 8, 4], default=None,
                    help="V's bits alone (overrides --kv-bits for V)")
+    p.add_argument("--kv-kivi", action="store_true",
+                   help="with --kv-bits/--k-bits/--v-bits: keep each block float16 until it "
+                        "fills, then quantize it once, keys per channel (KIVI; the README's "
+                        "held-out table); no swap, disk cache or context shift yet")
     p.add_argument("--no-kv-rotation", action="store_true",
                    help="store quantized K/V rows as they are (default: rotated first, "
                         "which keeps more of their precision)")

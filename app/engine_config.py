@@ -28,6 +28,8 @@ def config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
         k_bits=getattr(args, "k_bits", None),
         v_bits=getattr(args, "v_bits", None),
         kv_rotation=not getattr(args, "no_kv_rotation", False),
+        kv_residual=getattr(args, "kv_kivi", False),
+        kv_key_channel=getattr(args, "kv_kivi", False),
         window_pool=not getattr(args, "full_window_layers", False),
         speculate=getattr(args, "speculate", "off"),
         context_shift=getattr(args, "context_shift", False),

@@ -20,14 +20,22 @@ KV_CACHE_FORMATS: dict[str, tuple[int | None, int | None]] = {
     "q8": (8, 8),
     "q4": (4, 4),
     "k8v4": (8, 4),
+    "q8-kivi": (8, 8),
+    "k8v4-kivi": (8, 4),
+    "q4-kivi": (4, 4),
 }
 """The KV cache formats the settings offer: name -> (K bits, V bits); None = unquantized.
 
 "float" stores K/V in the model's float dtype (the engine's default); the others are the
 engine's 8/4-bit affine formats, K and V chosen apart for "k8v4" (K is the more sensitive).
+The `KV_KIVI` ones quantize a block once it fills (float16 until then), keys per channel.
 """
 
-KV_MEASURED_COST: dict[str, float] = {"q8": 0.09, "k8v4": 0.44, "q4": 6.60}
+KV_KIVI = frozenset({"q8-kivi", "k8v4-kivi", "q4-kivi"})
+"""Formats stored as `EngineConfig.kv_residual` + ``kv_key_channel`` (KIVI's layout)."""
+
+KV_MEASURED_COST: dict[str, float] = {"q8": 0.09, "k8v4": 0.44, "q4": 6.60, "q8-kivi": 0.03,
+                                      "k8v4-kivi": -0.26, "q4-kivi": 0.69}
 """Perplexity change against float16 in %, measured for the default model on held-out text
 (the README's "KV cache formats, measured"): what the settings say of each format."""
 KV_COSTLY_PCT = 1.0
@@ -155,6 +163,11 @@ def save_settings(**changes: str | dict | None) -> AppSettings:
 def kv_cache_bits(name: str | None) -> tuple[int | None, int | None] | None:
     """(K bits, V bits) of a KV cache format; None when unset or unknown (a newer version's)."""
     return KV_CACHE_FORMATS.get(name) if name else None
+
+
+def kv_cache_kivi(name: str | None) -> bool:
+    """Whether a KV cache format quantizes blocks once full, keys per channel (`KV_KIVI`)."""
+    return name in KV_KIVI
 
 
 def generation_defaults() -> GenerationSettings:

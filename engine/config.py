@@ -26,6 +26,12 @@ class EngineConfig:
     kv_rotation: bool = True
     """Rotate quantized K/V rows before quantizing them (`kvcache.rotation`): measured to cut
     the quantization's cost several-fold on held-out text; False stores them as they are."""
+    kv_residual: bool = False
+    """Keep each block in the compute dtype until it fills, then quantize it once
+    (`kvcache.residual`); needs K and V quantized. A query reads its own block exact."""
+    kv_key_channel: bool = False
+    """Quantize K per channel within a block (one scale and bias per head and channel over a
+    block's tokens, KIVI) instead of per token; needs ``kv_residual``."""
     prefill_chunk: int = 512
     """Prompt tokens per prefill step (bounds memory and cancel latency)."""
     max_context: int | None = None
@@ -121,6 +127,11 @@ class EngineConfig:
         for name in ("kv_bits", "k_bits", "v_bits"):
             if getattr(self, name) not in (None, 4, 8, 16):
                 raise ValueError(f"{name} must be 4, 8 or 16")
+        if self.kv_key_channel and not self.kv_residual:
+            raise ValueError("kv_key_channel needs kv_residual (a block is quantized when full)")
+        if self.kv_residual and self.speculate != "off":
+            raise ValueError("speculative decoding does not run on the residual KV formats "
+                             "(a rejected draft would rewrite a quantized block)")
         if self.kv_group_size not in (32, 64, 128):
             raise ValueError("kv_group_size must be 32, 64 or 128")
         if self.kv_dtype not in (None, "float32", "float16", "bfloat16"):

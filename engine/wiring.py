@@ -7,7 +7,7 @@ independent of each other and of the runtime.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from engine.kvcache.kv_cache import POOL_BITS, KVLayout, PagedKVCache
 from engine.kvcache.prefix_cache import PrefixCache
 from engine.kvcache.prefix_key import salt_base
 from engine.kvcache.quant import MIN_ROTATION_BLOCK, QuantSpec, rotation_block
+from engine.kvcache.residual import ResidualKVCache
 from engine.kvcache.swap import HostSwap
 from engine.kvcache.window_blocks import WindowBlocks, pool_bytes
 from engine.model import memory
@@ -65,6 +66,22 @@ def kv_quant(config: EngineConfig, head_dim: int) -> tuple[QuantSpec | None, Qua
                       f"{MIN_ROTATION_BLOCK} or more: quantized without rotation")
     spec = {b: QuantSpec(b, g, rotation) for b in POOL_BITS}
     return spec.get(k), spec.get(v), None, notice
+
+
+RESIDUAL_OFF = "the residual KV formats do not carry {} yet"
+
+
+def residual_layout(layout: KVLayout, config: EngineConfig) -> KVLayout:
+    """``layout`` with the config's residual block and per-channel keys; raises
+    `KVChatError` where this model's pool cannot take them."""
+    if not config.kv_residual:
+        return layout
+    if not (layout.k_quant and layout.v_quant):
+        raise KVChatError("the residual KV formats need K and V quantized (this model's "
+                          "head dim or the bits chosen leave a side unquantized)")
+    if config.kv_key_channel and config.block_size * layout.k_quant.bits % 8:
+        raise KVChatError("per-channel 4-bit keys need an even block size")
+    return replace(layout, residual=True, key_channel=config.kv_key_channel)
 
 
 @dataclass(slots=True)
@@ -144,7 +161,8 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     notices = [notice] if notice else []
     dtype_name = fallback or config.kv_dtype
     dtype = getattr(mx, dtype_name) if dtype_name else None
-    layout = runner.kv_layout(config.block_size, dtype, k_quant=k_quant, v_quant=v_quant)
+    layout = residual_layout(
+        runner.kv_layout(config.block_size, dtype, k_quant=k_quant, v_quant=v_quant), config)
     num_blocks = layout.num_blocks_for(config.kv_budget_bytes)
     if num_blocks < 1:
         raise KVChatError(f"a KV budget of {config.kv_budget_bytes} bytes holds no block of "
@@ -154,11 +172,23 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         per_seq = -(-max_context // config.block_size)
         num_blocks = min(num_blocks, config.pool_sequences * per_seq + 1)
     window, num_blocks = window_pool(runner, layout, config, num_blocks, max_context)
-    kv = PagedKVCache(layout, num_blocks, **kv_writers(loaded), window=window,
-                      windowed=[w is not None for w in runner.windows])
+    windowed = [w is not None for w in runner.windows]
+    if layout.residual:
+        if window is not None or any(windowed):
+            raise KVChatError(RESIDUAL_OFF.format("sliding-window layers"))
+        if config.preempt_mode == "swap":
+            raise KVChatError(RESIDUAL_OFF.format("swap preemption (use recompute)"))
+        kv = ResidualKVCache(layout, num_blocks)
+    else:
+        kv = PagedKVCache(layout, num_blocks, **kv_writers(loaded), window=window,
+                          windowed=windowed)
     blocks = BlockManager(num_blocks, config.block_size, window)
+    if layout.residual:
+        kv.free_ids = lambda: blocks.free_block_ids  # residual rows of blocks freed mid-fill
     store = None
-    if config.prefix_cache and config.disk_cache:
+    if config.prefix_cache and config.disk_cache and layout.residual:
+        notices.append(RESIDUAL_OFF.format("the disk prefix cache") + ": it is off")
+    elif config.prefix_cache and config.disk_cache:
         root = Path(config.disk_cache_dir).expanduser() if config.disk_cache_dir else None
         store = DiskPrefixStore(root, budget_bytes=config.disk_budget_bytes,
                                 default_ttl_s=config.disk_ttl_s, max_pending=256)
@@ -177,9 +207,12 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         prefill_chunk=config.prefill_chunk,
         max_prefill_tokens_decoding=config.max_step_tokens_decoding,
         watermark_blocks=max(1, int(config.watermark * num_blocks)),
-        preempt_mode=config.preempt_mode or ("swap" if layout.quantized else "recompute"),
+        preempt_mode=config.preempt_mode or (
+            "swap" if layout.quantized and not layout.residual else "recompute"),
         overflow=config.overflow,
     )
     shifter = ContextShifter(runner, kv, blocks, max_context, default=config.context_shift,
                              sink_tokens=config.shift_sinks)
+    if layout.residual:
+        shifter.refuse(RESIDUAL_OFF.format("context shift"))
     return EngineParts(runner, layout, kv, blocks, prefix, swap, sched, notices, shifter)

@@ -17,7 +17,7 @@ from test_tui_fakes import FakeEngine, fake_metrics, long_reply
 
 from app import settings
 from app.conversations import ConversationStore
-from app.settings import KV_CACHE_FORMATS
+from app.settings import KV_CACHE_FORMATS, KV_KIVI
 from app.tui.app import ChatApp
 from app.tui.engine_factory import default_engine_factory, kv_flags, with_kv_cache
 from app.tui.screens.settings import SettingsScreen, describe
@@ -25,7 +25,8 @@ from app.tui.widgets.cache_panel import CachePanel, metrics_table, short_format
 from engine import EngineConfig
 
 # (K bits, V bits) -> the settings' name, to build a fake engine in the config's format
-NAMES = {tuple(b or 16 for b in bits): name for name, bits in KV_CACHE_FORMATS.items()}
+NAMES = {tuple(b or 16 for b in bits): name for name, bits in KV_CACHE_FORMATS.items()
+         if name not in KV_KIVI}
 
 
 @pytest.fixture
@@ -42,7 +43,8 @@ def configs(monkeypatch) -> list[EngineConfig]:
 
     def load_engine(spec, *, weights="auto", config=None):
         seen.append(config)
-        return FakeEngine(kv_cache=NAMES.get(kv_flags(config) or (16, 16)))
+        name = NAMES.get(kv_flags(config) or (16, 16))
+        return FakeEngine(kv_cache=f"{name}-kivi" if config.kv_key_channel else name)
 
     monkeypatch.setattr("app.tui.engine_factory.load_engine", load_engine)
     return seen
@@ -250,3 +252,16 @@ def test_typed_sampling_flags_win_over_saved_defaults_and_untyped_ones_do_not(ho
     typed = app_for(["--max-tokens", "512", "--temp", "0"])
     assert (typed.max_tokens, typed.temperature) == (512, 0.0)
     assert app_for(["--temp", "0.9"]).max_tokens == 64
+
+
+def test_a_kivi_format_builds_the_residual_per_channel_pool():
+    config, notice = with_kv_cache(EngineConfig(), "k8v4-kivi")
+    assert notice is None and (config.k_bits, config.v_bits) == (8, 4)
+    assert config.kv_residual and config.kv_key_channel
+    back, _ = with_kv_cache(config, "q8")  # flags (k8v4) set: the command line wins
+    assert back is config
+    plain, _ = with_kv_cache(EngineConfig(), "q4")
+    assert not (plain.kv_residual or plain.kv_key_channel)
+    assert "K per channel" in describe("q4-kivi") and "costly" not in describe("q4-kivi")
+    assert short_format("k=q4c16r1,v=q4g64r1,res=float16") == \
+        "K q4c16r1 V q4g64r1, newest block float16"

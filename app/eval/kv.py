@@ -24,6 +24,7 @@ from app.eval.measure import FULL, QUICK, Plan
 if TYPE_CHECKING:
     from engine import LoadedModel
 
+RESIDUAL = {"kv_residual": True}
 FORMATS: dict[str, dict] = {
     "f32": {"kv_dtype": "float32"},
     "f16": {"kv_dtype": "float16"},
@@ -39,6 +40,15 @@ FORMATS: dict[str, dict] = {
     "q8-plain": {"kv_bits": 8, "kv_rotation": False},
     "q4-plain": {"kv_bits": 4, "kv_rotation": False},
     "k8v4-plain": {"k_bits": 8, "v_bits": 4, "kv_rotation": False},
+    # full blocks quantized once, the newest in float16 (`kvcache.residual`): keys per
+    # channel within a block (-kivi) or per token (-res)
+    "q8-kivi": {"kv_bits": 8, **RESIDUAL, "kv_key_channel": True},
+    "k8v4-kivi": {"k_bits": 8, "v_bits": 4, **RESIDUAL, "kv_key_channel": True},
+    "k4v8-kivi": {"k_bits": 4, "v_bits": 8, **RESIDUAL, "kv_key_channel": True},
+    "q4-kivi": {"kv_bits": 4, **RESIDUAL, "kv_key_channel": True},
+    "q4-kivi-plain": {"kv_bits": 4, **RESIDUAL, "kv_key_channel": True, "kv_rotation": False},
+    "k8v4-res": {"k_bits": 8, "v_bits": 4, **RESIDUAL},
+    "q4-res": {"kv_bits": 4, **RESIDUAL},
 }
 """Format name -> `EngineConfig` keyword arguments (quantized ones rotated unless -plain)."""
 

@@ -14,7 +14,7 @@ from typing import Protocol
 from app import models_hub
 from app.engine_args import load_engine
 from app.engine_like import EngineLike
-from app.settings import kv_cache_bits
+from app.settings import kv_cache_bits, kv_cache_kivi
 from engine import EngineConfig
 
 
@@ -44,16 +44,18 @@ def with_kv_cache(config: EngineConfig | None,
     if bits is None:
         return config, None
     k, v = (b or 16 for b in bits)
+    kivi = kv_cache_kivi(kv_cache)
     flags = kv_flags(config)
     if flags is not None:
-        if flags == (k, v):
+        if flags == (k, v) and config.kv_key_channel == kivi:
             return config, None
         return config, (f"--kv-bits/--k-bits/--v-bits on the command line set this run's "
                         f"KV cache; the {kv_cache} format of the settings applies when "
                         f"kvchat starts without them")
+    layout = {"kv_residual": kivi, "kv_key_channel": kivi}
     if k == v:  # one number, as --kv-bits would give
-        return dataclasses.replace(config, kv_bits=k, k_bits=None, v_bits=None), None
-    return dataclasses.replace(config, kv_bits=None, k_bits=k, v_bits=v), None
+        return dataclasses.replace(config, kv_bits=k, k_bits=None, v_bits=None, **layout), None
+    return dataclasses.replace(config, kv_bits=None, k_bits=k, v_bits=v, **layout), None
 
 
 def default_engine_factory(spec: str | None, *, weights: str = "auto",

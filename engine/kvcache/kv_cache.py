@@ -35,7 +35,9 @@ class KVLayout:
     """Shape and format of the KV pool; everything needed for byte accounting.
 
     ``dtype`` is the compute dtype K and V are read in; ``k_quant`` / ``v_quant``, when
-    set, store that side quantized instead of in ``dtype``.
+    set, store that side quantized instead of in ``dtype``. ``residual``: a block stays in
+    ``dtype`` until it fills, then is quantized once (`kvcache.residual`); ``key_channel``
+    (needs it): K gets one scale and bias per (head, channel) over a block's tokens (KIVI).
     """
 
     num_layers: int
@@ -45,24 +47,29 @@ class KVLayout:
     dtype: mx.Dtype
     k_quant: QuantSpec | None = None
     v_quant: QuantSpec | None = None
+    residual: bool = False
+    key_channel: bool = False
 
     def __post_init__(self):
+        if self.key_channel and not (self.residual and self.k_quant):
+            raise ValueError("per-channel keys need a quantized K and the residual block")
         for q in (self.k_quant, self.v_quant):
             if q is not None and q.bits not in POOL_BITS:
                 raise ValueError(f"KV bits must be one of {POOL_BITS}, got {q.bits}")
 
-    def _row_bytes(self, quant: QuantSpec | None) -> int:
+    def _row_bytes(self, quant: QuantSpec | None, channel: bool = False) -> int:
+        if quant and channel:  # a block's per-channel scales and biases, spread over its rows
+            D = self.head_dim
+            return D * quant.bits // 8 + -(-D * 2 * quant_format.SCALE_BYTES // self.block_size)
         return quant.bytes_per_row(self.head_dim) if quant else self.head_dim * self.dtype.size
 
     @property
     def bytes_per_token(self) -> int:
         """layers x kv_heads x (K row + V row) bytes; a quantized row counts its scales."""
-        rows = self._row_bytes(self.k_quant) + self._row_bytes(self.v_quant)
+        rows = self._row_bytes(self.k_quant, self.key_channel) + self._row_bytes(self.v_quant)
         return self.num_layers * self.num_kv_heads * rows
 
-    @property
-    def quantized(self) -> bool:
-        return self.k_quant is not None or self.v_quant is not None
+    quantized = property(lambda self: self.k_quant is not None or self.v_quant is not None)
 
     @property
     def kv_format(self) -> str:
@@ -71,7 +78,10 @@ class KVLayout:
         if not self.quantized:
             return dtype
         side = [q.name if q else dtype for q in (self.k_quant, self.v_quant)]
-        return f"k={side[0]},v={side[1]}"
+        if self.key_channel:  # one group per channel over a block: never a per-token block
+            side[0] = side[0].replace(f"g{self.k_quant.group_size}", f"c{self.block_size}")
+        residual = f",res={dtype}" if self.residual else ""
+        return f"k={side[0]},v={side[1]}{residual}"
 
     @property
     def bytes_per_block(self) -> int:
@@ -101,12 +111,9 @@ class QuantizedBlocks:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        H, nb, bs, _ = self.data.shape
-        return (H, nb, bs, self.head_dim)
+        return (*self.data.shape[:3], self.head_dim)
 
-    @property
-    def dtype(self) -> mx.Dtype:
-        return self.data.dtype
+    dtype = property(lambda self: self.data.dtype)  # mx.Dtype
 
     def _dequantize(self, data, scales, biases) -> mx.array:
         q = self.quant
@@ -160,13 +167,13 @@ class PagedKVCache:
         self.windowed = [bool(w) and window is not None for w in windowed] or \
             [False] * layout.num_layers
         self._blocks = [window.num_window_blocks if w else num_blocks for w in self.windowed]
-        self.keys: list[Store] = [self._empty(layout.k_quant, n) for n in self._blocks]
+        self.keys: list[Store] = [self._empty(layout.k_quant, n, key=True) for n in self._blocks]
         self.values: list[Store] = [self._empty(layout.v_quant, n) for n in self._blocks]
         self._map: tuple[int, mx.array] | None = None
         self._memo: dict[tuple[int, int], tuple[object, int, mx.array]] = {}
         mx.eval(self.keys, self.values)
 
-    def _empty(self, quant: QuantSpec | None, num_blocks: int) -> Store:
+    def _empty(self, quant: QuantSpec | None, num_blocks: int, key: bool = False) -> Store:
         L = self.layout
         rows = (L.num_kv_heads, num_blocks * L.block_size)
         if quant is None:
@@ -263,9 +270,7 @@ class PagedKVCache:
         """Every layer's stored K and V rows at ``slots``, in their stored format."""
         def rows(store: Store, layer: int) -> Store:
             at = self.slots_for(layer, slots)
-            if isinstance(store, tuple):
-                return tuple(a[:, at] for a in store)
-            return store[:, at]
+            return tuple(a[:, at] for a in store) if isinstance(store, tuple) else store[:, at]
 
         return ([rows(k, i) for i, k in enumerate(self.keys)],
                 [rows(v, i) for i, v in enumerate(self.values)])

@@ -8,29 +8,44 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, RadioButton, RadioSet, Static
 
-from app.settings import KV_CACHE_FORMATS, KV_COSTLY_PCT, KV_MEASURED_COST, GenerationSettings
+from app.settings import (
+    KV_CACHE_FORMATS,
+    KV_COSTLY_PCT,
+    KV_KIVI,
+    KV_MEASURED_COST,
+    GenerationSettings,
+)
 from app.tui.widgets.cache_panel import short_format
 from app.tui.widgets.generation_form import GenerationForm
 from engine import EngineConfig
+from engine.kvcache.kv_cache import KVLayout
 from engine.kvcache.quant import QuantSpec
 
 HELP = ("Apply reloads the model in the new format: the chat is kept, cached prompt prefixes "
         "are not. The choice is saved for later runs; --kv-bits, --k-bits and --v-bits on "
-        "the command line override it for their run.")
+        "the command line override it for their run. The -kivi formats keep each sequence's "
+        "newest block in fp16 and quantize a block once it fills (no disk cache yet).")
 
 
-def share_of_fp16(k_bits: int | None, v_bits: int | None) -> float:
+def share_of_fp16(k_bits: int | None, v_bits: int | None, *, kivi: bool = False) -> float:
     """Bytes of a quantized K/V pair against float16, from the pool's own accounting.
 
     One group's row stands for any head dim the group divides (the engine requires that).
     """
-    group = EngineConfig().kv_group_size
+    config = EngineConfig()
+    group = config.kv_group_size
+    if kivi:  # per-channel keys: a block's scales spread over its rows (`KVLayout`)
+        k, v = (QuantSpec(b, group) for b in (k_bits, v_bits))
+        layout = KVLayout(1, 1, group, config.block_size, mx.float16, k, v, residual=True,
+                          key_channel=True)
+        return layout.bytes_per_token / (2 * 2 * group)
     rows = [QuantSpec(b, group).bytes_per_row(group) if b else 2 * group
             for b in (k_bits, v_bits)]
     return sum(rows) / (2 * 2 * group)
@@ -42,7 +57,10 @@ def describe(name: str) -> str:
     if k is None and v is None:
         return f"{name} — unquantized, in the model's float dtype (default)"
     sides = f"{k}-bit K and V" if k == v else f"{k or 16}-bit K, {v or 16}-bit V"
-    label = f"{name} — {sides} · {100 * share_of_fp16(k, v):.0f}% of fp16's bytes"
+    kivi = name in KV_KIVI
+    if kivi:
+        sides += ", K per channel"  # and the newest block fp16 (the help says so)
+    label = f"{name} — {sides} · {100 * share_of_fp16(k, v, kivi=kivi):.0f}% of fp16's bytes"
     cost = KV_MEASURED_COST.get(name)
     if cost is None:
         return label

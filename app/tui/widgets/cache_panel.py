@@ -39,9 +39,11 @@ def short_format(kv_format: str) -> str:
     """
     if not kv_format.startswith("k="):
         return kv_format
-    k, _, v = kv_format.partition(",")
-    k, v = k.removeprefix("k="), v.removeprefix("v=")
-    return k if k == v else f"K {k} V {v}"
+    parts = dict(p.partition("=")[::2] for p in kv_format.split(","))
+    k, v = parts.get("k", ""), parts.get("v", "")
+    out = k if k == v else f"K {k} V {v}"
+    # a residual format ("...,res=float16"): full blocks quantized, the newest one not
+    return out + (f", newest block {parts['res']}" if "res" in parts else "")
 
 
 def format_rows(m) -> list[tuple[str, str]]:

@@ -10,7 +10,7 @@ import mlx.core as mx
 from engine.kvcache import rotation
 from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.model import backend
-from engine.model.attention import cpu, reference, routes
+from engine.model.attention import cpu, reference, residual, routes
 from engine.model.attention.gpu import abi, one_pass, two_pass
 from engine.model.attention.guard import GUARD
 from engine.model.attention.spec import AttentionSpec, PagedCall, Pool
@@ -56,6 +56,8 @@ KERNEL_PATHS: dict[str, KernelPath] = {
 
 
 def _reference(call: PagedCall) -> mx.array:
+    if call.residual:  # a query reads its own block exact, the earlier ones quantized
+        return residual.residual_attention(call)
     return reference.paged_attention_ref(*call.args()[:5], call.spec, block_run=call.block_run)
 
 

@@ -46,6 +46,10 @@ class Route:
 
 
 ROUTES = (
+    Route(("cpu", *GPU), KINDS, "a residual KV format (full blocks quantized, the newest exact)",
+          "reference", "no kernel reads the residual layout yet: the reference "
+          "(`attention/residual.py`) dequantizes the blocks it reads and takes each query's "
+          "own block exact", lambda call: call.residual),
     Route(("cpu",), KINDS, "one sequence whose pools are plain and of the queries' dtype",
           "reference", "exactly the computation mlx-lm does over its dense cache: "
           "`--weights float32` promises mlx-lm's greedy tokens (tests/test_engine_parity.py)",

@@ -9,6 +9,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from engine.kvcache.kv_cache import QuantizedBlocks
+from engine.kvcache.residual_blocks import ResidualBlocks
 
 
 class PoolFormat(Protocol):
@@ -26,7 +27,7 @@ class PoolFormat(Protocol):
         """Token rows ``start:stop`` of a contiguous run, (kv_heads, n, head_dim)."""
 
 
-Pool = mx.array | QuantizedBlocks | PoolFormat
+Pool = mx.array | QuantizedBlocks | ResidualBlocks | PoolFormat
 """One side (K or V) of a layer's pool viewed (kv_heads, num_blocks, block_size, head_dim):
 float rows, or a stored format."""
 
@@ -94,6 +95,11 @@ class PagedCall:
     @property
     def max_context(self) -> int:
         return max(self.context_lens)
+
+    @property
+    def residual(self) -> bool:
+        """A residual format (`ResidualBlocks`): its own reference reads it."""
+        return isinstance(self.k_pool, ResidualBlocks)
 
     @property
     def plain_pools(self) -> bool:

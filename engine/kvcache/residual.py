@@ -1,0 +1,216 @@
+"""The residual pool: each block stays in the compute dtype until it fills, then is
+quantized once, as a whole block (`KVLayout.residual`; keys per channel with
+`KVLayout.key_channel`).
+
+Lifecycle of a block: its first write takes a *residual* row (a block of the side store,
+compute dtype, exact); rows are written there as they come; the write that fills its last
+slot quantizes the whole block from those rows into the quantized store (one op per side
+over every block that filled in the step) and gives the residual row back. So only full
+blocks are ever quantized, and those are the only blocks the prefix cache registers and
+shares. A block's quantized bytes depend on its own rows only, never on batching.
+
+The side store grows on demand (about one block per running sequence); a residual row
+left by a sequence that ended mid-block is reclaimed when its block is free again
+(``free_ids``) or reused when the block is written from its start.
+
+Not carried yet (refused where configured, `engine.wiring`): sliding-window layers, swap and
+the disk store (`take` / `put` raise), context shift (keys re-rotated in place) and
+speculative decoding (rejected drafts rewrite a block that may have been quantized).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from engine.kvcache import channel_quant, rotation
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache, QuantizedBlocks, Store, _quantize
+from engine.kvcache.quant import QuantSpec
+from engine.kvcache.residual_blocks import ResidualBlocks
+
+FIRST_RESIDUAL_ROWS = 8  # residual blocks allocated up front; doubled when all are taken
+
+
+class ResidualKVCache(PagedKVCache):
+    """A `PagedKVCache` whose blocks are quantized when they fill (see the module)."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, *, windowed: Sequence[bool] = (),
+                 free_ids: Callable[[], Iterable[int]] | None = None):
+        if not (layout.residual and layout.k_quant and layout.v_quant):
+            raise ValueError("a residual pool needs a residual layout quantizing K and V")
+        if any(windowed):
+            raise ValueError("the residual KV formats do not run sliding-window layers yet")
+        super().__init__(layout, num_blocks)
+        self.free_ids = free_ids  # the block manager's free blocks (wiring sets it)
+        self._res_of = np.full(num_blocks, -1, dtype=np.int64)
+        self._free_rows: list[int] = []
+        self._num_rows = 0
+        self.res_keys: list[mx.array] = []
+        self.res_values: list[mx.array] = []
+        self._grow(FIRST_RESIDUAL_ROWS)
+        self._step_map = mx.array(self._res_of.astype(np.int32))
+        self._plan_memo: tuple[mx.array, tuple] | None = None
+
+    def _empty(self, quant: QuantSpec | None, num_blocks: int, key: bool = False) -> Store:
+        L = self.layout
+        if key and L.key_channel:
+            return channel_quant.empty_store(L.num_kv_heads, num_blocks, L.block_size,
+                                             L.head_dim, quant.bits)
+        return super()._empty(quant, num_blocks)
+
+    # -- residual rows ---------------------------------------------------------------------
+
+    @property
+    def num_residual_blocks(self) -> int:
+        """Residual rows held by blocks (the newest block of each running sequence, and
+        any left by a sequence that ended mid-block, until reclaimed)."""
+        return int((self._res_of >= 0).sum())
+
+    def _grow(self, extra: int) -> None:
+        L = self.layout
+        shape = (L.num_kv_heads, extra * L.block_size, L.head_dim)
+        for stores in (self.res_keys, self.res_values):
+            if not stores:  # one array per layer: a write rebinds its array in place
+                stores.extend(mx.zeros(shape, L.dtype) for _ in range(L.num_layers))
+            for layer in range(len(stores)) if self._num_rows else ():
+                stores[layer] = mx.concatenate([stores[layer], mx.zeros(shape, L.dtype)], 1)
+        mx.eval(self.res_keys, self.res_values)
+        self._free_rows.extend(range(self._num_rows, self._num_rows + extra))
+        self._num_rows += extra
+
+    def reclaim(self) -> int:
+        """Give back the residual rows of blocks the block manager holds free; how many."""
+        freed = 0
+        for b in self.free_ids() if self.free_ids is not None else ():
+            if self._res_of[b] >= 0:
+                self._free_rows.append(int(self._res_of[b]))
+                self._res_of[b] = -1
+                freed += 1
+        if freed:
+            self._step_map = mx.array(self._res_of.astype(np.int32))
+        return freed
+
+    def _take_row(self) -> int:
+        if not self._free_rows and not self.reclaim():
+            self._grow(self._num_rows)  # doubled: rare, and each growth copies the store
+        return self._free_rows.pop()
+
+    def _plan(self, slots: mx.array) -> tuple:
+        """(residual slots of the rows, filled blocks, their residual rows) for a step's
+        ``slots``; once per slots array (every layer of a step shares it)."""
+        if self._plan_memo is not None and self._plan_memo[0] is slots:
+            return self._plan_memo[1]
+        bs = self.layout.block_size
+        s = np.asarray(slots, dtype=np.int64).reshape(-1)
+        blocks, offsets = s // bs, s % bs
+        for b in dict.fromkeys(blocks.tolist()):
+            if self._res_of[b] < 0:
+                if not (offsets[blocks == b] == 0).any():
+                    raise RuntimeError(f"KV block {b} was written past its start after it "
+                                       f"was quantized (a residual format cannot rewrite it)")
+                self._res_of[b] = self._take_row()
+        rslots = mx.array((self._res_of[blocks] * bs + offsets).astype(np.int32))
+        filled = sorted(set(blocks[offsets == bs - 1].tolist()))
+        rows = [int(self._res_of[b]) for b in filled]
+        # this step still reads a filled block's exact rows (the query in it); later steps not
+        self._step_map = mx.array(self._res_of.astype(np.int32))
+        for b, r in zip(filled, rows, strict=True):
+            self._free_rows.append(r)
+            self._res_of[b] = -1
+        plan = (rslots, filled, rows)
+        self._plan_memo = (slots, plan)
+        return plan
+
+    # -- the pool's protocol ---------------------------------------------------------------
+
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store rows (kv_heads, N, head_dim) at ``slots`` in their blocks' residual rows,
+        and quantize every block this write fills."""
+        L = self.layout
+        rslots, filled, rows = self._plan(slots)
+        self.res_keys[layer][:, rslots] = keys.astype(L.dtype)
+        self.res_values[layer][:, rslots] = values.astype(L.dtype)
+        if filled:
+            self._quantize_blocks(layer, filled, rows)
+
+    def _quantize_blocks(self, layer: int, blocks: list[int], rows: list[int]) -> None:
+        L = self.layout
+        H, bs, D = L.num_kv_heads, L.block_size, L.head_dim
+        at = mx.array(rows, dtype=mx.int32)
+        slots = mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32)
+        k = self.res_keys[layer].reshape(H, -1, bs, D)[:, at]  # (H, n, bs, D)
+        v = self.res_values[layer].reshape(H, -1, bs, D)[:, at].reshape(H, -1, D)
+        if L.key_channel:
+            if L.k_quant.rotation:  # rows rotated over the head dim, then grouped by channel
+                k = rotation.rotate(k.reshape(H, -1, D)).reshape(k.shape)
+            ids = mx.array(blocks, dtype=mx.int32)
+            for part, new in zip(self.keys[layer],
+                                 channel_quant.quantize_channels(k, L.k_quant.bits), strict=True):
+                part[:, ids] = new
+        else:
+            self._put(self.keys[layer], slots, _quantize(k.reshape(H, -1, D), L.k_quant))
+        self._put(self.values[layer], slots, _quantize(v, L.v_quant))
+
+    def block_view(self, layer: int):
+        """Layer ``layer``'s K and V as `ResidualBlocks`."""
+        L = self.layout
+        H, n, bs, D = L.num_kv_heads, self.num_blocks, L.block_size, L.head_dim
+        if L.key_channel:
+            k = channel_quant.ChannelBlocks(*self.keys[layer], L.k_quant.bits, bs)
+        else:
+            k = self._view(self.keys[layer], L.k_quant, n)
+        v: QuantizedBlocks = self._view(self.values[layer], L.v_quant, n)
+        return tuple(ResidualBlocks(q, res.reshape(H, -1, bs, D), self._step_map,
+                                    bool(spec.rotation))
+                     for q, res, spec in ((k, self.res_keys[layer], L.k_quant),
+                                          (v, self.res_values[layer], L.v_quant)))
+
+    def take(self, slots: mx.array):
+        raise NotImplementedError("the residual KV formats cannot be swapped or stored on "
+                                  "disk yet (their newest block is not in the quantized store)")
+
+    def put(self, slots, keys, values) -> None:
+        raise NotImplementedError("the residual KV formats cannot be swapped in or restored "
+                                  "from disk yet")
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (src -> dst) in every layer: a residual block's exact rows into
+        a residual row of dst, a full block's quantized bytes as they are."""
+        if not copies:
+            return
+        L = self.layout
+        bs = L.block_size
+        full = [(s, d) for s, d in copies if self._res_of[s] < 0]
+        part = [(s, d) for s, d in copies if self._res_of[s] >= 0]
+        for _, d in part:
+            if self._res_of[d] < 0:
+                self._res_of[d] = self._take_row()
+        for _, d in full:  # dst now holds a full block: any stale residual row goes
+            if self._res_of[d] >= 0:
+                self._free_rows.append(int(self._res_of[d]))
+                self._res_of[d] = -1
+
+        def slots(pairs, side, res):
+            ids = [int(self._res_of[p[side]]) if res else p[side] for p in pairs]
+            return mx.array([i * bs + r for i in ids for r in range(bs)], dtype=mx.int32)
+
+        for layer in range(L.num_layers):
+            if part:
+                src, dst = slots(part, 0, True), slots(part, 1, True)
+                for store in (self.res_keys, self.res_values):
+                    store[layer][:, dst] = store[layer][:, src]
+            if full:
+                src, dst = slots(full, 0, False), slots(full, 1, False)
+                if L.key_channel:
+                    s_ids = mx.array([s for s, _ in full], dtype=mx.int32)
+                    d_ids = mx.array([d for _, d in full], dtype=mx.int32)
+                    for a in self.keys[layer]:
+                        a[:, d_ids] = a[:, s_ids]
+                else:
+                    self._put(self.keys[layer], dst, tuple(a[:, src] for a in self.keys[layer]))
+                self._put(self.values[layer], dst,
+                          tuple(a[:, src] for a in self.values[layer]))
+        self._step_map = mx.array(self._res_of.astype(np.int32))
+        mx.eval(self.keys, self.values, self.res_keys, self.res_values)
