@@ -27,6 +27,9 @@ LLAMA_TYPES: dict[str, tuple[str, str]] = {
     "q4": ("q4_0", "q4_0"), "q4g32": ("q4_0", "q4_0"), "q4-plain": ("q4_0", "q4_0"),
     "k8v4": ("q8_0", "q4_0"), "k8v4g32": ("q8_0", "q4_0"), "k8v4-plain": ("q8_0", "q4_0"),
     "k4v8": ("q4_0", "q8_0"),
+    # the residual formats (per-channel keys, the newest block exact) against the same bits
+    "q8-kivi": ("q8_0", "q8_0"), "k8v4-kivi": ("q8_0", "q4_0"), "q4-kivi": ("q4_0", "q4_0"),
+    "k4v8-kivi": ("q4_0", "q8_0"), "q4-kivi-plain": ("q4_0", "q4_0"),
 }
 DEFAULT_FORMATS = ["f16", "q8", "k8v4", "q4"]
 
