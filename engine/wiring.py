@@ -186,9 +186,7 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     if layout.residual:
         kv.free_ids = lambda: blocks.free_block_ids  # residual rows of blocks freed mid-fill
     store = None
-    if config.prefix_cache and config.disk_cache and layout.residual:
-        notices.append(RESIDUAL_OFF.format("the disk prefix cache") + ": it is off")
-    elif config.prefix_cache and config.disk_cache:
+    if config.prefix_cache and config.disk_cache:
         root = Path(config.disk_cache_dir).expanduser() if config.disk_cache_dir else None
         store = DiskPrefixStore(root, budget_bytes=config.disk_budget_bytes,
                                 default_ttl_s=config.disk_ttl_s, max_pending=256)

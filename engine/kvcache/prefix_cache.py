@@ -242,8 +242,10 @@ def blocks_arrays(kv: PagedKVCache, blocks: Sequence[int],
         return []
     slots = mx.array([b * block_size + r for b in blocks for r in range(block_size)])
     whole = block_arrays(kv, slots)
-    return [[np.ascontiguousarray(a[:, j * block_size:(j + 1) * block_size]) for a in whole]
-            for j in range(len(blocks))]
+    # axis 1 holds a tensor's rows (block_size a block) or, per-channel keys, its blocks (one)
+    units = [a.shape[1] // len(blocks) for a in whole]
+    return [[np.ascontiguousarray(a[:, j * n:(j + 1) * n])
+             for a, n in zip(whole, units, strict=True)] for j in range(len(blocks))]
 
 
 def block_stores(arrays: Sequence[np.ndarray],

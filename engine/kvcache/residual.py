@@ -13,9 +13,14 @@ The side store grows on demand (about one block per running sequence); a residua
 left by a sequence that ended mid-block is reclaimed when its block is free again
 (``free_ids``) or reused when the block is written from its start.
 
-Not carried yet (refused where configured, `engine.wiring`): sliding-window layers, swap and
-the disk store (`take` / `put` raise), context shift (keys re-rotated in place) and
-speculative decoding (rejected drafts rewrite a block that may have been quantized).
+The disk prefix cache carries them: it stores and restores full blocks only, whose bytes are
+all in the quantized store (`take` / `put`, whole full blocks; per-channel keys as the
+blocks' slices of `channel_quant`'s store; the side store is never on disk).
+
+Not carried yet (refused where configured, `engine.wiring`): sliding-window layers, swap
+(a running sequence's newest block is in the side store, which `take` refuses), context
+shift (keys re-rotated in place) and speculative decoding (rejected drafts rewrite a block
+that may have been quantized).
 """
 
 from __future__ import annotations
@@ -167,13 +172,51 @@ class ResidualKVCache(PagedKVCache):
                      for q, res, spec in ((k, self.res_keys[layer], L.k_quant),
                                           (v, self.res_values[layer], L.v_quant)))
 
-    def take(self, slots: mx.array):
-        raise NotImplementedError("the residual KV formats cannot be swapped or stored on "
-                                  "disk yet (their newest block is not in the quantized store)")
+    def _full_blocks(self, slots: mx.array | slice) -> list[int]:
+        """The blocks ``slots`` cover, each whole and in the quantized store; raises otherwise
+        (a block still filling lives in the side store, which is never taken or put)."""
+        bs = self.layout.block_size
+        if isinstance(slots, slice):
+            s = np.arange(slots.start, slots.stop, dtype=np.int64)
+        else:
+            s = np.asarray(slots, dtype=np.int64).reshape(-1)
+        blocks = s[::bs] // bs
+        if len(s) % bs or not (s.reshape(-1, bs) == blocks[:, None] * bs + np.arange(bs)).all():
+            raise RuntimeError("a residual pool takes and puts whole blocks only")
+        return blocks.tolist()
 
-    def put(self, slots, keys, values) -> None:
-        raise NotImplementedError("the residual KV formats cannot be swapped in or restored "
-                                  "from disk yet")
+    def take(self, slots: mx.array) -> tuple[list[Store], list[Store]]:
+        """Every layer's stored K and V of the whole, full blocks at ``slots`` (the disk
+        store's write path): values as rows, keys as rows or, per channel, as the blocks'
+        ``(kv_heads, n, head_dim, ·)`` slices. Raises RuntimeError for a block still filling."""
+        blocks = self._full_blocks(slots)
+        if (self._res_of[blocks] >= 0).any():
+            raise RuntimeError("a residual block still filling cannot be taken (only full "
+                               "blocks are cached)")
+        keys, values = super().take(slots)
+        if self.layout.key_channel:
+            ids = mx.array(blocks, dtype=mx.int32)
+            keys = [tuple(a[:, ids] for a in store) for store in self.keys]
+        return keys, values
+
+    def put(self, slots: mx.array | slice, keys: list[Store], values: list[Store]) -> None:
+        """Write back whole full blocks from `take` (a disk restore) at ``slots``: they are
+        quantized blocks from then on (a stale residual row of theirs goes back)."""
+        blocks = self._full_blocks(slots)
+        for b in blocks:
+            if self._res_of[b] >= 0:
+                self._free_rows.append(int(self._res_of[b]))
+                self._res_of[b] = -1
+        self._step_map = mx.array(self._res_of.astype(np.int32))
+        if not self.layout.key_channel:
+            super().put(slots, keys, values)
+            return
+        at = (slice(blocks[0], blocks[-1] + 1) if isinstance(slots, slice)
+              else mx.array(blocks, dtype=mx.int32))
+        for layer in range(self.layout.num_layers):
+            for part, new in zip(self.keys[layer], keys[layer], strict=True):
+                part[:, at] = new
+            self._put(self.values[layer], slots, values[layer])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (src -> dst) in every layer: a residual block's exact rows into

@@ -6,7 +6,8 @@ Layout, integers little-endian::
 
 The checksum covers every byte before it. The header holds the salt's parts, the block and
 parent hashes, the token ids, created / expires (unix seconds), the block's full KV format and
-geometry (`spec.EntrySpec`: compute dtype, K and V each plain or bits + group size) and
+geometry (`spec.EntrySpec`: compute dtype, K and V each plain or bits + group size, residual
+and per-channel keys) and
 each tensor's dtype and shape; the payload is the tensors' raw bytes back to back in header
 order (C order): the pool's stored bytes, packed data, scales and biases of a quantized side
 included, so a block comes back exactly as it was. bfloat16 travels as uint16 bit patterns.
@@ -252,6 +253,9 @@ def check_structure(header: EntryHeader, expect: EntrySpec | None = None) -> Non
         raise EntryError("malformed", "token id out of range")
     if spec.kv_format != salt.kv_format:
         raise EntryError("malformed", f"a {spec.kv_format} block under a {salt.kv_format} salt")
+    if spec.key_channel not in (0, salt.block_size):  # a key group is exactly one block
+        raise EntryError("malformed", f"key channels over {spec.key_channel} tokens in blocks "
+                                      f"of {salt.block_size}")
     # the count first: a forged spec must not make us build a huge list
     if len(tensors) != spec.num_tensors:
         raise EntryError("malformed", f"{len(tensors)} tensors, expected {spec.num_tensors}")
