@@ -176,8 +176,6 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     if layout.residual:
         if window is not None or any(windowed):
             raise KVChatError(RESIDUAL_OFF.format("sliding-window layers"))
-        if config.preempt_mode == "swap":
-            raise KVChatError(RESIDUAL_OFF.format("swap preemption (use recompute)"))
         kv = ResidualKVCache(layout, num_blocks)
     else:
         kv = PagedKVCache(layout, num_blocks, **kv_writers(loaded), window=window,

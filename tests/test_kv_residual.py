@@ -203,8 +203,6 @@ def test_engine_runs_are_stable_and_give_every_block_back(default_model_ext, pro
 
 
 def test_engine_refuses_what_the_residual_formats_do_not_carry(default_model_ext):
-    with pytest.raises(KVChatError, match="swap"):
-        Engine(default_model_ext, EngineConfig(**KIVI, preempt_mode="swap"))
     with pytest.raises(KVChatError, match="context shift"):
         Engine(default_model_ext, EngineConfig(**KIVI, context_shift=True))
     with pytest.raises(ValueError, match="speculative"):
@@ -231,6 +229,29 @@ def test_an_oversubscribed_pool_recomputes_and_leaks_nothing(default_model_ext, 
     # a recompute prefill reads what the decode steps read (a query's own block exact,
     # earlier ones quantized), and the extension's kernels compute a row alike in any
     # batch, so the answers are the lone runs' (measured: equal in full)
+    assert out == ref
+    tight.kv.reclaim()
+    assert tight.kv.num_residual_blocks == 0
+
+
+def test_an_oversubscribed_pool_swaps_and_leaks_nothing(default_model_ext, prompts):
+    # as above, preempted by swap: full blocks go to host as stored bytes, the half-filled
+    # newest block as its exact rows, and all come back bit for bit
+    cfg = dict(KIVI, block_size=4, max_running=3)
+    p = SamplingParams(max_tokens=16, ignore_eos=True)
+    alone = Engine(default_model_ext, EngineConfig(**cfg))
+    ref = [alone.generate_text(ids, p).tokens for ids in prompts]
+    tight = Engine(default_model_ext, EngineConfig(
+        **{**cfg, "kv_budget_bytes": 17 * alone.layout.bytes_per_block,  # swaps 7, then 20
+           "preempt_mode": "swap", "swap_budget_bytes": 64 << 20}))
+    swapped, swap_out = [], tight.swap.swap_out
+    tight.swap.swap_out = lambda seq_id, n: swapped.append(n) or swap_out(seq_id, n)
+    handles = [tight.submit(ids, p) for ids in prompts]
+    out = [[e.token for e in h if e.token is not None] for h in handles]
+    assert swapped, "no swap"
+    assert any(n % 4 for n in swapped), f"no half-filled block swapped: {swapped}"
+    m = tight.metrics()
+    assert m.blocks_free == m.blocks_total and tight.swap.used_bytes == 0
     assert out == ref
     tight.kv.reclaim()
     assert tight.kv.num_residual_blocks == 0

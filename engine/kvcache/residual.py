@@ -15,10 +15,11 @@ left by a sequence that ended mid-block is reclaimed when its block is free agai
 
 The disk prefix cache carries them: it stores and restores full blocks only, whose bytes are
 all in the quantized store (`take` / `put`, whole full blocks; per-channel keys as the
-blocks' slices of `channel_quant`'s store; the side store is never on disk).
+blocks' slices of `channel_quant`'s store; the side store is never on disk). Swap moves a
+sequence's full blocks the same way and its newest, filling block's exact rows apart
+(`take_rows` / `put_rows`).
 
-Not carried yet (refused where configured, `engine.wiring`): sliding-window layers, swap
-(a running sequence's newest block is in the side store, which `take` refuses), context
+Not carried yet (refused where configured, `engine.wiring`): sliding-window layers, context
 shift (keys re-rotated in place) and speculative decoding (rejected drafts rewrite a block
 that may have been quantized).
 """
@@ -217,6 +218,28 @@ class ResidualKVCache(PagedKVCache):
             for part, new in zip(self.keys[layer], keys[layer], strict=True):
                 part[:, at] = new
             self._put(self.values[layer], slots, values[layer])
+
+    def take_rows(self, block: int, count: int) -> tuple[list[mx.array], list[mx.array]]:
+        """Per layer K and V, the first ``count`` exact rows of ``block``, still filling
+        (swap: a sequence's newest block, which is in the side store)."""
+        row = int(self._res_of[block])
+        if row < 0 or not 0 < count < self.layout.block_size:
+            raise RuntimeError(f"KV block {block} is not a filling block with {count} rows")
+        # a gather, so the host copy is its own buffer, not a view the next write may reuse
+        at = mx.arange(row * self.layout.block_size, row * self.layout.block_size + count)
+        return [k[:, at] for k in self.res_keys], [v[:, at] for v in self.res_values]
+
+    def put_rows(self, block: int, keys: list[mx.array], values: list[mx.array]) -> None:
+        """Write rows from `take_rows` at the start of ``block`` (swap-in): a filling block
+        again, whose next write continues after them."""
+        if self._res_of[block] < 0:
+            self._res_of[block] = self._take_row()
+        start = int(self._res_of[block]) * self.layout.block_size
+        at = slice(start, start + keys[0].shape[1])
+        for layer in range(self.layout.num_layers):
+            self.res_keys[layer][:, at] = keys[layer]
+            self.res_values[layer][:, at] = values[layer]
+        self._step_map = mx.array(self._res_of.astype(np.int32))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (src -> dst) in every layer: a residual block's exact rows into
