@@ -255,3 +255,18 @@ def test_an_oversubscribed_pool_swaps_and_leaks_nothing(default_model_ext, promp
     assert out == ref
     tight.kv.reclaim()
     assert tight.kv.num_residual_blocks == 0
+
+
+def test_only_a_filling_blocks_rows_are_taken_apart():
+    kv = ResidualKVCache(layout(), 6)
+    k, v = rows(BS + 5, seed=3)
+    kv.write(0, mx.arange(BS, 2 * BS + 5, dtype=mx.int32), k, v)  # block 1 full, 2 filling
+    with pytest.raises(RuntimeError, match="not a filling block"):
+        kv.take_rows(1, 5)  # quantized: its rows are not in the side store
+    with pytest.raises(RuntimeError, match="not a filling block"):
+        kv.take_rows(2, BS)
+    keys, values = kv.take_rows(2, 5)
+    kv.put_rows(4, keys, values)
+    _, vp = kv.block_view(0)
+    assert mx.array_equal(vp.exact_rows(mx.array([4]))[:, 0, :5], v[:, BS:]).item()
+    assert kv.num_residual_blocks == 2
