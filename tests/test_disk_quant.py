@@ -124,16 +124,23 @@ def test_the_entry_records_the_full_format(tmp_path):
 
 # ---- another format is never served -------------------------------------------------------
 
-@pytest.mark.parametrize("writer,reader", list(itertools.permutations(FORMATS, 2)))
-def test_a_pool_of_another_format_is_not_served_from_disk(tmp_path, writer, reader):
-    prefill(prefix_cache(writer, tmp_path))
-    written = {p: p.read_bytes() for p in entries(tmp_path)}
-    other = prefix_cache(reader, tmp_path)
+def check_not_served(root: Path, writer: str, reader: str, make=None) -> None:
+    """A pool of ``reader``'s format gets nothing from ``writer``'s entries at ``root``,
+    which stay untouched and still serve ``writer``'s format (pools made by ``make``)."""
+    make = make or prefix_cache
+    prefill(make(writer, root))
+    written = {p: p.read_bytes() for p in entries(root)}
+    other = make(reader, root)
     assert prefill(other) == (0, "none")
     assert other.disk_hits == 0 and other.store.stats().hits == 0
     # the other format's entries are not its to judge: all still there, untouched
     assert {p: p.read_bytes() for p in written} == written
-    assert prefill(prefix_cache(writer, tmp_path), seed=2) == (12, "disk")
+    assert prefill(make(writer, root), seed=2) == (12, "disk")
+
+
+@pytest.mark.parametrize("writer,reader", list(itertools.permutations(FORMATS, 2)))
+def test_a_pool_of_another_format_is_not_served_from_disk(tmp_path, writer, reader):
+    check_not_served(tmp_path, writer, reader)
 
 
 def test_the_salt_must_name_the_pools_format():
@@ -147,14 +154,19 @@ def test_the_salt_must_name_the_pools_format():
 # ---- tampered, corrupt and mis-shaped quantized entries -----------------------------------
 
 
-@pytest.fixture
-def q8_entry(tmp_path):
-    """A q8 prefix on disk; returns the root and the first block's entry path."""
+def first_entry(tmp_path: Path, fmt: str, make=None) -> tuple[Path, Path]:
+    """A ``fmt`` prefix on disk (pools made by ``make``); returns the root and the first
+    block's entry path."""
     root = tmp_path / "prefix"
-    pc = prefix_cache("q8", root)
+    pc = (make or prefix_cache)(fmt, root)
     prefill(pc)
     first = block_hashes(pc.new_sequence("local", 0).salt, IDS)[0].hex()
     return root, root / first[:2] / f"{first}.kvb"
+
+
+@pytest.fixture
+def q8_entry(tmp_path):
+    return first_entry(tmp_path, "q8")
 
 
 def q8_arrays(path: Path) -> list[np.ndarray]:

@@ -15,7 +15,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from test_disk_entry import resign
-from test_disk_quant import BS, DIM, HEADS, IDS, LAYERS, T0, entries, prefill, stored
+from test_disk_quant import (
+    BS,
+    DIM,
+    HEADS,
+    LAYERS,
+    T0,
+    check_not_served,
+    entries,
+    first_entry,
+    prefill,
+    stored,
+)
 from test_disk_quant import prefix_cache as plain_prefix_cache
 
 from engine import Engine, EngineConfig, SamplingParams
@@ -25,7 +36,7 @@ from engine.kvcache.disk.spec import EntrySpec
 from engine.kvcache.disk.store import DiskPrefixStore
 from engine.kvcache.kv_cache import KVLayout
 from engine.kvcache.prefix_cache import PrefixCache
-from engine.kvcache.prefix_key import block_hashes, salt_base
+from engine.kvcache.prefix_key import salt_base
 from engine.kvcache.quant import QuantSpec
 from engine.kvcache.residual import ResidualKVCache
 
@@ -106,21 +117,12 @@ ALL = [*RESIDUAL, "q4", "q8", "f16"]
 @pytest.mark.parametrize("writer,reader", [p for p in itertools.permutations(ALL, 2)
                                            if set(p) & set(RESIDUAL)])
 def test_a_pool_of_another_format_is_not_served_from_disk(tmp_path, writer, reader):
-    prefill(prefix_cache(writer, tmp_path))
-    written = {p: p.read_bytes() for p in entries(tmp_path)}
-    other = prefix_cache(reader, tmp_path)
-    assert prefill(other) == (0, "none")
-    assert other.disk_hits == 0 and other.store.stats().hits == 0
-    assert {p: p.read_bytes() for p in written} == written
+    check_not_served(tmp_path, writer, reader, prefix_cache)
 
 
 @pytest.fixture
 def kivi_entry(tmp_path):
-    root = tmp_path / "prefix"
-    pc = prefix_cache("q4-kivi", root)
-    prefill(pc)
-    first = block_hashes(pc.new_sequence("local", 0).salt, IDS)[0].hex()
-    return root, root / first[:2] / f"{first}.kvb"
+    return first_entry(tmp_path, "q4-kivi", prefix_cache)
 
 
 def _tamper(path, case: str) -> None:

@@ -111,12 +111,14 @@ def test_a_head_dim_the_group_cannot_divide_falls_back_to_float16(tiny_model):
     assert e.generate_text([5, 6, 7], SamplingParams(max_tokens=2)).finish_reason == "length"
 
 
+# a repeated sentence (blocks fill), a story opening and a short list prompt
+PROMPT_TEXTS = ("The quick brown fox jumps over the lazy dog. " * 4,
+                "Once upon a time, in a small village by the sea,", "List three colors:")
+
+
 @pytest.fixture(scope="module")
 def q8_prompts(default_model):
-    tok = default_model.tokenizer
-    return [tok.encode(t) for t in ("The quick brown fox jumps over the lazy dog. " * 4,
-                                     "Once upon a time, in a small village by the sea,",
-                                     "List three colors:")]
+    return [default_model.tokenizer.encode(t) for t in PROMPT_TEXTS]
 
 
 @pytest.mark.parametrize("rotation", [True, False])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_kv_quant import PROMPT_TEXTS
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.errors import KVChatError
@@ -168,14 +169,12 @@ def test_copy_on_write_carries_exact_rows_and_stored_bytes():
 
 KIVI = dict(kv_bits=4, kv_residual=True, kv_key_channel=True, kv_budget_bytes=32 << 20,
             max_running=4, step_target_s=None)
+P16 = SamplingParams(max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def prompts(default_model_ext):
-    tok = default_model_ext.tokenizer
-    return [tok.encode(t) for t in ("The quick brown fox jumps over the lazy dog. " * 4,
-                                     "Once upon a time, in a small village by the sea,",
-                                     "List three colors:")]
+    return [default_model_ext.tokenizer.encode(t) for t in PROMPT_TEXTS]
 
 
 def test_engine_runs_are_stable_and_give_every_block_back(default_model_ext, prompts):
@@ -211,18 +210,27 @@ def test_engine_refuses_what_the_residual_formats_do_not_carry(default_model_ext
         EngineConfig(kv_bits=4, kv_key_channel=True)
 
 
-def test_an_oversubscribed_pool_recomputes_and_leaks_nothing(default_model_ext, prompts):
-    # blocks of 4: the prompts fit, their answers do not, so sequences are preempted (by
-    # recompute: the residual formats do not swap) with their newest block half filled
+def alone_and_tight(model, prompts, blocks: int, **extra) -> tuple[list, Engine]:
+    """The prompts' 16 tokens alone, and an engine whose pool holds ``blocks`` blocks of 4:
+    the prompts fit, their answers do not, so sequences are preempted with their newest
+    block half filled."""
     cfg = dict(KIVI, block_size=4, max_running=3)
-    p = SamplingParams(max_tokens=16, ignore_eos=True)
-    alone = Engine(default_model_ext, EngineConfig(**cfg))
-    ref = [alone.generate_text(ids, p).tokens for ids in prompts]
-    tight = Engine(default_model_ext, EngineConfig(
-        **{**cfg, "kv_budget_bytes": 16 * alone.layout.bytes_per_block}))
-    assert tight.scheduler.config.preempt_mode == "recompute"
-    handles = [tight.submit(ids, p) for ids in prompts]
-    out = [[e.token for e in h if e.token is not None] for h in handles]
+    alone = Engine(model, EngineConfig(**cfg))
+    ref = [alone.generate_text(ids, P16).tokens for ids in prompts]
+    tight = Engine(model, EngineConfig(
+        **{**cfg, "kv_budget_bytes": blocks * alone.layout.bytes_per_block, **extra}))
+    return ref, tight
+
+
+def run_all(engine: Engine, prompts) -> list[list[int]]:
+    handles = [engine.submit(ids, P16) for ids in prompts]
+    return [[e.token for e in h if e.token is not None] for h in handles]
+
+
+def test_an_oversubscribed_pool_recomputes_and_leaks_nothing(default_model_ext, prompts):
+    ref, tight = alone_and_tight(default_model_ext, prompts, 16)
+    assert tight.scheduler.config.preempt_mode == "recompute"  # the default
+    out = run_all(tight, prompts)
     m = tight.metrics()
     assert m.preemptions > 0, "no pressure"
     assert m.blocks_free == m.blocks_total and all(len(o) == 16 for o in out)
@@ -237,17 +245,11 @@ def test_an_oversubscribed_pool_recomputes_and_leaks_nothing(default_model_ext, 
 def test_an_oversubscribed_pool_swaps_and_leaks_nothing(default_model_ext, prompts):
     # as above, preempted by swap: full blocks go to host as stored bytes, the half-filled
     # newest block as its exact rows, and all come back bit for bit
-    cfg = dict(KIVI, block_size=4, max_running=3)
-    p = SamplingParams(max_tokens=16, ignore_eos=True)
-    alone = Engine(default_model_ext, EngineConfig(**cfg))
-    ref = [alone.generate_text(ids, p).tokens for ids in prompts]
-    tight = Engine(default_model_ext, EngineConfig(
-        **{**cfg, "kv_budget_bytes": 17 * alone.layout.bytes_per_block,  # swaps 7, then 20
-           "preempt_mode": "swap", "swap_budget_bytes": 64 << 20}))
+    ref, tight = alone_and_tight(default_model_ext, prompts, 17,  # swaps 7, then 20
+                                    preempt_mode="swap", swap_budget_bytes=64 << 20)
     swapped, swap_out = [], tight.swap.swap_out
     tight.swap.swap_out = lambda seq_id, n: swapped.append(n) or swap_out(seq_id, n)
-    handles = [tight.submit(ids, p) for ids in prompts]
-    out = [[e.token for e in h if e.token is not None] for h in handles]
+    out = run_all(tight, prompts)
     assert swapped, "no swap"
     assert any(n % 4 for n in swapped), f"no half-filled block swapped: {swapped}"
     m = tight.metrics()
