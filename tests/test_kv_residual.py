@@ -210,16 +210,21 @@ def test_engine_refuses_what_the_residual_formats_do_not_carry(default_model_ext
         EngineConfig(kv_bits=4, kv_key_channel=True)
 
 
-def alone_and_tight(model, prompts, blocks: int, **extra) -> tuple[list, Engine]:
-    """The prompts' 16 tokens alone, and an engine whose pool holds ``blocks`` blocks of 4:
-    the prompts fit, their answers do not, so sequences are preempted with their newest
-    block half filled."""
-    cfg = dict(KIVI, block_size=4, max_running=3)
-    alone = Engine(model, EngineConfig(**cfg))
-    ref = [alone.generate_text(ids, P16).tokens for ids in prompts]
-    tight = Engine(model, EngineConfig(
-        **{**cfg, "kv_budget_bytes": blocks * alone.layout.bytes_per_block, **extra}))
-    return ref, tight
+TIGHT = dict(KIVI, block_size=4, max_running=3)  # blocks of 4: answers outgrow the pool
+
+
+@pytest.fixture(scope="module")
+def alone16(default_model_ext, prompts) -> tuple[list[list[int]], int]:
+    """The prompts' 16 tokens each run alone in blocks of 4, and a block's bytes."""
+    alone = Engine(default_model_ext, EngineConfig(**TIGHT))
+    return [alone.generate_text(ids, P16).tokens for ids in prompts], alone.layout.bytes_per_block
+
+
+def tight_engine(model, block_bytes: int, blocks: int, **extra) -> Engine:
+    """An engine whose pool holds ``blocks`` blocks of 4: the prompts fit, their answers do
+    not, so sequences are preempted with their newest block half filled."""
+    return Engine(model, EngineConfig(**{**TIGHT, "kv_budget_bytes": blocks * block_bytes,
+                                         **extra}))
 
 
 def run_all(engine: Engine, prompts) -> list[list[int]]:
@@ -227,8 +232,10 @@ def run_all(engine: Engine, prompts) -> list[list[int]]:
     return [[e.token for e in h if e.token is not None] for h in handles]
 
 
-def test_an_oversubscribed_pool_recomputes_and_leaks_nothing(default_model_ext, prompts):
-    ref, tight = alone_and_tight(default_model_ext, prompts, 16)
+def test_an_oversubscribed_pool_recomputes_and_leaks_nothing(default_model_ext, prompts,
+                                                             alone16):
+    ref, block_bytes = alone16
+    tight = tight_engine(default_model_ext, block_bytes, 16)
     assert tight.scheduler.config.preempt_mode == "recompute"  # the default
     out = run_all(tight, prompts)
     m = tight.metrics()
@@ -242,11 +249,12 @@ def test_an_oversubscribed_pool_recomputes_and_leaks_nothing(default_model_ext, 
     assert tight.kv.num_residual_blocks == 0
 
 
-def test_an_oversubscribed_pool_swaps_and_leaks_nothing(default_model_ext, prompts):
+def test_an_oversubscribed_pool_swaps_and_leaks_nothing(default_model_ext, prompts, alone16):
     # as above, preempted by swap: full blocks go to host as stored bytes, the half-filled
     # newest block as its exact rows, and all come back bit for bit
-    ref, tight = alone_and_tight(default_model_ext, prompts, 17,  # swaps 7, then 20
-                                    preempt_mode="swap", swap_budget_bytes=64 << 20)
+    ref, block_bytes = alone16
+    tight = tight_engine(default_model_ext, block_bytes, 17,  # swaps 7, then 20
+                         preempt_mode="swap", swap_budget_bytes=64 << 20)
     swapped, swap_out = [], tight.swap.swap_out
     tight.swap.swap_out = lambda seq_id, n: swapped.append(n) or swap_out(seq_id, n)
     out = run_all(tight, prompts)
