@@ -58,6 +58,25 @@ def _bare_call(text: str, names: Collection[str] | None) -> ToolCall | None:
     return call if call is not None and (names is None or call.name in names) else None
 
 
+_CLOSE = re.compile(r"\s*(?:</tool_call>\s*(?:<tool_call>)?)?\s*")
+_DECODER = json.JSONDecoder()
+
+
+def _hermes_calls(rest: str) -> list[ToolCall | None]:
+    """The calls after a first ``<tool_call>``, each read as one JSON value, so a
+    ``</tool_call>`` inside an argument string does not cut it; anything else: [None]."""
+    calls: list[ToolCall | None] = []
+    pos = _CLOSE.match(rest).end()
+    while pos < len(rest):
+        try:
+            obj, pos = _DECODER.raw_decode(rest, pos)
+        except ValueError:
+            return [None]
+        calls.append(_call(obj))
+        pos = _CLOSE.match(rest, pos).end()
+    return calls
+
+
 def parse_calls(text: str, names: Collection[str] | None = None, *,
                 bare_json: bool = True) -> tuple[str, list[ToolCall]]:
     """(content, calls) of an answer. ``names``: the functions offered (a call of another
@@ -65,9 +84,7 @@ def parse_calls(text: str, names: Collection[str] | None = None, *,
     calls: list[ToolCall | None] = []
     if "<tool_call>" in text:
         content, _, rest = text.partition("<tool_call>")
-        for body in re.split(r"</tool_call>\s*(?:<tool_call>)?", rest):
-            if body.strip():
-                calls.append(_call(_json(body.strip())))
+        calls = _hermes_calls(rest)
     elif "[TOOL_CALLS]" in text:
         content, _, rest = text.partition("[TOOL_CALLS]")
         found = _json(rest.strip())

@@ -92,6 +92,11 @@ def test_tool_turns_in_the_history():
     ('<tool_call>{"name": "launch_missiles", "arguments": {}}</tool_call>', None, []),
     ('<tool_call>{"name": "get_weather", "arguments": {"ci', None, []),  # cut: left as text
     ('{"name": "someone", "age": 3}', None, []),  # JSON that is not a call to a tool
+    # a sampled forced call wrote the closing tag inside an argument string (was left as text)
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "]]}</tool_call>M"}}\n</tool_call>',
+     "", [("get_time", {"zone": "]]}</tool_call>M"})]),
+    ('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call> Done.', None,
+     []),  # text after the last call: not a clean call, left as text
 ])
 def test_calls_are_parsed_by_family(text, content, calls):
     tools = tc.check_tools("tools", [WEATHER, TIME])
