@@ -1,7 +1,7 @@
 """Decode on a float16 vs a quantized KV pool at a long context, side by side in one run.
 
     .venv/bin/python scripts/bench_kv_formats.py [--ctx 4096] [--rounds 3] [--gen 32]
-        [--only kernel|step|decode] [--formats f16,q8,k8v4,q4]
+        [--only kernel|step|decode] [--formats f16,q8,k8v4,q4,q8-kivi,k8v4-kivi,q4-kivi]
 
 1. kernel: the CPU extension's paged decode attention alone (Hq 9, Hkv 3, D 64, one
    sequence of --ctx tokens), us per layer call, with and without the rotation of queries
@@ -34,11 +34,13 @@ from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.executor import build_batch
 from engine.kvcache.kv_cache import KVLayout, PagedKVCache
 from engine.kvcache.quant import QuantSpec
-from engine.model.attention import cpu
+from engine.kvcache.residual import ResidualKVCache
+from engine.model.attention import cpu, cpu_residual
 from engine.model.attention.dispatch import paged_attention
 from engine.model.cpu_ext import build, ops
 
-FORMATS = {"f16": (16, 16), "q8": (8, 8), "k8v4": (8, 4), "q4": (4, 4), "q8-plain": (8, 8)}
+FORMATS = {"f16": (16, 16), "q8": (8, 8), "k8v4": (8, 4), "q4": (4, 4), "q8-plain": (8, 8),
+           "q8-kivi": (8, 8), "k8v4-kivi": (8, 4), "q4-kivi": (4, 4)}
 TEXT = "The quick brown fox jumps over the lazy dog while the cat sleeps by the fire. " * 900
 
 
@@ -81,12 +83,19 @@ def bench_kernel(names: list[str], ctx: int, rounds: int) -> None:
     cases = {}
     for name in names:
         kb, vb = FORMATS[name]
-        layout = KVLayout(1, Hkv, D, bs, mx.float16, _quant(kb, name), _quant(vb, name))
-        cache = PagedKVCache(layout, nb, ops.kv_write, quant_writer=ops.kv_write_quant)
-        cache.write(0, slots, rows_k, rows_v)
+        kivi = name.endswith("-kivi")  # residual, keys per channel (`kvcache.residual`)
+        layout = KVLayout(1, Hkv, D, bs, mx.float16, _quant(kb, name), _quant(vb, name),
+                          residual=kivi, key_channel=kivi)
+        cache = (ResidualKVCache(layout, nb) if kivi else
+                 PagedKVCache(layout, nb, ops.kv_write, quant_writer=ops.kv_write_quant))
+        # the last row apart, as a decode step writes it: a residual pool's blocks that
+        # fill in a write are still read exact in that step (`kvcache.residual`)
+        cache.write(0, slots[:-1], rows_k[:, :-1], rows_v[:, :-1])
+        cache.write(0, slots[-1:], rows_k[:, -1:], rows_v[:, -1:])
         mx.eval(cache.keys, cache.values)
         k, v = cache.block_view(0)
-        cases[name] = (partial(cpu.paged_decode, q, k, v, table, [ctx], 0.125),
+        kernel = cpu_residual.paged_decode if kivi else cpu.paged_decode
+        cases[name] = (partial(kernel, q, k, v, table, [ctx], 0.125),
                        partial(paged_attention, q, k, v, table, [ctx], 0.125))
     best: dict = {}
     for _ in range(rounds):
@@ -105,8 +114,10 @@ def engines(names: list[str], ctx: int) -> dict[str, Engine]:
     loaded = load_model()
     for name in names:
         kb, vb = FORMATS[name]
+        kivi = name.endswith("-kivi")
         cfg = EngineConfig(kv_budget_bytes=(2 * ctx * 23_040 + (64 << 20)), k_bits=kb,
-                           v_bits=vb, kv_rotation=not name.endswith("plain"))
+                           v_bits=vb, kv_rotation=not name.endswith("plain"),
+                           kv_residual=kivi, kv_key_channel=kivi)
         out[name] = Engine(loaded, cfg)
         print(f"{name:9s}: KV {out[name].layout.kv_format}", flush=True)
     return out

@@ -10,7 +10,7 @@ import mlx.core as mx
 from engine.kvcache import rotation
 from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.model import backend
-from engine.model.attention import cpu, reference, residual, routes
+from engine.model.attention import cpu, cpu_residual, reference, residual, routes
 from engine.model.attention.gpu import abi, one_pass, two_pass
 from engine.model.attention.guard import GUARD
 from engine.model.attention.spec import AttentionSpec, PagedCall, Pool
@@ -45,8 +45,15 @@ def _cpu_launch(*args, rotated=(False, False)) -> mx.array:
     return fn(*args, rotated=rotated) if any(rotated) else fn(*args)
 
 
+def _cpu_residual_ready(call: PagedCall) -> bool:
+    return cpu.available() and cpu_residual.supports(call)
+
+
 KERNEL_PATHS: dict[str, KernelPath] = {
     "cpu": KernelPath(_cpu_ready, _cpu_launch, cpu.variant_key, rotates=True),
+    # a residual pool carries its own rotation (`ResidualBlocks.rotated`): rotated is (F, F)
+    "cpu_residual": KernelPath(_cpu_residual_ready, cpu_residual.paged_decode,
+                               cpu_residual.variant_key, rotates=True),
     "one_pass": KernelPath(_gpu_ready, lambda *a: one_pass.paged_decode_attention(*a),
                            _gpu_variant("one_pass")),
     "two_pass": KernelPath(_gpu_ready, lambda *a: two_pass.paged_decode_two_pass(*a),

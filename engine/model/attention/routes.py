@@ -40,14 +40,20 @@ class Route:
     backends: tuple[str, ...]  # "cpu", "metal", "cuda"
     kinds: tuple[str, ...]  # of KINDS
     when: str
-    path: str  # "reference", "view_sdpa" (the reference over a view), "cpu", "one_pass", "two_pass"
+    path: str  # "reference", "view_sdpa" (the reference over a view), "cpu", "cpu_residual",
+    # "one_pass", "two_pass"
     reason: str
     applies: Callable[[PagedCall], bool] = field(default=lambda call: True, compare=False)
 
 
 ROUTES = (
+    Route(("cpu",), ("decode",), "a residual KV format's decode (keys per channel: -kivi)",
+          "cpu_residual", "one op that scores a block's per-channel key codes as "
+          "(q * scales) @ codes + q @ biases, never a dequantized key row, and reads the "
+          "newest block exact (`attention/cpu_residual.py`)",
+          lambda call: call.residual),
     Route(("cpu", *GPU), KINDS, "a residual KV format (full blocks quantized, the newest exact)",
-          "reference", "no kernel reads the residual layout yet: the reference "
+          "reference", "no other kernel reads the residual layout yet: the reference "
           "(`attention/residual.py`) dequantizes the blocks it reads and takes each query's "
           "own block exact", lambda call: call.residual),
     Route(("cpu",), KINDS, "one sequence whose pools are plain and of the queries' dtype",

@@ -1,0 +1,294 @@
+// The decode kernel of a residual-format pool (paged_residual.h).
+//
+// Keys of a full block are stored per channel (KIVI): k[t][d] = s[d] * c[d][t] + b[d], a
+// channel's BS codes contiguous. So a block's scores are
+//   q . k[t] = sum_d (q[d] * s[d]) * c[d][t] + sum_d q[d] * b[d]:
+// one vector multiply-add of 16 tokens' codes per channel and head, no horizontal sum and
+// no dequantized row. Values are per-token rows, dequantized as read. A block still
+// residual is read exact from the side store: keys against the plain queries, and its
+// weighted value sum taken into the quantized rows' space (times R, 4-bit element order)
+// so one accumulator serves both; the merge maps it back.
+//
+// Each sequence's context splits into partitions by its own length only (never by the
+// batch or the thread count), so a row computes alike alone and in any batch.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "kernels.h"
+#include "paged_decode_qk.h"
+#include "paged_decode_task.h"
+#include "paged_residual_kernel.h"
+#include "pool.h"
+
+namespace kvchat {
+
+namespace {
+
+using decode_task::Partial;
+using decode_task::softmax_block;
+
+constexpr int kPartitionBlocks = 32;  // one partition per 32 blocks of a context
+constexpr int kMaxParts = 8;
+constexpr int64_t kParallelMinElements = 1 << 18;  // K/V elements read
+
+float nan() {
+  return std::numeric_limits<float>::quiet_NaN();
+}
+
+int parts_of(const ResidualProblem& pb, int b) {
+  const int blocks = (pb.lens[b] + pb.BS - 1) / pb.BS;
+  return std::clamp((blocks + kPartitionBlocks - 1) / kPartitionBlocks, 1, kMaxParts);
+}
+
+// 16 codes of one channel (tokens 16c .. 16c + 15) as floats.
+inline vf channel_codes(const uint8_t* codes, int bits, int c) {
+  vb x{};
+  if (bits == 8) {
+    std::memcpy(&x, codes + c * 16, 16);
+    return bytes_to_float(x);
+  }
+  // token 2i in byte i's low nibble, 2i + 1 its high; one 8-byte load (a memcpy into the
+  // vector is a store the 16-byte read cannot forward from: a stall per channel)
+#if defined(__SSE2__)
+  x = (vb)_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c * 8));
+#else
+  std::memcpy(&x, codes + c * 8, 8);
+#endif
+  vb first, second;
+  interleave(x & 15, x >> 4, first, second);
+  return bytes_to_float(first);
+}
+
+// Scores of a quantized block's BS tokens for G heads into p (G rows, `stride` apart).
+template <int G>
+void channel_scores(const ResidualProblem& pb, int64_t blk_id, const float* qk, float* qs,
+                    float* p, int stride) {
+  const int D = pb.D;
+  const int64_t param0 = blk_id * D;
+  float cst[G];
+  for (int g = 0; g < G; ++g) {
+    vf c{};
+    for (int d = 0; d < D; d += W) {
+      const vf q = load(qk + size_t(g) * D + d);
+      store(qs + size_t(g) * D + d, q * load_any(pb.k_scales, pb.k_elem, param0 + d));
+      c += q * load_any(pb.k_biases, pb.k_elem, param0 + d);
+    }
+    cst[g] = hsum(c);
+  }
+  const uint8_t* base = pb.k_codes + param0 * pb.k_width;
+  for (int c = 0; c < pb.BS / W; ++c) {
+    vf acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = splat(cst[g]);
+    for (int d = 0; d < D; ++d) {
+      const vf codes = channel_codes(base + int64_t(d) * pb.k_width, pb.k_bits, c);
+      for (int g = 0; g < G; ++g) acc[g] += splat(qs[size_t(g) * D + d]) * codes;
+    }
+    for (int g = 0; g < G; ++g) store(p + size_t(g) * stride + c * W, acc[g]);
+  }
+}
+
+// An exact value row (or a sum of them) in the quantized rows' space: times R, then
+// 4-bit element order.
+const float* stored_space(const ResidualProblem& pb, const float* x, float* tmp, float* out) {
+  if (!pb.rotate_v && pb.v.bits != 4) return x;
+  const float* src = x;
+  if (pb.rotate_v) {
+    hadamard_row(x, pb.v.bits == 4 ? tmp : out, pb.D, pb.signs, false);
+    src = pb.v.bits == 4 ? tmp : out;
+  }
+  if (pb.v.bits == 4) permute4(src, out, pb.D);
+  return out;
+}
+
+// One task: G query heads of KV head h over partition `part` of sequence b's blocks, the
+// queries' channel products and the output accumulators in registers (D = NV * W).
+template <int NV, int G>
+void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts, Partial st) {
+  constexpr int D = NV * W;
+  const int BS = pb.BS, group = pb.Hq / pb.Hkv;
+  const int q_head0 = h * group + hc * pb.heads_per_task;
+  const int len = pb.lens[b], blocks = (len + BS - 1) / BS;
+  const int per_part = (blocks + parts - 1) / parts;
+  const int blk0 = std::min(blocks, part * per_part), blk1 = std::min(blocks, blk0 + per_part);
+  const float* qp = pb.q + (int64_t(b) * pb.Hq + q_head0) * D;
+  const float* qk = pb.qk + (int64_t(b) * pb.Hq + q_head0) * D;
+  thread_local std::vector<float> scratch;
+  scratch.resize(size_t(G) * (BS + D) + 3 * size_t(D));
+  float* p = scratch.data();  // G x BS scores, then probabilities
+  float* qs = p + size_t(G) * BS;  // G x D: queries times a block's channel scales
+  float* row = qs + size_t(G) * D;
+  float* tmp = row + D;
+  float* moved = tmp + D;
+  vf acc[G][NV];
+  float m[G], l[G], bias[G][decode_task::kMaxKeyGroups] = {};  // quantized values' sum p b
+  for (int g = 0; g < G; ++g) {
+    m[g] = -std::numeric_limits<float>::infinity();
+    l[g] = 0.0f;
+    for (int j = 0; j < NV; ++j) acc[g][j] = vf{};
+  }
+  for (int blk = blk0; blk < blk1; ++blk) {
+    const int32_t phys = pb.tables[int64_t(b) * pb.table_width + blk];
+    const int32_t res = phys >= 0 && phys < pb.num_blocks ? pb.res_map[phys] : pb.nres;
+    if (res >= pb.nres) {  // an id outside the pool or the side store: report, never read
+      for (int g = 0; g < G; ++g) st.l[g] = nan();
+      return;
+    }
+    const int r1 = std::min(BS, len - blk * BS);
+    const int64_t blk_id = int64_t(h) * pb.num_blocks + phys;
+    const int64_t res_row0 = (int64_t(h) * pb.nres + res) * BS;
+    if (res >= 0) {
+      for (int r = 0; r < r1; ++r) {
+        vf k[NV];
+        for (int j = 0; j < NV; ++j) k[j] = load_any(pb.res_k, pb.res_elem, (res_row0 + r) * D + j * W);
+        for (int g = 0; g < G; ++g) {
+          vf dot{};
+          for (int j = 0; j < NV; ++j) dot += load(qp + size_t(g) * D + j * W) * k[j];
+          p[size_t(g) * BS + r] = hsum(dot);
+        }
+      }
+    } else {
+      channel_scores<G>(pb, blk_id, qk, qs, p, BS);
+    }
+    for (int g = 0; g < G; ++g) {
+      const float alpha = softmax_block(p + size_t(g) * BS, 0, r1, m[g], l[g]);
+      if (alpha != 1.0f) {
+        for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] * alpha;
+        for (float& x : bias[g]) x *= alpha;
+      }
+    }
+    if (res >= 0) {  // sum p v over the exact rows, then into the stored space once a head
+      vf sum[G][NV] = {};
+      for (int r = 0; r < r1; ++r) {
+        vf v[NV];
+        for (int j = 0; j < NV; ++j) v[j] = load_any(pb.res_v, pb.res_elem, (res_row0 + r) * D + j * W);
+        for (int g = 0; g < G; ++g) {
+          const vf pr = splat(p[size_t(g) * BS + r]);
+          for (int j = 0; j < NV; ++j) sum[g][j] = sum[g][j] + pr * v[j];
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        for (int j = 0; j < NV; ++j) store(row + j * W, sum[g][j]);
+        const float* moved_row = stored_space(pb, row, tmp, moved);
+        for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] + load(moved_row + j * W);
+      }
+      continue;
+    }
+    if constexpr (decode_task::kIntKeys) {  // (p s) v_int, the biases summed apart
+      decode_task::value_block<NV, G>(pb.v, blk_id * BS, 0, r1, p, BS, acc, bias);
+      continue;
+    }
+    for (int r = 0; r < r1; ++r) {
+      vf v[NV];
+      decode_task::load_row<NV>(pb.v, blk_id * BS + r, v);
+      for (int g = 0; g < G; ++g) {
+        const vf pr = splat(p[size_t(g) * BS + r]);
+        for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] + pr * v[j];
+      }
+    }
+  }
+  if constexpr (decode_task::kIntKeys) decode_task::add_value_biases<NV, G>(pb.v, acc, bias);
+  for (int g = 0; g < G; ++g) {
+    st.m[g] = m[g];
+    st.l[g] = l[g];
+    for (int j = 0; j < NV; ++j) store(st.acc + size_t(g) * D + j * W, acc[g][j]);
+  }
+}
+
+using AttendFn = void (*)(const ResidualProblem&, int, int, int, int, int, Partial);
+
+template <int NV, int... Gs>
+AttendFn pick_g(int G, std::integer_sequence<int, Gs...>) {
+  AttendFn fn = nullptr;
+  ((G == Gs + 1 ? (fn = &attend<NV, Gs + 1>, 0) : 0), ...);
+  return fn;
+}
+
+// The kernel for this head dim and heads per task (nullptr: not built for them).
+AttendFn pick(int D, int G) {
+  const auto gs = std::make_integer_sequence<int, kResidualMaxHeads>{};
+  switch (D) {
+    case 64: return pick_g<4>(G, gs);
+    case 128: return pick_g<8>(G, gs);
+    default: return nullptr;
+  }
+}
+
+struct Task {
+  int b, h, hc, part, parts;
+};
+
+}  // namespace
+
+void run_residual_decode(const ResidualProblem& pb, float* out /* (B, Hq, D) */) {
+  std::vector<Task> tasks;
+  std::vector<int> first(pb.B);  // each sequence's first task
+  int64_t elements = 0;
+  for (int b = 0; b < pb.B; ++b) {
+    first[b] = int(tasks.size());
+    const int parts = parts_of(pb, b);
+    for (int h = 0; h < pb.Hkv; ++h)
+      for (int hc = 0; hc < pb.head_chunks; ++hc)
+        for (int part = 0; part < parts; ++part) tasks.push_back({b, h, hc, part, parts});
+    elements += 2 * int64_t(pb.lens[b]) * pb.Hkv * pb.D;
+  }
+  const int H = pb.heads_per_task, D = pb.D, n = int(tasks.size());
+  std::vector<float> partials(size_t(n) * H * (D + 2));
+  auto partial = [&](int t) {
+    float* base = partials.data() + size_t(t) * H * (D + 2);
+    return Partial{base, base + H, base + 2 * H};
+  };
+  auto body = [&](int t) {
+    const Task& k = tasks[t];
+    const int G = std::min(pb.heads_per_task, pb.Hq / pb.Hkv - k.hc * pb.heads_per_task);
+    pick(pb.D, G)(pb, k.b, k.h, k.hc, k.part, k.parts, partial(t));
+  };
+  auto& pool = ThreadPool::instance();
+  if (elements >= kParallelMinElements && pool.size() > 1)
+    pool.run(n, body);
+  else
+    for (int t = 0; t < n; ++t) body(t);
+  // Merge each (sequence, head)'s partitions in order, normalize, map back to plain rows.
+  const int group = pb.Hq / pb.Hkv;
+  std::vector<float> row(D), tmp(D);
+  for (int t = 0; t < n; t += tasks[t].parts) {
+    const Task& k = tasks[t];
+    const int G = std::min(H, group - k.hc * H);
+    for (int g = 0; g < G; ++g) {
+      float m = -std::numeric_limits<float>::infinity();
+      bool bad = false;
+      for (int part = 0; part < k.parts; ++part) {
+        m = std::max(m, partial(t + part).m[g]);
+        bad = bad || std::isnan(partial(t + part).l[g]);
+      }
+      float l = bad ? nan() : 0.0f;
+      std::fill(row.begin(), row.end(), 0.0f);
+      const int q_head = k.h * group + k.hc * H + g;
+      if (!bad && m != -std::numeric_limits<float>::infinity()) {
+        for (int part = 0; part < k.parts; ++part) {
+          const Partial st = partial(t + part);
+          if (st.l[g] == 0.0f) continue;
+          const float w = std::exp(st.m[g] - m);
+          l += st.l[g] * w;
+          for (int d = 0; d < D; ++d) row[d] += st.acc[size_t(g) * D + d] * w;
+        }
+        l += pb.sinks == nullptr ? 0.0f : std::exp(pb.sinks[q_head] - m);
+      }
+      const float inv = std::isnan(l) ? l : l > 0.0f ? 1.0f / l : 0.0f;
+      for (int d = 0; d < D; ++d) row[d] *= inv;
+      if (pb.v.bits == 4) {
+        unpermute4(row.data(), tmp.data(), D);
+        std::swap(row, tmp);
+      }
+      float* dst = out + (int64_t(k.b) * pb.Hq + q_head) * D;
+      if (pb.rotate_v)
+        hadamard_row(row.data(), dst, D, pb.signs, true);
+      else
+        std::copy(row.begin(), row.end(), dst);
+    }
+  }
+}
+
+}  // namespace kvchat

@@ -1,0 +1,172 @@
+"""The extension's decode attention over a residual pool (`attention/cpu_residual.py`)
+against a float64 oracle of the same rule (each block exact where the residual map holds
+it, else its stored quantized bytes), batch invariance, bad block ids and the routing."""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.kvcache import rotation
+from engine.kvcache.kv_cache import KVLayout
+from engine.kvcache.quant import QuantSpec
+from engine.kvcache.residual import ResidualKVCache
+from engine.model.attention import cpu_residual, guard, paged_attention, routes
+from engine.model.attention.spec import AttentionSpec, PagedCall
+from engine.model.cpu_ext import build
+
+BS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ext():
+    if not build.available():
+        pytest.skip(f"CPU extension unavailable: {build.unavailable_reason()}")
+    guard.GUARD.reset()
+    yield
+    guard.GUARD.reset()
+
+
+def make_pool(lens, k_bits, v_bits, rot, *, Hkv=3, D=64, v_group=64, seed=0):
+    """A residual pool holding each sequence on shuffled blocks, written as a prompt and
+    then one decode row (the step a decode query runs in); keys with outlier channels."""
+    layout = KVLayout(1, Hkv, D, BS, mx.float16, QuantSpec(k_bits, 64, rot),
+                      QuantSpec(v_bits, v_group, rot), residual=True, key_channel=True)
+    need = [-(-n // BS) for n in lens]
+    ids = list(range(sum(need) + 3))
+    random.Random(seed).shuffle(ids)
+    kv = ResidualKVCache(layout, len(ids))
+    rng = np.random.default_rng(seed)
+    tables, last = [], []
+    for n, nb in zip(lens, need, strict=True):
+        table, ids = ids[:nb], ids[nb:]
+        tables.append(table + [table[0]] * (max(need) - nb))
+        k = rng.standard_normal((Hkv, n, D)) * np.where(np.arange(D) % 13 == 0, 20.0, 1.0)
+        v = rng.standard_normal((Hkv, n, D))
+        slots = mx.array([table[i // BS] * BS + i % BS for i in range(n)], dtype=mx.int32)
+        rows = (mx.array(k.astype(np.float16)), mx.array(v.astype(np.float16)))
+        kv.write(0, slots[:-1], rows[0][:, :-1], rows[1][:, :-1])
+        last.append((slots[-1:], rows[0][:, -1:], rows[1][:, -1:]))
+    # every sequence's decode row in one write, as one batched step writes them
+    kv.write(0, mx.concatenate([s for s, _, _ in last]),
+             mx.concatenate([k for _, k, _ in last], axis=1),
+             mx.concatenate([v for _, _, v in last], axis=1))
+    mx.eval(kv.keys, kv.values, kv.res_keys, kv.res_values)
+    return kv, mx.array(tables, dtype=mx.int32)
+
+
+def oracle(q, kv: ResidualKVCache, table, lens, scale, sinks=None) -> np.ndarray:
+    """The rule in float64 from the stored bytes."""
+    L = kv.layout
+    H, D = L.num_kv_heads, L.head_dim
+    kp, vp = kv.block_view(0)
+    R = np.array(rotation._matrix(D), dtype=np.float64)
+    codes, ks, kb = (np.array(a) for a in kv.keys[0])
+    if L.k_quant.bits == 4:
+        codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+    kq = codes * ks.astype(np.float64)[..., None] + kb.astype(np.float64)[..., None]
+    kq = kq.swapaxes(-1, -2)  # (H, nb, BS, D)
+    v = vp.quantized  # float32 scales and biases: the float16 ones would round the rows
+    vq = np.array(mx.dequantize(v.data, v.scales.astype(mx.float32), v.biases.astype(mx.float32),
+                                group_size=v.quant.group_size, bits=v.quant.bits), np.float64)
+    if L.k_quant.rotation:
+        kq = kq @ R.T
+    if L.v_quant.rotation:
+        vq = vq @ R.T
+    res_k = np.array(kp.residual, dtype=np.float64)
+    res_v = np.array(vp.residual, dtype=np.float64)
+    res_map = np.array(kp.res_map)
+    qn = np.array(q.astype(mx.float32), dtype=np.float64)
+    out = np.zeros(qn.shape)
+    group = qn.shape[1] // H
+    for b, n in enumerate(lens):
+        blocks = np.array(table[b])[:-(-n // BS)]
+        keys = np.concatenate([res_k[:, res_map[i]] if res_map[i] >= 0 else kq[:, i]
+                               for i in blocks], axis=1)[:, :n]
+        values = np.concatenate([res_v[:, res_map[i]] if res_map[i] >= 0 else vq[:, i]
+                                 for i in blocks], axis=1)[:, :n]
+        for hq in range(qn.shape[1]):
+            s = keys[hq // group] @ qn[b, hq, 0] * scale
+            m = s.max() if sinks is None else max(s.max(), float(sinks[hq]))
+            e = np.exp(s - m)
+            z = e.sum() + (0.0 if sinks is None else np.exp(float(sinks[hq]) - m))
+            out[b, hq, 0] = e @ values[hq // group] / z
+    return out
+
+
+def run(q, kv, table, lens, scale, sinks=None):
+    kp, vp = kv.block_view(0)
+    return cpu_residual.paged_decode(q, kp, vp, table, lens, AttentionSpec(scale, sinks=sinks))
+
+
+def check(out: mx.array, want: np.ndarray, tol: float) -> None:
+    got = np.array(out.astype(mx.float32), dtype=np.float64)
+    err = np.abs(got - want).max()
+    assert err <= tol * max(1.0, np.abs(want).max()), err
+
+
+# lens: one inside its first block, one whose decode row just filled a block (still read
+# exact in this step), one mid-block, one long enough to split into partitions
+LENS = [5, 32, 37, 1100]
+
+
+@pytest.mark.parametrize("k_bits,v_bits,rot", [(8, 8, 1), (8, 4, 1), (4, 4, 1), (4, 4, 0),
+                                                (8, 8, 0), (4, 8, 1)])
+def test_formats_match_the_float64_rule(k_bits, v_bits, rot):
+    kv, table = make_pool(LENS, k_bits, v_bits, rot, seed=k_bits + v_bits + rot)
+    q = mx.random.normal((len(LENS), 9, 1, 64), key=mx.random.key(1))
+    check(run(q, kv, table, LENS, 0.125), oracle(q, kv, table, LENS, 0.125), 5e-5)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,v_group", [(8, 1, 128, 32), (12, 1, 128, 64), (4, 2, 64, 32)])
+def test_head_dims_groups_and_float16_queries(Hq, Hkv, D, v_group):
+    lens = [20, 300]
+    kv, table = make_pool(lens, 4, 4, 1, Hkv=Hkv, D=D, v_group=v_group, seed=D + Hq)
+    q = mx.random.normal((2, Hq, 1, D), key=mx.random.key(2)).astype(mx.float16)
+    out = run(q, kv, table, lens, D ** -0.5)
+    assert out.dtype == mx.float16
+    check(out, oracle(q, kv, table, lens, D ** -0.5), 2e-3)
+
+
+def test_sinks_join_the_softmax():
+    kv, table = make_pool(LENS, 8, 4, 1, seed=5)
+    q = mx.random.normal((len(LENS), 9, 1, 64), key=mx.random.key(3))
+    sinks = mx.array(np.linspace(-2.0, 6.0, 9).astype(np.float32))
+    check(run(q, kv, table, LENS, 0.125, sinks), oracle(q, kv, table, LENS, 0.125, sinks), 5e-5)
+
+
+def test_a_row_computes_alike_alone_and_in_any_batch():
+    kv, table = make_pool(LENS, 4, 4, 1, seed=6)
+    q = mx.random.normal((len(LENS), 9, 1, 64), key=mx.random.key(4))
+    batched = run(q, kv, table, LENS, 0.125)
+    for b, n in enumerate(LENS):
+        alone = run(q[b:b + 1], kv, table[b:b + 1], [n], 0.125)
+        assert mx.array_equal(alone, batched[b:b + 1]).item()
+
+
+def test_a_bad_block_id_poisons_its_sequence_only():
+    kv, table = make_pool([40, 40], 8, 8, 1, seed=7)
+    bad = mx.array([[int(table[0, 0]), 10_000, int(table[0, 2])], table[1].tolist()],
+                   dtype=mx.int32)
+    q = mx.random.normal((2, 9, 1, 64), key=mx.random.key(5))
+    out = run(q, kv, bad, [40, 40], 0.125)
+    assert mx.all(mx.isnan(out[0])).item() and not mx.any(mx.isnan(out[1])).item()
+    check(out[1:], oracle(q[1:], kv, table[1:], [40], 0.125), 5e-5)
+
+
+def test_decode_routes_to_the_op_and_the_dispatcher_runs_it():
+    kv, table = make_pool(LENS, 4, 4, 1, seed=8)
+    kp, vp = kv.block_view(0)
+    q = mx.random.normal((len(LENS), 9, 1, 64), key=mx.random.key(6))
+    call = PagedCall(q, kp, vp, table, tuple(LENS), AttentionSpec(0.125))
+    assert routes.route(call, "cpu").path == "cpu_residual" and cpu_residual.supports(call)
+    for backend in ("metal", "cuda"):
+        assert routes.route(call, backend).path == "reference"
+    chunk = PagedCall(mx.zeros((1, 9, 4, 64)), kp, vp, table[:1], (5,), AttentionSpec(0.125))
+    assert routes.route(chunk, "cpu").path == "reference" and not cpu_residual.supports(chunk)
+    out = paged_attention(q, kp, vp, table, LENS, 0.125)  # first launch: checked, then kept
+    assert guard.kernel_fallback() is None
+    assert mx.array_equal(out, run(q, kv, table, LENS, 0.125)).item()
