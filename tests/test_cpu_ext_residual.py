@@ -1,6 +1,7 @@
-"""The extension's decode attention over a residual pool (`attention/cpu_residual.py`)
+"""The extension's attention over a residual pool (`attention/cpu_residual.py`): decode
 against a float64 oracle of the same rule (each block exact where the residual map holds
-it, else its stored quantized bytes), batch invariance, bad block ids and the routing."""
+it, else its stored quantized bytes), batch invariance, bad block ids, the routing; prefill
+chunks against the reference (`attention/residual.py`), cut every way."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from engine.kvcache import rotation
 from engine.kvcache.kv_cache import KVLayout
 from engine.kvcache.quant import QuantSpec
 from engine.kvcache.residual import ResidualKVCache
-from engine.model.attention import cpu_residual, guard, paged_attention, routes
+from engine.model.attention import cpu_residual, guard, paged_attention, residual, routes
 from engine.model.attention.spec import AttentionSpec, PagedCall
 from engine.model.cpu_ext import build
 
@@ -166,7 +167,35 @@ def test_decode_routes_to_the_op_and_the_dispatcher_runs_it():
     for backend in ("metal", "cuda"):
         assert routes.route(call, backend).path == "reference"
     chunk = PagedCall(mx.zeros((1, 9, 4, 64)), kp, vp, table[:1], (5,), AttentionSpec(0.125))
-    assert routes.route(chunk, "cpu").path == "reference" and not cpu_residual.supports(chunk)
+    assert routes.route(chunk, "cpu").path == "cpu_residual" and cpu_residual.supports(chunk)
     out = paged_attention(q, kp, vp, table, LENS, 0.125)  # first launch: checked, then kept
     assert guard.kernel_fallback() is None
     assert mx.array_equal(out, run(q, kv, table, LENS, 0.125)).item()
+
+
+@pytest.mark.parametrize("k_bits,v_bits", [(4, 4), (8, 4)])
+def test_prefill_chunks_match_the_reference_however_cut(k_bits, v_bits):
+    """Chunks starting and ending inside blocks, across many blocks, and one inside a block:
+    each query reads the blocks before its own quantized and its own exact."""
+    layout = KVLayout(1, 3, 64, BS, mx.float16, QuantSpec(k_bits, 64, 1),
+                      QuantSpec(v_bits, 64, 1), residual=True, key_channel=True)
+    kv = ResidualKVCache(layout, 24)
+    ids = list(range(24))
+    random.Random(k_bits).shuffle(ids)
+    table = mx.array([ids[:20]], dtype=mx.int32)
+    rng = np.random.default_rng(k_bits + v_bits)
+    n = 300
+    k = rng.standard_normal((3, n, 64)) * np.where(np.arange(64) % 13 == 0, 20.0, 1.0)
+    v = rng.standard_normal((3, n, 64))
+    q = mx.array(rng.standard_normal((1, 9, n, 64)).astype(np.float32))
+    done = 0
+    for cut in (37, 40, 100, 250, 300):
+        slots = mx.array([ids[i // BS] * BS + i % BS for i in range(done, cut)], dtype=mx.int32)
+        kv.write(0, slots, mx.array(k[:, done:cut].astype(np.float16)),
+                 mx.array(v[:, done:cut].astype(np.float16)))
+        call = PagedCall(q[:, :, done:cut], *kv.block_view(0), table, (cut,),
+                         AttentionSpec(0.125))
+        out = cpu_residual.paged_prefill(*call.args())
+        assert out.shape == (1, 9, cut - done, 64)
+        assert mx.allclose(out, residual.residual_attention(call), atol=1e-4).item()
+        done = cut

@@ -117,11 +117,11 @@ def test_a_query_reads_its_own_block_exact_and_earlier_blocks_quantized():
     # one 40-token chunk
     kv = ResidualKVCache(layout(), 6)
     kv.write(0, slots, k, v)
-    chunk = paged_attention(q, *kv.block_view(0), table, [40], D ** -0.5)
-    # the same tokens one at a time: each decode query reads its own block exact (on the
-    # reference, as the chunk: the CPU op's float32 keys differ from its float16 ones by
-    # more than this check's 2e-3 with these x30 outliers; tests/test_cpu_ext_residual.py
-    # holds the op to a float64 oracle)
+    # the rule on the reference (`attention/residual.py`); the CPU ops' float32 keys differ
+    # from its float16 ones by more than these checks' 2e-3 with x30 outliers, and
+    # tests/test_cpu_ext_residual.py holds them to a float64 oracle and to the reference
+    chunk = paged_attention(q, *kv.block_view(0), table, [40], D ** -0.5, use_kernels=False)
+    # the same tokens one at a time: each decode query reads its own block exact
     kv1 = ResidualKVCache(layout(), 6)
     steps = []
     for i in range(40):
@@ -146,18 +146,18 @@ def test_a_query_reads_its_own_block_exact_and_earlier_blocks_quantized():
     assert mx.allclose(chunk[:, :, :16], exact[:, :, :16], atol=2e-3).item()
 
 
-def test_residual_pools_route_to_their_reference_but_cpu_decode():
+def test_residual_pools_route_to_the_cpu_ops_or_their_reference():
     kv = ResidualKVCache(layout(), 2)
     call = PagedCall(mx.zeros((1, 4, 1, D), mx.float16), *kv.block_view(0),
                      mx.zeros((1, 1), mx.int32), (1,), AttentionSpec(1.0))
     chunk = PagedCall(mx.zeros((1, 4, 3, D), mx.float16), *kv.block_view(0),
                       mx.zeros((1, 1), mx.int32), (3,), AttentionSpec(1.0))
     for backend in ("cpu", "metal", "cuda"):
-        row = routes.route(chunk, backend)
-        assert row.path == "reference" and "residual" in row.when
-        # the CPU extension's op reads a decode's blocks (tests/test_cpu_ext_residual.py)
+        # the CPU extension reads the layout (tests/test_cpu_ext_residual.py); no GPU kernel
         want = "cpu_residual" if backend == "cpu" else "reference"
-        assert routes.route(call, backend).path == want
+        for c in (call, chunk):
+            row = routes.route(c, backend)
+            assert row.path == want and "residual" in row.when
 
 
 def test_copy_on_write_carries_exact_rows_and_stored_bytes():

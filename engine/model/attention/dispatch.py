@@ -52,7 +52,7 @@ def _cpu_residual_ready(call: PagedCall) -> bool:
 KERNEL_PATHS: dict[str, KernelPath] = {
     "cpu": KernelPath(_cpu_ready, _cpu_launch, cpu.variant_key, rotates=True),
     # a residual pool carries its own rotation (`ResidualBlocks.rotated`): rotated is (F, F)
-    "cpu_residual": KernelPath(_cpu_residual_ready, cpu_residual.paged_decode,
+    "cpu_residual": KernelPath(_cpu_residual_ready, cpu_residual.launch,
                                cpu_residual.variant_key, rotates=True),
     "one_pass": KernelPath(_gpu_ready, lambda *a: one_pass.paged_decode_attention(*a),
                            _gpu_variant("one_pass")),

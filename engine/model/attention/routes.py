@@ -47,10 +47,11 @@ class Route:
 
 
 ROUTES = (
-    Route(("cpu",), ("decode",), "a residual KV format's decode (keys per channel: -kivi)",
-          "cpu_residual", "one op that scores a block's per-channel key codes as "
+    Route(("cpu",), KINDS, "a residual KV format with keys per channel (-kivi)",
+          "cpu_residual", "decode: one op that scores a block's per-channel key codes as "
           "(q * scales) @ codes + q @ biases, never a dequantized key row, and reads the "
-          "newest block exact (`attention/cpu_residual.py`)",
+          "newest block exact; a chunk: the flash prefill kernel over the chunk's blocks "
+          "as batch rows (`attention/cpu_residual.py`)",
           lambda call: call.residual),
     Route(("cpu", *GPU), KINDS, "a residual KV format (full blocks quantized, the newest exact)",
           "reference", "no other kernel reads the residual layout yet: the reference "
