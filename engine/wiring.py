@@ -176,7 +176,7 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     if layout.residual:
         if window is not None or any(windowed):
             raise KVChatError(RESIDUAL_OFF.format("sliding-window layers"))
-        kv = ResidualKVCache(layout, num_blocks)
+        kv = ResidualKVCache(layout, num_blocks, kv_writers(loaded)["row_writer"])
     else:
         kv = PagedKVCache(layout, num_blocks, **kv_writers(loaded), window=window,
                           windowed=windowed)

@@ -42,13 +42,15 @@ FIRST_RESIDUAL_ROWS = 8  # residual blocks allocated up front; doubled when all 
 class ResidualKVCache(PagedKVCache):
     """A `PagedKVCache` whose blocks are quantized when they fill (see the module)."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int, *, windowed: Sequence[bool] = (),
+    def __init__(self, layout: KVLayout, num_blocks: int, row_writer=None, *,
+                 windowed: Sequence[bool] = (),
                  free_ids: Callable[[], Iterable[int]] | None = None):
         if not (layout.residual and layout.k_quant and layout.v_quant):
             raise ValueError("a residual pool needs a residual layout quantizing K and V")
         if any(windowed):
             raise ValueError("the residual KV formats do not run sliding-window layers yet")
-        super().__init__(layout, num_blocks)
+        # row_writer (the extension's one-op `kv_write`) writes the side store's rows
+        super().__init__(layout, num_blocks, row_writer)
         self.free_ids = free_ids  # the block manager's free blocks (wiring sets it)
         self._res_of = np.full(num_blocks, -1, dtype=np.int64)
         self._free_rows: list[int] = []
@@ -136,8 +138,11 @@ class ResidualKVCache(PagedKVCache):
         and quantize every block this write fills."""
         L = self.layout
         rslots, filled, rows = self._plan(slots)
-        self.res_keys[layer][:, rslots] = keys.astype(L.dtype)
-        self.res_values[layer][:, rslots] = values.astype(L.dtype)
+        for store, new in ((self.res_keys, keys), (self.res_values, values)):
+            if self.row_writer is not None:  # one node, in place: the list holds the array
+                store[layer] = self.row_writer(store[layer], rslots, new)
+            else:
+                store[layer][:, rslots] = new.astype(L.dtype)
         if filled:
             self._quantize_blocks(layer, filled, rows)
 
