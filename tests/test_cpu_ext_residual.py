@@ -10,6 +10,7 @@ import random
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_cpu_ext_attention import ext  # noqa: F401 - the module's autouse fixture
 
 from engine.kvcache import rotation
 from engine.kvcache.kv_cache import KVLayout
@@ -17,18 +18,8 @@ from engine.kvcache.quant import QuantSpec
 from engine.kvcache.residual import ResidualKVCache
 from engine.model.attention import cpu_residual, guard, paged_attention, residual, routes
 from engine.model.attention.spec import AttentionSpec, PagedCall
-from engine.model.cpu_ext import build
 
 BS = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ext():
-    if not build.available():
-        pytest.skip(f"CPU extension unavailable: {build.unavailable_reason()}")
-    guard.GUARD.reset()
-    yield
-    guard.GUARD.reset()
 
 
 def make_pool(lens, k_bits, v_bits, rot, *, Hkv=3, D=64, v_group=64, seed=0):
