@@ -281,7 +281,8 @@ def test_quick_run_end_to_end(session_models, monkeypatch, tmp_path, capsys):
     assert table.count("\n|") >= 14
     for needle in ("| KV bytes / token | 46,080 | 23,040 (0.50x) | 46,080 (1.00x) |",
                    "| max 4k-token sequences in 1 GiB | 5 | 11 | 5 |",
-                   "needle recall @256 (2 probes)", "decode tok/s @64", "valid JSON (2 prompts)"):
+                   "needle recall @256 (2 probes; 95 % interval)", "decode tok/s @64",
+                   "valid JSON (2 prompts)"):
         assert needle in table
 
 
@@ -292,3 +293,13 @@ def test_an_unreadable_text_is_one_line_and_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot read --text" in err[0]
     assert not (tmp_path / "out").exists()  # nothing was run or written
+
+
+def test_needle_intervals_are_wilson_95():
+    from app.eval.report import frac_ci, wilson
+
+    lo, hi = wilson(8, 10)
+    assert (round(lo, 3), round(hi, 3)) == (0.490, 0.943)  # the textbook Wilson interval
+    assert wilson(0, 10)[0] == 0.0 and 0.27 < wilson(0, 10)[1] < 0.28
+    assert wilson(10, 10)[1] == 1.0 and wilson(0, 0) == (0.0, 1.0)
+    assert frac_ci(33, 40) == "33/40 (82 %, 68-91)" and frac_ci(0, 0) == "-"

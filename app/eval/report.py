@@ -33,6 +33,25 @@ def frac(hit: int, total: int) -> str:
     return f"{hit}/{total} ({100 * hit / total:.0f} %)" if total else "-"
 
 
+def wilson(hit: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (95 % at z 1.96): unlike the normal
+    approximation it stays inside [0, 1] and is honest at 0/n and n/n with few probes."""
+    if not total:
+        return 0.0, 1.0
+    p = hit / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * ((p * (1 - p) + z * z / (4 * total)) / total) ** 0.5 / (1 + z * z / total)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def frac_ci(hit: int, total: int) -> str:
+    """``frac`` with its 95 % interval: "8/10 (80 %, 49-94)"."""
+    if not total:
+        return "-"
+    lo, hi = wilson(hit, total)
+    return f"{hit}/{total} ({100 * hit / total:.0f} %, {100 * lo:.0f}-{100 * hi:.0f})"
+
+
 def rows(result: dict) -> list[tuple[str, list[str]]]:
     """(metric, one cell per format) in table order."""
     fs, plan = result["formats"], result["plan"]
@@ -65,11 +84,12 @@ def rows(result: dict) -> list[tuple[str, list[str]]]:
     row("greedy exact match (whole answer)", lambda f: pct(f["agreement"]["exact"]))
     for n in fs[0]["needle"]["by_context"]:
         c = fs[0]["needle"]["by_context"][n]
-        row(f"needle recall @{ctx(n)} ({c['probes']} probes)",
-            lambda f, n=n: frac(f["needle"]["by_context"][n]["recalled"],
-                                f["needle"]["by_context"][n]["probes"]))
-    row(f"needle recall, all ({fs[0]['needle']['probes']} probes)",
-        lambda f: pct(f["needle"]["recall"]))
+        row(f"needle recall @{ctx(n)} ({c['probes']} probes; 95 % interval)",
+            lambda f, n=n: frac_ci(f["needle"]["by_context"][n]["recalled"],
+                                   f["needle"]["by_context"][n]["probes"]))
+    row(f"needle recall, all ({fs[0]['needle']['probes']} probes; 95 % interval)",
+        lambda f: frac_ci(round(f["needle"]["recall"] * f["needle"]["probes"]),
+                          f["needle"]["probes"]))
     row(f"needle answers identical to {ref}", lambda f: pct(f["needle"]["same_as_reference"]))
     row(f"valid JSON ({plan['json_prompts']} prompts)",
         lambda f: frac(round(f["json"]["valid"] * f["json"]["prompts"]), f["json"]["prompts"]))
