@@ -1,13 +1,12 @@
-"""Decode attention over a residual-format pool on kvchat's C++ CPU extension
-(csrc/paged_residual*.cpp): what `attention/residual.py` computes for one query per
-sequence, in one op.
+"""Attention over a residual-format pool on kvchat's C++ CPU extension: what
+`attention/residual.py` computes, decode in one op (csrc/paged_residual*.cpp).
 
 A full block's keys are stored per channel (`kvcache.channel_quant`), so the op scores a
 block as ``(q * scales) @ codes + q @ biases``: one multiply-add of 16 tokens' codes per
 channel, no dequantized key row. Values are per-token rows dequantized as read. A block
 still residual is read exact; rotated sides are met inside the op (queries rotated for the
-quantized keys, exact value rows rotated into the quantized rows' space and the output
-rotated back).
+quantized keys, the exact rows' weighted value sum rotated into the quantized rows' space,
+the output rotated back).
 
 A prefill chunk runs on the extension's flash prefill kernel over a small float pool built
 for the call: the quantized rows of the blocks before the chunk's last block (dequantized
