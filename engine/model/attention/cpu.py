@@ -34,16 +34,21 @@ def _side(pool: Pool) -> dict:
     return dict(rows=pool, scales=None, biases=None, bits=0, group=0)
 
 
+def lens_array(context_lens: Sequence[int] | mx.array) -> mx.array:
+    """Context lengths as the int32 array the extension's ops take."""
+    if not isinstance(context_lens, mx.array):
+        return mx.array([int(n) for n in context_lens], dtype=mx.int32)
+    return context_lens.astype(mx.int32)
+
+
 def _paged(queries, k_pool, v_pool, block_tables, context_lens, scale,
            rotated: tuple[bool, bool] = (False, False)) -> mx.array:
     spec = AttentionSpec.of(scale)
-    if not isinstance(context_lens, mx.array):
-        context_lens = mx.array([int(n) for n in context_lens], dtype=mx.int32)
     k, v = _side(k_pool), _side(v_pool)
     signs = rotation.signs(queries.shape[-1]) if any(rotated) else None
     return build.require().paged_attention(
         queries, k["rows"], v["rows"], block_tables.astype(mx.int32),
-        context_lens.astype(mx.int32), scale=float(spec.scale), window=spec.window or 0,
+        lens_array(context_lens), scale=float(spec.scale), window=spec.window or 0,
         sinks=spec.sinks,
         k_scales=k["scales"], k_biases=k["biases"], k_bits=k["bits"], k_group=k["group"],
         v_scales=v["scales"], v_biases=v["biases"], v_bits=v["bits"], v_group=v["group"],

@@ -30,9 +30,6 @@ from engine.model.attention import cpu
 from engine.model.attention.spec import AttentionSpec, PagedCall
 from engine.model.cpu_ext import build
 
-BITS = (4, 8)
-FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
-
 
 def supports(call: PagedCall) -> bool:
     """Whether this module takes the call: over a residual pool whose keys are per channel
@@ -43,12 +40,14 @@ def supports(call: PagedCall) -> bool:
         return False
     kq, vq = k.quantized, v.quantized
     H, _, bs, D = k.shape
+    floats = cpu.FLOAT_DTYPES
     return (isinstance(kq, ChannelBlocks) and isinstance(vq, QuantizedBlocks)
-            and kq.bits in BITS and vq.quant.bits in BITS and vq.quant.group_size % 32 == 0
-            and D % vq.quant.group_size == 0 and D in (64, 128) and bs % 16 == 0
+            and kq.bits in cpu.QUANT_BITS and vq.quant.bits in cpu.QUANT_BITS
+            and vq.quant.group_size % 32 == 0 and D % vq.quant.group_size == 0
+            and D in (64, 128) and bs % 16 == 0
             and call.queries.shape[1] % H == 0 and call.spec.window is None
-            and call.queries.dtype in FLOAT_DTYPES and k.residual.dtype in FLOAT_DTYPES
-            and kq.scales.dtype in FLOAT_DTYPES and vq.scales.dtype in FLOAT_DTYPES)
+            and call.queries.dtype in floats and k.residual.dtype in floats
+            and kq.scales.dtype in floats and vq.scales.dtype in floats)
 
 
 def paged_decode(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks,
@@ -57,14 +56,12 @@ def paged_decode(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBloc
     """Decode attention (queries (B, Hq, 1, D)) over a residual pool by its rule: each
     block exact where the residual map holds it, else quantized; (B, Hq, 1, D)."""
     spec = AttentionSpec.of(scale)
-    if not isinstance(context_lens, mx.array):
-        context_lens = mx.array([int(n) for n in context_lens], dtype=mx.int32)
     kq, vq = k_pool.quantized, v_pool.quantized
     rotated = k_pool.rotated or v_pool.rotated
     return build.require().paged_residual_decode(
         queries, kq.data, kq.scales, kq.biases, vq.data, vq.scales, vq.biases,
         k_pool.residual, v_pool.residual, k_pool.res_map.astype(mx.int32),
-        block_tables.astype(mx.int32), context_lens.astype(mx.int32),
+        block_tables.astype(mx.int32), cpu.lens_array(context_lens),
         scale=float(spec.scale), k_bits=kq.bits, v_bits=vq.quant.bits,
         v_group=vq.quant.group_size, sinks=spec.sinks,
         rotation=rotation.signs(queries.shape[-1]) if rotated else None,

@@ -9,6 +9,7 @@
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
 #include "mlx/utils.h"
+#include "paged_decode_kernel.h"
 
 namespace kvchat {
 
@@ -98,6 +99,12 @@ struct QuantSide {
   int group = 0;
   bool operator==(const QuantSide&) const = default;
 };
+
+// One pool side as the decode kernels read it: float rows, or packed rows with their scales
+// and biases (`quant.bits` 4/8); `bufs[0..2]` hold row-major copies where an input is not
+// (paged_attention.cpp).
+Side make_side(const mx::array& rows, const mx::array* scales, const mx::array* biases,
+               QuantSide quant, int D, std::vector<char>* bufs);
 
 class PagedAttention : public mx::UnaryPrimitive {
  public:

@@ -28,24 +28,6 @@ void round_to(Elem e, float* v, int64_t n) {
   }
 }
 
-Side make_side(const mx::array& rows, const mx::array* scales, const mx::array* biases,
-               QuantSide quant, int D, std::vector<char>* bufs) {
-  Side side{};
-  side.data = static_cast<const char*>(row_major(rows, bufs[0]));
-  side.D = D;
-  side.bits = quant.bits;
-  side.group = quant.group;
-  if (quant.bits == 0) {
-    side.elem = elem_of(rows.dtype());
-  } else {
-    side.row_bytes = int64_t(D) * quant.bits / 8;
-    side.scales = row_major(*scales, bufs[1]);
-    side.biases = row_major(*biases, bufs[2]);
-    side.scale_elem = elem_of(scales->dtype());
-  }
-  return side;
-}
-
 void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, QuantSide kq,
          QuantSide vq, int window, bool sinks, bool rotate_q, bool unrotate_out) {
   const mx::array& queries = inputs[0];
@@ -118,6 +100,24 @@ void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, Quan
 }
 
 }  // namespace
+
+Side make_side(const mx::array& rows, const mx::array* scales, const mx::array* biases,
+               QuantSide quant, int D, std::vector<char>* bufs) {
+  Side side{};
+  side.data = static_cast<const char*>(row_major(rows, bufs[0]));
+  side.D = D;
+  side.bits = quant.bits;
+  side.group = quant.group;
+  if (quant.bits == 0) {
+    side.elem = elem_of(rows.dtype());
+  } else {
+    side.row_bytes = int64_t(D) * quant.bits / 8;
+    side.scales = row_major(*scales, bufs[1]);
+    side.biases = row_major(*biases, bufs[2]);
+    side.scale_elem = elem_of(scales->dtype());
+  }
+  return side;
+}
 
 void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));

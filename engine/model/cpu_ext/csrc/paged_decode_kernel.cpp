@@ -149,30 +149,9 @@ void run_problem(Problem pb, float* out /* (B, Hq, D) */) {
     const int b = bh / pb.Hkv, h = bh % pb.Hkv;
     const int G = std::min(H, group - hc * H);
     for (int g = 0; g < G; ++g) {
-      float m = -std::numeric_limits<float>::infinity();
-      bool bad = false;  // a partition met an invalid block id
-      for (int part = 0; part < pb.parts; ++part) {
-        Partial st = partial(part * tasks_per_part + unit);
-        m = std::max(m, st.m[g]);
-        bad = bad || std::isnan(st.l[g]);
-      }
-      float l = bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
-      std::fill(row.begin(), row.end(), 0.0f);
-      if (!bad && m != -std::numeric_limits<float>::infinity()) {
-        for (int part = 0; part < pb.parts; ++part) {
-          Partial st = partial(part * tasks_per_part + unit);
-          if (st.l[g] == 0.0f) continue;
-          const float w = std::exp(st.m[g] - m);
-          l += st.l[g] * w;
-          const float* acc = st.acc + size_t(g) * D;
-          for (int d = 0; d < D; ++d) row[d] += acc[d] * w;
-        }
-      }
       const int q_head = h * group + hc * H + g;
-      // A sink adds exp(sink - m) to the denominator (o and l are relative to m).
-      if (!bad && m != -std::numeric_limits<float>::infinity()) l += pb.sink_weight(q_head, m);
-      const float inv = std::isnan(l) ? l : l > 0.0f ? 1.0f / l : 0.0f;
-      for (int d = 0; d < D; ++d) row[d] *= inv;
+      merge_head(pb.parts, g, D, pb.sinks == nullptr ? nullptr : pb.sinks + q_head,
+                 [&](int part) { return partial(part * tasks_per_part + unit); }, row.data());
       float* dst = out + (int64_t(b) * pb.Hq + q_head) * D;
       if (pb.v.bits == 4) {
         unpermute4(row.data(), tmp.data(), D);

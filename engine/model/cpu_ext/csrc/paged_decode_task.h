@@ -19,6 +19,36 @@ struct Partial {
   float* acc;  // heads x D (in V's row order)
 };
 
+// One head's output from its context partitions' states (`part_of(i)`, i < parts; head g of
+// each): the states merged, a sink logit (null: none) joined to the denominator, and the
+// sum normalized, into `row` (D floats, V's row order). NaN where a partition met a bad
+// block id; zeros where no key was seen.
+template <class PartOf>
+inline void merge_head(int parts, int g, int D, const float* sink, PartOf part_of, float* row) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool bad = false;
+  for (int part = 0; part < parts; ++part) {
+    m = std::max(m, part_of(part).m[g]);
+    bad = bad || std::isnan(part_of(part).l[g]);
+  }
+  float l = bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+  std::fill(row, row + D, 0.0f);
+  if (!bad && m != -std::numeric_limits<float>::infinity()) {
+    for (int part = 0; part < parts; ++part) {
+      const Partial st = part_of(part);
+      if (st.l[g] == 0.0f) continue;
+      const float w = std::exp(st.m[g] - m);
+      l += st.l[g] * w;
+      const float* acc = st.acc + size_t(g) * D;
+      for (int d = 0; d < D; ++d) row[d] += acc[d] * w;
+    }
+    // a sink adds exp(sink - m) to the denominator (o and l are relative to m)
+    if (sink != nullptr) l += std::exp(*sink - m);
+  }
+  const float inv = std::isnan(l) ? l : l > 0.0f ? 1.0f / l : 0.0f;
+  for (int d = 0; d < D; ++d) row[d] *= inv;
+}
+
 // The tokens [t0, t1) of sequence b that context partition `part` covers
 // (whole blocks, so partitions never share one).
 // A sliding window: the partitions cover the blocks from the window's first one on,

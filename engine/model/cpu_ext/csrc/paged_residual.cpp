@@ -10,6 +10,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "kernels.h"
+#include "ops.h"
 #include "paged_residual_kernel.h"
 #include "tensor.h"
 
@@ -57,15 +58,7 @@ void run(const std::vector<mx::array>& in, mx::array& out, const Flags& f) {
   pb.k_elem = elem_of(in[2].dtype());
   pb.k_bits = f.k_bits;
   pb.k_width = pb.BS * f.k_bits / 8;
-  Side& v = pb.v;
-  v.data = static_cast<const char*>(row_major(in[4], bufs[4]));
-  v.bits = f.v_bits;
-  v.group = f.v_group;
-  v.D = pb.D;
-  v.row_bytes = int64_t(pb.D) * f.v_bits / 8;
-  v.scales = row_major(in[5], bufs[5]);
-  v.biases = row_major(in[6], bufs[6]);
-  v.scale_elem = elem_of(in[5].dtype());
+  pb.v = make_side(in[4], &in[5], &in[6], QuantSide{f.v_bits, f.v_group}, pb.D, bufs + 4);
   pb.res_k = row_major(in[7], bufs[7]);
   pb.res_v = row_major(in[8], bufs[8]);
   pb.res_elem = elem_of(in[7].dtype());

@@ -223,11 +223,9 @@ struct Task {
 }  // namespace
 
 void run_residual_decode(const ResidualProblem& pb, float* out /* (B, Hq, D) */) {
-  std::vector<Task> tasks;
-  std::vector<int> first(pb.B);  // each sequence's first task
+  std::vector<Task> tasks;  // a sequence's partitions of one head chunk next to each other
   int64_t elements = 0;
   for (int b = 0; b < pb.B; ++b) {
-    first[b] = int(tasks.size());
     const int parts = parts_of(pb, b);
     for (int h = 0; h < pb.Hkv; ++h)
       for (int hc = 0; hc < pb.head_chunks; ++hc)
@@ -257,27 +255,9 @@ void run_residual_decode(const ResidualProblem& pb, float* out /* (B, Hq, D) */)
     const Task& k = tasks[t];
     const int G = std::min(H, group - k.hc * H);
     for (int g = 0; g < G; ++g) {
-      float m = -std::numeric_limits<float>::infinity();
-      bool bad = false;
-      for (int part = 0; part < k.parts; ++part) {
-        m = std::max(m, partial(t + part).m[g]);
-        bad = bad || std::isnan(partial(t + part).l[g]);
-      }
-      float l = bad ? nan() : 0.0f;
-      std::fill(row.begin(), row.end(), 0.0f);
       const int q_head = k.h * group + k.hc * H + g;
-      if (!bad && m != -std::numeric_limits<float>::infinity()) {
-        for (int part = 0; part < k.parts; ++part) {
-          const Partial st = partial(t + part);
-          if (st.l[g] == 0.0f) continue;
-          const float w = std::exp(st.m[g] - m);
-          l += st.l[g] * w;
-          for (int d = 0; d < D; ++d) row[d] += st.acc[size_t(g) * D + d] * w;
-        }
-        l += pb.sinks == nullptr ? 0.0f : std::exp(pb.sinks[q_head] - m);
-      }
-      const float inv = std::isnan(l) ? l : l > 0.0f ? 1.0f / l : 0.0f;
-      for (int d = 0; d < D; ++d) row[d] *= inv;
+      decode_task::merge_head(k.parts, g, D, pb.sinks == nullptr ? nullptr : pb.sinks + q_head,
+                              [&](int part) { return partial(t + part); }, row.data());
       if (pb.v.bits == 4) {
         unpermute4(row.data(), tmp.data(), D);
         std::swap(row, tmp);
