@@ -7,6 +7,7 @@ import copy
 import warnings
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -115,6 +116,46 @@ def test_swiglu_matches_mlx_lm(ext, dtype, rel):
     assert err <= rel * mx.abs(ref.astype(mx.float32)).max().item(), err
 
 
+@pytest.mark.parametrize("dtype,rel", [(mx.float32, 2e-6), (mx.float16, 1e-3),
+                                       (mx.bfloat16, 8e-3)])
+def test_gelu_tanh_mul_matches_mlx(ext, dtype, rel):
+    from engine.model.cpu_ext.norm_rope import gelu_tanh_mul
+
+    gate_up = (mx.random.normal((3, 37, 2 * 531), key=mx.random.key(6)) * 8).astype(dtype)
+    gate, up = mx.split(gate_up, [531], axis=-1)  # strided views, as a fused output gives
+    gate = mx.concatenate([gate[..., :-2], mx.array([[[-200.0, 200.0]] * 37] * 3, dtype)], -1)
+    out = gelu_tanh_mul(gate, up)
+    ref = nn.gelu_approx(gate) * up
+    assert out.shape == ref.shape and out.dtype == ref.dtype == dtype
+    err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+    assert err <= rel * mx.abs(ref.astype(mx.float32)).max().item(), err
+    nan = gelu_tanh_mul(mx.array([float("nan"), 1.0]), mx.array([1.0, float("nan")]))
+    assert mx.isnan(nan).all().item()  # NaN in, NaN out: a bad activation is not hidden
+    with pytest.raises(ValueError, match="one shape"):
+        gelu_tanh_mul(mx.zeros((2, 3)), mx.zeros((3, 2)))
+
+
+def test_gemma3_mlp_becomes_one_op(ext):
+    from mlx_lm.models import gemma3_text
+
+    from engine.model.cpu_ext.norm_rope import CpuGemma3MLP, install
+
+    args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=64,
+                                 num_hidden_layers=2, intermediate_size=96,
+                                 num_attention_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                                 vocab_size=128, num_key_value_heads=1,
+                                 sliding_window=16, sliding_window_pattern=2)
+    model = gemma3_text.Model(args)
+    mx.eval(model.parameters())
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(7))
+    mlp = model.model.layers[0].mlp
+    before = mlp(x)
+    install(model)
+    swapped = model.model.layers[0].mlp
+    assert type(swapped) is CpuGemma3MLP and swapped.gate_proj is mlp.gate_proj
+    err = mx.abs(swapped(x) - before).max().item()
+    assert err <= 1e-5 * max(1.0, mx.abs(before).max().item()), err
+
 def test_cached_build_is_reused(ext):
     path = build.build()
     assert path == build.library_path() and is_trusted_file(path)
@@ -163,8 +204,6 @@ def test_switch_turns_the_extension_off_quietly(no_extension):
 
 def test_without_the_extension_everything_takes_mlx_paths(no_extension):
     """Loader and attention both keep today's path; results are the reference's."""
-    import mlx.nn as nn
-
     from engine.model import loader
     from engine.model.attention import paged_attention
     from engine.model.attention.reference import paged_attention_ref

@@ -6,7 +6,8 @@ per layer that was over half of a decode step's graph (~2,000 of ~3,750 ops for 
 default model) at ~5 us of dispatch each. `install(model)` swaps plain `nn.RMSNorm`
 and `nn.RoPE` modules, and mlx-lm's `Llama3RoPE` (its scaled frequencies go in as
 mx.fast.rope's ``freqs``), for subclasses that call the extension; other RoPE variants
-(YaRN, long-RoPE) keep MLX's own.
+(YaRN, long-RoPE) keep MLX's own. Gemma 3's MLP (`gelu_approx(gate) * up`) becomes
+one op too: MLX's CPU `tanh` and `power` are scalar libm calls.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
+from mlx_lm.models import gemma3_text
 from mlx_lm.models.rope_utils import Llama3RoPE
 
 from engine.model.cpu_ext import build
@@ -59,6 +61,12 @@ def swiglu(gate: mx.array, up: mx.array) -> mx.array:
     return _ext().swiglu(gate, up)
 
 
+def gelu_tanh_mul(gate: mx.array, up: mx.array) -> mx.array:
+    """``nn.gelu_approx(gate) * up`` as one op, float32 math (within float32 rounding of
+    MLX's: tanh is computed as a sigmoid from a vectorized exp)."""
+    return _ext().gelu_tanh_mul(gate, up)
+
+
 class CpuRMSNorm(nn.RMSNorm):
     """`nn.RMSNorm` computed by the extension in one op."""
 
@@ -95,13 +103,23 @@ class CpuLlama3RoPE(Llama3RoPE):
         return f if f.dtype == mx.float32 else f.astype(mx.float32)
 
 
+class CpuGemma3MLP(gemma3_text.MLP):
+    """mlx-lm's Gemma 3 MLP with its activation and product as one extension op.
+
+    On a Gemma-3-1B-shaped Q4_0 model, libm's powf, tanhf and expm1f under MLX's ops were
+    ~15 % of a 469-token prefill's samples."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(gelu_tanh_mul(self.gate_proj(x), self.up_proj(x)))
+
+
 EXT_ROPES = (CpuRoPE, CpuLlama3RoPE)
 """RoPE modules the extension computes (the two-op layers take them too)."""
 
 
 def install(model: nn.Module) -> int:
-    """Swap plain `nn.RMSNorm`, `nn.RoPE` and Llama 3 RoPE modules of `model` in place;
-    returns how many."""
+    """Swap plain `nn.RMSNorm`, `nn.RoPE`, Llama 3 RoPE and Gemma 3 MLP modules of `model`
+    in place; returns how many."""
     swaps = []
     for name, module in model.named_modules():
         if type(module) is nn.RMSNorm:
@@ -110,6 +128,8 @@ def install(model: nn.Module) -> int:
             swaps.append((name, rebind(CpuRoPE, module)))
         elif type(module) is Llama3RoPE:
             swaps.append((name, rebind(CpuLlama3RoPE, module)))
+        elif type(module) is gemma3_text.MLP:
+            swaps.append((name, rebind(CpuGemma3MLP, module)))
     if swaps:
         model.update_modules(tree_unflatten(swaps))
     return len(swaps)

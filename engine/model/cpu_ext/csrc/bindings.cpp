@@ -73,6 +73,9 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "Rotary embedding of (B, H, L, D) (mx.fast.rope), one op.");
   m.def("swiglu", &kvchat::swiglu, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up (mlx-lm's swiglu), one op.");
+  m.def("gelu_tanh_mul", &kvchat::gelu_tanh_mul, "gate"_a, "up"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "gelu_approx(gate) * up (mlx-lm's Gemma 3 MLP), one op.");
   m.def("kv_write", &kvchat::kv_write, "pool"_a, "slots"_a, "rows"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "pool (H, S, D) with rows (H, N, D) written at slots (N,): one op, in place when\n"

@@ -86,17 +86,23 @@ class Rope : public mx::UnaryPrimitive {
   RopeParams params_;
 };
 
+// The activation of a gated MLP: act(gate) * up (swiglu.cpp).
+enum class GateAct { silu, gelu_tanh };
+
 class Swiglu : public mx::UnaryPrimitive {
  public:
-  explicit Swiglu(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  Swiglu(mx::Stream stream, GateAct act) : mx::UnaryPrimitive(stream), act_(act) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
-    return "KvchatSwiglu";
+    return act_ == GateAct::silu ? "KvchatSwiglu" : "KvchatGeluTanhMul";
   }
-  bool is_equivalent(const mx::Primitive&) const override {
-    return true;
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return static_cast<const Swiglu&>(other).act_ == act_;
   }
+
+ private:
+  GateAct act_;
 };
 
 // x / sqrt(mean(x^2) + eps) * weight over the last axis, in float32.
@@ -116,5 +122,8 @@ void check_freqs(const std::optional<mx::array>& freqs, int dims, const char* op
 
 // silu(gate) * up elementwise (swiglu.cpp), in float32; gate and up of one shape.
 mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
+
+// gelu_approx(gate) * up elementwise (mlx-lm's Gemma 3 MLP: the tanh GELU), in float32.
+mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
 
 }  // namespace kvchat
