@@ -135,10 +135,10 @@ def test_gelu_tanh_mul_matches_mlx(ext, dtype, rel):
         gelu_tanh_mul(mx.zeros((2, 3)), mx.zeros((3, 2)))
 
 
-def test_gemma3_mlp_becomes_one_op(ext):
+def test_gemma3_norms_and_mlp_become_extension_ops(ext):
     from mlx_lm.models import gemma3_text
 
-    from engine.model.cpu_ext.norm_rope import CpuGemma3MLP, install
+    from engine.model.cpu_ext.norm_rope import CpuGemma3MLP, CpuGemma3RMSNorm, install
 
     args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=64,
                                  num_hidden_layers=2, intermediate_size=96,
@@ -148,13 +148,18 @@ def test_gemma3_mlp_becomes_one_op(ext):
     model = gemma3_text.Model(args)
     mx.eval(model.parameters())
     x = mx.random.normal((1, 5, 64), key=mx.random.key(7))
-    mlp = model.model.layers[0].mlp
-    before = mlp(x)
-    install(model)
-    swapped = model.model.layers[0].mlp
-    assert type(swapped) is CpuGemma3MLP and swapped.gate_proj is mlp.gate_proj
-    err = mx.abs(swapped(x) - before).max().item()
-    assert err <= 1e-5 * max(1.0, mx.abs(before).max().item()), err
+    layer = model.model.layers[0]
+    layer.input_layernorm.weight = mx.random.normal((64,), key=mx.random.key(8)) * 0.5
+    mlp, norm = layer.mlp, layer.input_layernorm
+    before, normed, logits = mlp(x), norm(x), model(mx.array([[1, 2, 3]]))
+    assert install(model) == 2 * (1 + 6 + 1) + 1  # a layer: MLP, six norms, RoPE; final norm
+    swapped = model.model.layers[0]
+    assert type(swapped.mlp) is CpuGemma3MLP and swapped.mlp.gate_proj is mlp.gate_proj
+    assert type(swapped.input_layernorm) is CpuGemma3RMSNorm
+    for new, old in ((swapped.mlp(x), before), (swapped.input_layernorm(x), normed),
+                     (model(mx.array([[1, 2, 3]])), logits)):
+        err = mx.abs(new - old).max().item()
+        assert err <= 1e-5 * max(1.0, mx.abs(old).max().item()), err
 
 def test_cached_build_is_reused(ext):
     path = build.build()
