@@ -138,7 +138,12 @@ def test_gelu_tanh_mul_matches_mlx(ext, dtype, rel):
 def test_gemma3_norms_and_mlp_become_extension_ops(ext):
     from mlx_lm.models import gemma3_text
 
-    from engine.model.cpu_ext.norm_rope import CpuGemma3MLP, CpuGemma3RMSNorm, install
+    from engine.model.cpu_ext.norm_rope import (
+        CpuGemma3MLP,
+        CpuGemma3RMSNorm,
+        has_gemma3_ops,
+        install,
+    )
 
     args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=64,
                                  num_hidden_layers=2, intermediate_size=96,
@@ -152,7 +157,9 @@ def test_gemma3_norms_and_mlp_become_extension_ops(ext):
     layer.input_layernorm.weight = mx.random.normal((64,), key=mx.random.key(8)) * 0.5
     mlp, norm = layer.mlp, layer.input_layernorm
     before, normed, logits = mlp(x), norm(x), model(mx.array([[1, 2, 3]]))
+    assert not has_gemma3_ops(model)
     assert install(model) == 2 * (1 + 6 + 1) + 1  # a layer: MLP, six norms, RoPE; final norm
+    assert has_gemma3_ops(model)  # the loader keys its cached K/V apart
     swapped = model.model.layers[0]
     assert type(swapped.mlp) is CpuGemma3MLP and swapped.mlp.gate_proj is mlp.gate_proj
     assert type(swapped.input_layernorm) is CpuGemma3RMSNorm

@@ -231,6 +231,8 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
         norm_rope.install(model)  # one op each instead of MLX's ~11 / ~34 on CPU
         # Same weights, other rounding than the float32 path: cached K/V must not mix.
         compute = CPU_EXT_TILED_COMPUTE if tiled else CPU_EXT_COMPUTE
+        if norm_rope.has_gemma3_ops(model):  # K/V cached before they ran, rounded otherwise
+            compute = f"{compute}+gemma3-ops/1"
         matmul = "cpu-ext tiled int16-x" if tiled else "cpu-ext float"
         fingerprint = combine([("weights", fingerprint), ("compute", compute)])
     elif weights == "float32" or auto_float:

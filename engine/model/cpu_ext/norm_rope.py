@@ -122,6 +122,12 @@ class CpuGemma3MLP(gemma3_text.MLP):
         return self.down_proj(gelu_tanh_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+def has_gemma3_ops(model: nn.Module) -> bool:
+    """Whether `install` gave ``model`` Gemma 3 norms or MLPs (their rounding is not MLX's,
+    so the loader keys cached K/V apart)."""
+    return any(isinstance(m, (CpuGemma3RMSNorm, CpuGemma3MLP)) for _, m in model.named_modules())
+
+
 EXT_ROPES = (CpuRoPE, CpuLlama3RoPE)
 """RoPE modules the extension computes (the two-op layers take them too)."""
 
