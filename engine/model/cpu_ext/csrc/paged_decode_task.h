@@ -28,8 +28,9 @@ inline void merge_head(int parts, int g, int D, const float* sink, PartOf part_o
   float m = -std::numeric_limits<float>::infinity();
   bool bad = false;
   for (int part = 0; part < parts; ++part) {
-    m = std::max(m, part_of(part).m[g]);
-    bad = bad || std::isnan(part_of(part).l[g]);
+    const Partial st = part_of(part);
+    m = std::max(m, st.m[g]);
+    bad = bad || std::isnan(st.l[g]);
   }
   float l = bad ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
   std::fill(row, row + D, 0.0f);
