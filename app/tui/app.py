@@ -236,22 +236,36 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
 def run(*, exit_process: bool = True, **kwargs) -> int:
     """Run the chat until the user quits; MLX work is finished before it ends.
 
-    With ``exit_process`` (the CLI) the process ends here, by ``os._exit`` with the app's
-    status, once the chat is saved, every engine shut down (its thread joined), every
+    With ``exit_process`` (the CLI) the process ends here, by `exit_now`, with the app's
+    status. Without it the status is returned.
+    """
+    app = run_app(**kwargs)
+    code = app.return_code or 0
+    if exit_process:
+        exit_now(code)
+    return code
+
+
+def run_app(*, headless: bool = False, auto_pilot=None, **kwargs) -> ChatApp:
+    """Run a `ChatApp` built from ``kwargs`` to its end and finish MLX's queued work."""
+    app = ChatApp(**kwargs)
+    try:
+        app.run(headless=headless, auto_pilot=auto_pilot)
+    finally:
+        finish_mlx_work()  # nothing may still run in MLX while the interpreter exits
+    return app
+
+
+def exit_now(code: int) -> None:
+    """End the process by ``os._exit`` once logs and streams are flushed.
+
+    Called once the chat is saved, every engine shut down (its thread joined), every
     model load waited for and MLX synchronized: all that is left is the interpreter's
     finalization, and a native thread still running then (an MLX stream thread finishing
     work a loader queued, a BLAS or extension pool) aborts the process with "terminate
     called without an active exception", exit 134, a quit that was otherwise clean.
     """
-    app = ChatApp(**kwargs)
-    try:
-        app.run()
-    finally:
-        finish_mlx_work()  # nothing may still run in MLX while the interpreter exits
-    code = app.return_code or 0
-    if exit_process:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
