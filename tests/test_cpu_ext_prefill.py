@@ -63,6 +63,53 @@ def test_quantized_pools(k_quant, v_quant):
           lens)
 
 
+# A few query positions (a verify step: the last token and its drafts, L <= 8, no window)
+# fold into the heads and take the decode kernel (`fold_positions`): each folded head
+# masks the keys past its own position, whichever partition of a split-K context holds them.
+FOLD_CASES = [
+    ([1500], 2, 9, 3, 64, 16),  # one draft at a long context: split-K partitions
+    ([1500, 700], 7, 9, 3, 64, 16),  # 21 folded heads per KV head: three head chunks
+    ([900], 8, 32, 4, 128, 16),  # the most positions folded, D 128, 64 heads per KV head
+    ([20, 3], 3, 4, 4, 16, 4),  # the general kernel (D 16); a sequence of its L only
+    ([517], 5, 9, 3, 64, 16),  # the newest block partly filled, positions across two blocks
+]
+
+
+@pytest.mark.parametrize("lens,L,Hq,Hkv,D,bs", FOLD_CASES)
+def test_few_positions_fold_into_heads(lens, L, Hq, Hkv, D, bs):
+    check(*prefill_case(lens, L, Hq, Hkv, D, bs, seed=3 * L + D), lens)
+
+
+@pytest.mark.parametrize("k_quant,v_quant", [((8, 64), (8, 64)), ((4, 32), (4, 32)),
+                                             ((8, 64), (4, 64))])
+def test_few_positions_fold_on_quantized_pools(k_quant, v_quant):
+    lens = [1200, 90]
+    check(*prefill_case(lens, 6, 9, 3, 64, 16, seed=13, k_quant=k_quant, v_quant=v_quant),
+          lens)
+
+
+def test_few_positions_fold_with_sinks():
+    from engine.model.attention import AttentionSpec
+
+    lens = [1000, 40]
+    q, k, v, tables = prefill_case(lens, 4, 8, 2, 64, 16, seed=21)
+    sinks = 2.0 * mx.random.normal((8,), key=mx.random.key(5))
+    out = check(q, k, v, tables, lens, AttentionSpec(0.125, None, sinks))
+    plain = cpu.paged_prefill(q, k, v, tables, lens, 0.125)
+    assert mx.abs(out - plain).max().item() > 1e-3  # the sinks took part
+
+
+def test_folded_positions_match_decode_steps():
+    """Position i of a folded call equals a decode step over the first len - L + i + 1 keys:
+    what a verify step computes for each draft is what plain decoding would."""
+    lens, L = [800], 5
+    q, k, v, tables = prefill_case(lens, L, 9, 3, 64, 16, seed=8)
+    out = cpu.paged_prefill(q, k, v, tables, lens, 0.125)
+    for i in range(L):
+        one = cpu.paged_decode(q[:, :, i:i + 1], k, v, tables, [lens[0] - L + i + 1], 0.125)
+        np.testing.assert_allclose(np.array(out[:, :, i:i + 1]), np.array(one), atol=2e-6)
+
+
 def test_bad_inputs_come_back_nan():
     q, k, v, tables = prefill_case([9], 4, 2, 2, 16, 4, seed=4)
     out = cpu.paged_prefill(q, k, v, mx.array([[0, 99, 1]], dtype=mx.int32), [9], 0.3)

@@ -86,6 +86,8 @@ void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, Quan
   float* o = out.dtype() == mx::float32 ? out.data<float>() : (o_buf.resize(size), o_buf.data());
   if (pb.L == 1)
     run_problem(pb, o);
+  else if (can_fold(pb))
+    run_problem(fold_positions(pb), o);
   else
     run_prefill(pb, o);
   if (unrotate_out) {  // o R^T, from the output rounded to its dtype as the op returned it

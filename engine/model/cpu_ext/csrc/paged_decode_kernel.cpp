@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <vector>
 
@@ -73,6 +74,7 @@ void attend(const Problem& pb, int b, int h, int hc, int part, Partial st) {
       }
       for (int g = 0; g < G; ++g) p[size_t(g) * padded_bs + r] = hsum(dot[g]);
     }
+    mask_folded(pb, b, q_head0, G, blk * BS, r0, r1, p, padded_bs);
     // Update the running max, rescale, and turn scores into probabilities.
     for (int g = 0; g < G; ++g) {
       const float alpha = softmax_block(p + size_t(g) * padded_bs, r0, r1, st.m[g], st.l[g]);
@@ -103,6 +105,36 @@ int choose_parts(int units, int max_len, int threads) {
 }
 
 }  // namespace
+
+// A prefill call of a few positions (a prompt's short last chunk, a follow-up of a few
+// tokens after a cached prefix) went through the prefill kernel: one thread for a problem
+// this small, and each key row converted and transposed for a handful of rows (2 positions
+// at a 1.5k context: a forward ~7 ms slower than a decode step, on the default model).
+// Folded into the heads they take the decode kernel's split-K path.
+// KVCHAT_FOLD_MAX sets the most positions folded (0: none), to compare the two paths.
+int max_fold() {
+  static const int n = [] {
+    const char* env = std::getenv("KVCHAT_FOLD_MAX");
+    return env ? std::max(0, std::atoi(env)) : 8;
+  }();
+  return n;
+}
+
+bool can_fold(const Problem& pb) {
+  return pb.L > 1 && pb.L <= max_fold() && pb.window == 0;
+}
+
+Problem fold_positions(const Problem& pb) {
+  Problem f = pb;  // (B, Hq, L, D) queries and outputs are (B, Hq * L, 1, D) in memory
+  f.fold = pb.L;
+  f.Hq = pb.Hq * pb.L;
+  f.L = 1;
+  const int group = f.Hq / f.Hkv;
+  const int chunks = (group + 7) / 8;  // the register-resident tasks take up to 8 heads
+  f.heads_per_task = (group + chunks - 1) / chunks;
+  f.head_chunks = (group + f.heads_per_task - 1) / f.heads_per_task;
+  return f;
+}
 
 void run_problem(Problem pb, float* out /* (B, Hq, D) */) {
   // Waking a sleeping second thread costs 50-300 us on the 2-core build VMs,
@@ -150,7 +182,7 @@ void run_problem(Problem pb, float* out /* (B, Hq, D) */) {
     const int G = std::min(H, group - hc * H);
     for (int g = 0; g < G; ++g) {
       const int q_head = h * group + hc * H + g;
-      merge_head(pb.parts, g, D, pb.sinks == nullptr ? nullptr : pb.sinks + q_head,
+      merge_head(pb.parts, g, D, pb.sinks == nullptr ? nullptr : pb.sinks + q_head / pb.fold,
                  [&](int part) { return partial(part * tasks_per_part + unit); }, row.data());
       float* dst = out + (int64_t(b) * pb.Hq + q_head) * D;
       if (pb.v.bits == 4) {

@@ -92,7 +92,10 @@ struct Problem {
   int heads_per_task, head_chunks;
   int parts;  // context partitions (split-K); set by run_problem
   int window;  // a sliding window: each query sees its last `window` positions (0: all)
-  const float* sinks;  // (Hq,) logits joining each head's softmax without a value, or null
+  const float* sinks;  // (Hq / fold,) logits joining each head's softmax without a value, or null
+  // Query positions folded into the heads (`fold_positions`): query head v is head v / fold
+  // at position v % fold of the fold newest, and sees the keys up to its own position.
+  int fold = 1;
 
   // First key position a query at position `pos` sees.
   int first_key(int pos) const {
@@ -100,10 +103,14 @@ struct Problem {
   }
   // exp(sink - m): what a head's sink adds to a softmax whose running max is m.
   float sink_weight(int q_head, float m) const;
+  // Keys [0, visible_end(b, q_head)) are visible to (folded) query head q_head of sequence b.
+  int visible_end(int b, int q_head) const {
+    return lens[b] - (fold - 1 - q_head % fold);
+  }
 };
 
 inline float Problem::sink_weight(int q_head, float m) const {
-  return sinks == nullptr ? 0.0f : std::exp(sinks[q_head] - m);
+  return sinks == nullptr ? 0.0f : std::exp(sinks[q_head / fold] - m);
 }
 
 // First pool row of sequence b's logical block blk for KV head h; -1 for a block
@@ -121,6 +128,10 @@ void run_problem(Problem pb, float* out);
 
 // Prefill (L >= 1, causal): out (B, Hq, L, D), float32 (paged_prefill_kernel.cpp).
 void run_prefill(const Problem& pb, float* out);
+
+// Whether `fold_positions` takes this problem, and the problem it becomes.
+bool can_fold(const Problem& pb);
+Problem fold_positions(const Problem& pb);
 
 
 }  // namespace kvchat

@@ -64,6 +64,7 @@ void attend_quant(const Problem& pb, int b, int h, int hc, int part, Partial st)
         }
       }
     }
+    mask_folded(pb, b, q_head0, G, blk * BS, r0, r1, p, padded_bs);
     for (int g = 0; g < G; ++g) {
       const float alpha = softmax_block(p + size_t(g) * padded_bs, r0, r1, m[g], l[g]);
       if (alpha != 1.0f) {

@@ -50,6 +50,19 @@ inline void merge_head(int parts, int g, int D, const float* sink, PartOf part_o
   for (int d = 0; d < D; ++d) row[d] *= inv;
 }
 
+// Folded positions (`Problem::fold`): scores of block rows [r0, r1) (the block's first
+// token `tok0`) that lie past head g's own position become a huge negative number, so that
+// they weigh exp(-87) or less, nothing beside the visible keys: not -inf, as a partition
+// seeing only such keys must keep finite state (its merge weight then is exactly 0).
+inline void mask_folded(const Problem& pb, int b, int q_head0, int G, int tok0, int r0, int r1,
+                        float* p, int padded_bs) {
+  if (pb.fold == 1 || tok0 + r1 <= pb.lens[b] - pb.fold + 1) return;
+  for (int g = 0; g < G; ++g) {
+    const int end = pb.visible_end(b, q_head0 + g) - tok0;
+    for (int r = std::max(r0, end); r < r1; ++r) p[size_t(g) * padded_bs + r] = -1e30f;
+  }
+}
+
 // The tokens [t0, t1) of sequence b that context partition `part` covers
 // (whole blocks, so partitions never share one).
 // A sliding window: the partitions cover the blocks from the window's first one on,
@@ -175,6 +188,7 @@ void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st)
         p[size_t(g) * padded_bs + r] = hsum(dot);
       }
     }
+    mask_folded(pb, b, q_head0, G, blk * BS, r0, r1, p, padded_bs);
     for (int g = 0; g < G; ++g) {
       const float alpha = softmax_block(p + size_t(g) * padded_bs, r0, r1, m[g], l[g]);
       if (alpha != 1.0f)
