@@ -135,15 +135,33 @@ def test_gelu_tanh_mul_matches_mlx(ext, dtype, rel):
         gelu_tanh_mul(mx.zeros((2, 3)), mx.zeros((3, 2)))
 
 
-def test_gemma3_norms_and_mlp_become_extension_ops(ext):
-    from mlx_lm.models import gemma3_text
+def test_clip_add_is_gemma3_clip_residual_bit_for_bit(ext):
+    from mlx_lm.models.gemma3_text import clip_residual as reference
 
-    from engine.model.cpu_ext.norm_rope import (
-        CpuGemma3MLP,
-        CpuGemma3RMSNorm,
-        has_gemma3_ops,
-        install,
-    )
+    from engine.model.cpu_ext.norm_rope import clip_residual
+
+    # float16 sums past its range (clipped), NaN and inf, a strided operand
+    x = (mx.random.normal((3, 5, 67), key=mx.random.key(11)) * 30000).astype(mx.float16)
+    y = (mx.random.normal((3, 67, 5), key=mx.random.key(12)) * 30000).astype(mx.float16)
+    y = y.transpose(0, 2, 1)
+    x = mx.concatenate([x[..., :-3], mx.array([[[float("nan"), float("inf"), -6e4]] * 5] * 3,
+                                              mx.float16)], -1)
+    out, ref = clip_residual(x, y), reference(x, y)
+    assert out.dtype == ref.dtype == mx.float16 and out.shape == ref.shape
+    same = (out == ref) | (mx.isnan(out) & mx.isnan(ref))
+    assert same.all().item()
+    finite = mx.where(mx.isnan(ref), 0, ref).astype(mx.float32)
+    assert mx.abs(finite).max().item() == 65504  # the clip took part
+    y32 = y.astype(mx.float32) * 1.5  # a float32 y: still a float16 sum, as mlx-lm's
+    out, ref = clip_residual(x, y32), reference(x, y32)
+    assert out.dtype == ref.dtype == mx.float16
+    assert ((out == ref) | (mx.isnan(out) & mx.isnan(ref))).all().item()
+    f32 = mx.ones((2, 3))  # other dtypes add, as mlx-lm does
+    assert mx.array_equal(clip_residual(f32, f32), f32 + f32)
+
+
+def gemma3_model(dtype=mx.float32):
+    from mlx_lm.models import gemma3_text
 
     args = gemma3_text.ModelArgs(model_type="gemma3_text", hidden_size=64,
                                  num_hidden_layers=2, intermediate_size=96,
@@ -151,6 +169,35 @@ def test_gemma3_norms_and_mlp_become_extension_ops(ext):
                                  vocab_size=128, num_key_value_heads=1,
                                  sliding_window=16, sliding_window_pattern=2)
     model = gemma3_text.Model(args)
+    model.set_dtype(dtype)
+    return model
+
+
+def test_gemma3_float16_layers_match_mlx_lm(ext):
+    from engine.model.cpu_ext.norm_rope import CpuGemma3Block, install
+
+    model = gemma3_model(mx.float16)
+    mx.eval(model.parameters())
+    ids = mx.array([[1, 2, 3, 4]])
+    before = model(ids)
+    install(model)
+    assert all(type(layer) is CpuGemma3Block for layer in model.model.layers)
+    after = model(ids)
+    assert after.dtype == before.dtype == mx.float16
+    err = mx.abs(after.astype(mx.float32) - before.astype(mx.float32)).max().item()
+    assert err <= 1e-2 * max(1.0, mx.abs(before.astype(mx.float32)).max().item()), err
+
+
+def test_gemma3_norms_and_mlp_become_extension_ops(ext):
+    from engine.model.cpu_ext.norm_rope import (
+        CpuGemma3Block,
+        CpuGemma3MLP,
+        CpuGemma3RMSNorm,
+        has_gemma3_ops,
+        install,
+    )
+
+    model = gemma3_model()
     mx.eval(model.parameters())
     x = mx.random.normal((1, 5, 64), key=mx.random.key(7))
     layer = model.model.layers[0]
@@ -158,9 +205,11 @@ def test_gemma3_norms_and_mlp_become_extension_ops(ext):
     mlp, norm = layer.mlp, layer.input_layernorm
     before, normed, logits = mlp(x), norm(x), model(mx.array([[1, 2, 3]]))
     assert not has_gemma3_ops(model)
-    assert install(model) == 2 * (1 + 6 + 1) + 1  # a layer: MLP, six norms, RoPE; final norm
+    # a layer: itself, its MLP, six norms, RoPE; the final norm
+    assert install(model) == 2 * (1 + 1 + 6 + 1) + 1
     assert has_gemma3_ops(model)  # the loader keys its cached K/V apart
     swapped = model.model.layers[0]
+    assert type(swapped) is CpuGemma3Block
     assert type(swapped.mlp) is CpuGemma3MLP and swapped.mlp.gate_proj is mlp.gate_proj
     assert type(swapped.input_layernorm) is CpuGemma3RMSNorm
     for new, old in ((swapped.mlp(x), before), (swapped.input_layernorm(x), normed),

@@ -76,6 +76,8 @@ NB_MODULE(_kvchat_cpu_ext, m) {
   m.def("gelu_tanh_mul", &kvchat::gelu_tanh_mul, "gate"_a, "up"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "gelu_approx(gate) * up (mlx-lm's Gemma 3 MLP), one op.");
+  m.def("clip_add", &kvchat::clip_add, "x"_a, "y"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "clip(x + y) to float16's range, summed in float32 (Gemma 3's residual), one op.");
   m.def("kv_write", &kvchat::kv_write, "pool"_a, "slots"_a, "rows"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "pool (H, S, D) with rows (H, N, D) written at slots (N,): one op, in place when\n"

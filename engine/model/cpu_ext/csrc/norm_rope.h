@@ -87,7 +87,9 @@ class Rope : public mx::UnaryPrimitive {
 };
 
 // The activation of a gated MLP: act(gate) * up (swiglu.cpp).
-enum class GateAct { silu, gelu_tanh };
+// The row-wise float32 binary op: silu(g) * u, gelu_approx(g) * u, or (clip_add) Gemma 3's
+// float16 residual sum, clip(g + u) to float16's range.
+enum class GateAct { silu, gelu_tanh, clip_add };
 
 class Swiglu : public mx::UnaryPrimitive {
  public:
@@ -95,7 +97,9 @@ class Swiglu : public mx::UnaryPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
-    return act_ == GateAct::silu ? "KvchatSwiglu" : "KvchatGeluTanhMul";
+    return act_ == GateAct::silu        ? "KvchatSwiglu"
+           : act_ == GateAct::gelu_tanh ? "KvchatGeluTanhMul"
+                                        : "KvchatClipAdd";
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     return static_cast<const Swiglu&>(other).act_ == act_;
@@ -125,5 +129,8 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
 
 // gelu_approx(gate) * up elementwise (mlx-lm's Gemma 3 MLP: the tanh GELU), in float32.
 mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s = {});
+// clip(x + y) to float16's range, summed in float32, as float16 (mlx-lm's Gemma 3
+// clip_residual for a float16 x).
+mx::array clip_add(const mx::array& x, const mx::array& y, mx::StreamOrDevice s = {});
 
 }  // namespace kvchat

@@ -3,7 +3,8 @@
 // more than its gate/up matmul), and without mx.compile on CPU mlx-lm's
 // swiglu is three such ops; this is a vectorized exp over both threads. Gemma 3's
 // gelu_approx(gate) * up is the same shape of op (libm's powf and tanhf, scalar, were
-// ~15 % of a Gemma-3-1B-shaped prefill's samples).
+// ~15 % of a Gemma-3-1B-shaped prefill's samples), and so is its float16 residual sum
+// (mlx-lm's clip_residual: two casts, an add, a clip and a cast, ~8 graph nodes).
 #include <algorithm>
 #include <stdexcept>
 #include <string>
@@ -37,7 +38,17 @@ inline vf gelu_tanh(vf g) {
   return g * (a < 0 ? e * s : s);
 }
 
-template <vf (*Act)(vf)>
+inline vf silu_mul(vf g, vf u) { return silu(g) * u; }
+inline vf gelu_mul(vf g, vf u) { return gelu_tanh(g) * u; }
+
+// clip(g + u, -65504, 65504) as clip_residual computes it in float32 (NaN stays NaN).
+inline vf clip_add(vf g, vf u) {
+  const vf x = g + u, hi = splat(65504.0f), lo = splat(-65504.0f);
+  const vf y = x > hi ? hi : x;
+  return y < lo ? lo : y;
+}
+
+template <vf (*Op)(vf, vf)>
 void gated_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows,
                 int64_t D, float* y) {
   const int64_t rows_per_task = std::max<int64_t>(1, kChunk / std::max<int64_t>(D, 1));
@@ -46,10 +57,10 @@ void gated_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_
       const float *gr = g + r * ldg, *ur = u + r * ldu;
       float* yr = y + r * D;
       int64_t i = 0;
-      for (; i + W <= D; i += W) store(yr + i, Act(load(gr + i)) * load(ur + i));
+      for (; i + W <= D; i += W) store(yr + i, Op(load(gr + i), load(ur + i)));
       for (; i < D; ++i) {
-        float lane[W] = {gr[i]};
-        yr[i] = Act(load(lane))[0] * ur[i];
+        float g_lane[W] = {gr[i]}, u_lane[W] = {ur[i]};
+        yr[i] = Op(load(g_lane), load(u_lane))[0];
       }
     }
   });
@@ -77,7 +88,10 @@ void gated_all(const mx::array& gate, const mx::array& up, mx::array& out, GateA
   const bool direct = out.dtype() == mx::float32;
   std::vector<float> y_buf(direct ? 0 : out.size());
   float* y = direct ? out.data<float>() : y_buf.data();
-  (act == GateAct::silu ? gated_rows<silu> : gated_rows<gelu_tanh>)(g, ldg, u, ldu, rows, D, y);
+  auto run = act == GateAct::silu        ? gated_rows<silu_mul>
+             : act == GateAct::gelu_tanh ? gated_rows<gelu_mul>
+                                         : gated_rows<clip_add>;
+  run(g, ldg, u, ldu, rows, D, y);
   if (!direct) store_any(out.data<char>(), elem_of(out.dtype()), y, int64_t(out.size()));
 }
 
@@ -85,7 +99,7 @@ void gated_all(const mx::array& gate, const mx::array& up, mx::array& out, GateA
 
 void swiglu_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows,
                  int64_t D, float* y) {
-  gated_rows<silu>(g, ldg, u, ldu, rows, D, y);
+  gated_rows<silu_mul>(g, ldg, u, ldu, rows, D, y);
 }
 
 void Swiglu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -111,8 +125,10 @@ mx::array gated(const mx::array& gate, const mx::array& up, GateAct act, const c
     throw std::invalid_argument(std::string(op) +
                                 ": gate and up must be float arrays of one shape");
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  return mx::array(gate.shape(), mx::promote_types(gate.dtype(), up.dtype()),
-                   std::make_shared<Swiglu>(stream, act), {gate, up});
+  // clip_residual casts its sum back to float16 whatever y's dtype
+  const mx::Dtype dtype = act == GateAct::clip_add ? mx::float16
+                                                   : mx::promote_types(gate.dtype(), up.dtype());
+  return mx::array(gate.shape(), dtype, std::make_shared<Swiglu>(stream, act), {gate, up});
 }
 
 }  // namespace
@@ -123,6 +139,10 @@ mx::array swiglu(const mx::array& gate, const mx::array& up, mx::StreamOrDevice 
 
 mx::array gelu_tanh_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
   return gated(gate, up, GateAct::gelu_tanh, "gelu_tanh_mul", s);
+}
+
+mx::array clip_add(const mx::array& x, const mx::array& y, mx::StreamOrDevice s) {
+  return gated(x, y, GateAct::clip_add, "clip_add", s);
 }
 
 }  // namespace kvchat
