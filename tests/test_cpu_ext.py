@@ -178,18 +178,20 @@ def test_gemma3_float16_layers_match_mlx_lm(ext):
 
     model = gemma3_model(mx.float16)
     mx.eval(model.parameters())
-    ids = mx.array([[1, 2, 3, 4]])
-    before = model(ids)
+    inputs = (mx.array([[1, 2, 3, 4]]), mx.array([[5], [6]]))  # L 4; L 1 (by reshapes)
+    before = [model(ids) for ids in inputs]
     install(model)
     assert all(type(layer) is CpuGemma3Block for layer in model.model.layers)
-    after = model(ids)
-    assert after.dtype == before.dtype == mx.float16
-    err = mx.abs(after.astype(mx.float32) - before.astype(mx.float32)).max().item()
-    assert err <= 1e-2 * max(1.0, mx.abs(before.astype(mx.float32)).max().item()), err
+    for ids, old in zip(inputs, before, strict=True):
+        new = model(ids)
+        assert new.dtype == old.dtype == mx.float16 and new.shape == old.shape
+        err = mx.abs(new.astype(mx.float32) - old.astype(mx.float32)).max().item()
+        assert err <= 1e-2 * max(1.0, mx.abs(old.astype(mx.float32)).max().item()), err
 
 
 def test_gemma3_norms_and_mlp_become_extension_ops(ext):
     from engine.model.cpu_ext.norm_rope import (
+        CpuGemma3Attention,
         CpuGemma3Block,
         CpuGemma3MLP,
         CpuGemma3RMSNorm,
@@ -205,11 +207,12 @@ def test_gemma3_norms_and_mlp_become_extension_ops(ext):
     mlp, norm = layer.mlp, layer.input_layernorm
     before, normed, logits = mlp(x), norm(x), model(mx.array([[1, 2, 3]]))
     assert not has_gemma3_ops(model)
-    # a layer: itself, its MLP, six norms, RoPE; the final norm
-    assert install(model) == 2 * (1 + 1 + 6 + 1) + 1
+    # a layer: itself, its attention, MLP, six norms, RoPE; the final norm
+    assert install(model) == 2 * (1 + 1 + 1 + 6 + 1) + 1
     assert has_gemma3_ops(model)  # the loader keys its cached K/V apart
     swapped = model.model.layers[0]
-    assert type(swapped) is CpuGemma3Block
+    assert type(swapped) is CpuGemma3Block and type(swapped.self_attn) is CpuGemma3Attention
+    assert type(swapped.self_attn.q_norm) is CpuGemma3RMSNorm  # its parts swapped first
     assert type(swapped.mlp) is CpuGemma3MLP and swapped.mlp.gate_proj is mlp.gate_proj
     assert type(swapped.input_layernorm) is CpuGemma3RMSNorm
     for new, old in ((swapped.mlp(x), before), (swapped.input_layernorm(x), normed),

@@ -110,6 +110,22 @@ def test_folded_positions_match_decode_steps():
         np.testing.assert_allclose(np.array(out[:, :, i:i + 1]), np.array(one), atol=2e-6)
 
 
+@pytest.mark.parametrize("k_quant", [None, (8, 64)])
+def test_decode_rows_of_one_sequence_fold(k_quant):
+    """Decode rows that are one sequence's newest positions (speculative decoding verifying
+    drafts alone: one block table, lengths n - 4 .. n) run as one folded problem, equal to
+    the reference; rows that are not (a gap in the lengths) keep the decode path."""
+    n, rows = 1100, 5
+    _, k, v, tables = make_case([n], 9, 3, 64, 16, seed=31, k_quant=k_quant, v_quant=k_quant)
+    q = mx.random.normal((rows, 9, 1, 64), key=mx.random.key(32))
+    tab = mx.repeat(tables, rows, axis=0)
+    for lens in ([n - rows + 1 + i for i in range(rows)], [n - 6, n - 4, n - 3, n - 2, n]):
+        out = check_kernel(q, k, v, tab, lens)
+        for i in range(rows):  # each row is its own decode, whatever path ran
+            one = cpu.paged_decode(q[i:i + 1], k, v, tables, [lens[i]], 0.125)
+            np.testing.assert_allclose(np.array(out[i:i + 1]), np.array(one), atol=2e-6)
+
+
 def test_bad_inputs_come_back_nan():
     q, k, v, tables = prefill_case([9], 4, 2, 2, 16, 4, seed=4)
     out = cpu.paged_prefill(q, k, v, mx.array([[0, 99, 1]], dtype=mx.int32), [9], 0.3)

@@ -165,9 +165,12 @@ class PagedModel:
         (rows, heads, L, head_dim), packed steps one row per token (L == 1)."""
         rows, _, L, _ = k.shape
         # pool rows are (kv_heads, slot, head_dim); slots run row-major over (rows, L)
-        kv.write(layer, batch.slots,
-                 k.transpose(1, 0, 2, 3).reshape(self.num_kv_heads, rows * L, -1),
-                 v.transpose(1, 0, 2, 3).reshape(self.num_kv_heads, rows * L, -1))
+        if rows == 1:  # the same rows without a transpose node (one sequence: most steps)
+            k_rows, v_rows = (a.reshape(self.num_kv_heads, L, -1) for a in (k, v))
+        else:
+            k_rows, v_rows = (a.transpose(1, 0, 2, 3).reshape(self.num_kv_heads, rows * L, -1)
+                              for a in (k, v))
+        kv.write(layer, batch.slots, k_rows, v_rows)
         return self._paged(q, layer, batch, kv, spec)
 
     def _paged(self, q: mx.array, layer: int, batch: StepBatch | PackedBatch,

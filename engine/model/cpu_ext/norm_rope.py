@@ -156,7 +156,37 @@ class CpuGemma3Block(gemma3_text.TransformerBlock):
         return clip_residual(h, self.post_feedforward_layernorm(r))
 
 
-GEMMA3_OPS = (CpuGemma3RMSNorm, CpuGemma3MLP, CpuGemma3Block)
+class CpuGemma3Attention(gemma3_text.Attention):
+    """mlx-lm's Gemma 3 attention (its ``__call__`` line for line) whose one-token rows
+    (decode, packed steps) go (B, 1, H * D) <-> (B, H, 1, D) by reshapes alone: the same
+    values without a transpose node each for q, k, v and the output (104 a decode step)."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if L == 1:
+            queries = queries.reshape(B, self.n_heads, 1, -1)
+            keys = keys.reshape(B, self.n_kv_heads, 1, -1)
+            values = values.reshape(B, self.n_kv_heads, 1, -1)
+        else:
+            queries = queries.reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+            keys = keys.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            values = values.reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys = self.q_norm(queries), self.k_norm(keys)
+        if cache is not None:
+            queries = self.rope(queries, offset=cache.offset)
+            keys = self.rope(keys, offset=cache.offset)
+            keys, values = cache.update_and_fetch(keys, values)
+        else:
+            queries, keys = self.rope(queries), self.rope(keys)
+        output = gemma3_text.scaled_dot_product_attention(
+            queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        if L == 1:
+            return self.o_proj(output.reshape(B, 1, -1))
+        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+GEMMA3_OPS = (CpuGemma3RMSNorm, CpuGemma3MLP, CpuGemma3Block, CpuGemma3Attention)
 
 
 def has_gemma3_ops(model: nn.Module) -> bool:
@@ -169,26 +199,26 @@ EXT_ROPES = (CpuRoPE, CpuLlama3RoPE)
 """RoPE modules the extension computes (the two-op layers take them too)."""
 
 
+# Module types and their extension subclasses, in rounds: a rebound module keeps the
+# children it had, so a parent is swapped in a round after its parts.
+SWAP_ROUNDS = (
+    {nn.RMSNorm: CpuRMSNorm, nn.RoPE: CpuRoPE, Llama3RoPE: CpuLlama3RoPE,
+     gemma3_text.RMSNorm: CpuGemma3RMSNorm, gemma3_text.MLP: CpuGemma3MLP},
+    {gemma3_text.Attention: CpuGemma3Attention},
+    {gemma3_text.TransformerBlock: CpuGemma3Block},
+)
+
+
 def install(model: nn.Module) -> int:
-    """Swap plain `nn.RMSNorm`, `nn.RoPE`, Llama 3 RoPE and Gemma 3 norm, MLP and layer
-    modules of `model` in place; returns how many."""
-    swaps = []
-    for name, module in model.named_modules():
-        if type(module) is nn.RMSNorm:
-            swaps.append((name, rebind(CpuRMSNorm, module)))
-        elif type(module) is nn.RoPE and module.base is not None:
-            swaps.append((name, rebind(CpuRoPE, module)))
-        elif type(module) is Llama3RoPE:
-            swaps.append((name, rebind(CpuLlama3RoPE, module)))
-        elif type(module) is gemma3_text.RMSNorm:
-            swaps.append((name, rebind(CpuGemma3RMSNorm, module)))
-        elif type(module) is gemma3_text.MLP:
-            swaps.append((name, rebind(CpuGemma3MLP, module)))
-    if swaps:
-        model.update_modules(tree_unflatten(swaps))
-    # layers after their parts: a rebound layer keeps the children it had
-    layers = [(name, rebind(CpuGemma3Block, module)) for name, module in model.named_modules()
-              if type(module) is gemma3_text.TransformerBlock]
-    if layers:
-        model.update_modules(tree_unflatten(layers))
-    return len(swaps) + len(layers)
+    """Swap plain `nn.RMSNorm`, `nn.RoPE`, Llama 3 RoPE and Gemma 3 norm, MLP, attention
+    and layer modules of `model` in place; returns how many."""
+    count = 0
+    for table in SWAP_ROUNDS:
+        swaps = [(name, rebind(table[type(module)], module))
+                 for name, module in model.named_modules()
+                 if type(module) in table and (type(module) is not nn.RoPE
+                                               or module.base is not None)]
+        if swaps:
+            model.update_modules(tree_unflatten(swaps))
+        count += len(swaps)
+    return count

@@ -28,6 +28,39 @@ void round_to(Elem e, float* v, int64_t n) {
   }
 }
 
+// Decode rows that are one sequence's newest positions, as speculative decoding verifies
+// drafts (the same block table, lengths n - B + 1 .. n): one folded problem reads the K/V
+// once for all of them where each row would read them again.
+bool one_sequence(const Problem& pb) {
+  if (pb.B < 2) return false;
+  for (int b = 1; b < pb.B; ++b)
+    if (pb.lens[b] != pb.lens[0] + b ||
+        !std::equal(pb.tables, pb.tables + pb.table_width, pb.tables + b * pb.table_width))
+      return false;
+  Problem f = pb;
+  f.B = 1;
+  f.L = pb.B;
+  return can_fold(f);
+}
+
+// `one_sequence`'s rows (B, Hq, 1, D) as one sequence's positions (1, Hq, B, D), folded.
+void run_one_sequence(const Problem& pb, float* out) {
+  const int B = pb.B, Hq = pb.Hq, D = pb.D;
+  std::vector<float> q(size_t(B) * Hq * D), o(q.size());
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hq; ++h)
+      std::copy_n(pb.q + (int64_t(b) * Hq + h) * D, D, q.data() + (int64_t(h) * B + b) * D);
+  Problem f = pb;
+  f.q = q.data();
+  f.B = 1;
+  f.L = B;
+  f.lens = pb.lens + B - 1;
+  run_problem(fold_positions(f), o.data());
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < Hq; ++h)
+      std::copy_n(o.data() + (int64_t(h) * B + b) * D, D, out + (int64_t(b) * Hq + h) * D);
+}
+
 void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, QuantSide kq,
          QuantSide vq, int window, bool sinks, bool rotate_q, bool unrotate_out) {
   const mx::array& queries = inputs[0];
@@ -84,7 +117,9 @@ void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, Quan
   const int64_t size = int64_t(pb.B) * pb.Hq * pb.L * pb.D;
   std::vector<float> o_buf;
   float* o = out.dtype() == mx::float32 ? out.data<float>() : (o_buf.resize(size), o_buf.data());
-  if (pb.L == 1)
+  if (pb.L == 1 && one_sequence(pb))
+    run_one_sequence(pb, o);
+  else if (pb.L == 1)
     run_problem(pb, o);
   else if (can_fold(pb))
     run_problem(fold_positions(pb), o);
