@@ -63,9 +63,23 @@ def test_quantized_pools(k_quant, v_quant):
           lens)
 
 
-# A few query positions (a verify step: the last token and its drafts, L <= 8, no window)
-# fold into the heads and take the decode kernel (`fold_positions`): each folded head
-# masks the keys past its own position, whichever partition of a split-K context holds them.
+# Decode rows that are one sequence's newest positions (speculative decoding verifying its
+# drafts alone: one block table, consecutive lengths, at most 8) fold into the heads and
+# run as one problem of the decode kernel (`one_sequence`): each folded head masks the keys
+# past its own position, whichever partition of a split-K context holds them.
+def rows_of(q, tables, lens, i):
+    """Sequence i's L positions of prefill-shaped q as L decode rows of their own lengths."""
+    L = q.shape[2]
+    rows = q[i:i + 1].transpose(2, 1, 0, 3)  # (L, Hq, 1, D)
+    return rows, mx.repeat(tables[i:i + 1], L, axis=0), [lens[i] - L + 1 + j for j in range(L)]
+
+
+def check_rows(q, k, v, tables, lens, scale=None):
+    for i in range(len(lens)):
+        rows, tab, row_lens = rows_of(q, tables, lens, i)
+        check_kernel(rows, k, v, tab, row_lens, scale)
+
+
 FOLD_CASES = [
     ([1500], 2, 9, 3, 64, 16),  # one draft at a long context: split-K partitions
     ([1500, 700], 7, 9, 3, 64, 16),  # 21 folded heads per KV head: three head chunks
@@ -76,45 +90,35 @@ FOLD_CASES = [
 
 
 @pytest.mark.parametrize("lens,L,Hq,Hkv,D,bs", FOLD_CASES)
-def test_few_positions_fold_into_heads(lens, L, Hq, Hkv, D, bs):
-    check(*prefill_case(lens, L, Hq, Hkv, D, bs, seed=3 * L + D), lens)
+def test_one_sequence_rows_fold_into_heads(lens, L, Hq, Hkv, D, bs):
+    check_rows(*prefill_case(lens, L, Hq, Hkv, D, bs, seed=3 * L + D), lens)
 
 
 @pytest.mark.parametrize("k_quant,v_quant", [((8, 64), (8, 64)), ((4, 32), (4, 32)),
                                              ((8, 64), (4, 64))])
-def test_few_positions_fold_on_quantized_pools(k_quant, v_quant):
+def test_one_sequence_rows_fold_on_quantized_pools(k_quant, v_quant):
     lens = [1200, 90]
-    check(*prefill_case(lens, 6, 9, 3, 64, 16, seed=13, k_quant=k_quant, v_quant=v_quant),
-          lens)
+    check_rows(*prefill_case(lens, 6, 9, 3, 64, 16, seed=13, k_quant=k_quant,
+                             v_quant=v_quant), lens)
 
 
-def test_few_positions_fold_with_sinks():
+def test_one_sequence_rows_fold_with_sinks():
     from engine.model.attention import AttentionSpec
 
     lens = [1000, 40]
     q, k, v, tables = prefill_case(lens, 4, 8, 2, 64, 16, seed=21)
     sinks = 2.0 * mx.random.normal((8,), key=mx.random.key(5))
-    out = check(q, k, v, tables, lens, AttentionSpec(0.125, None, sinks))
-    plain = cpu.paged_prefill(q, k, v, tables, lens, 0.125)
-    assert mx.abs(out - plain).max().item() > 1e-3  # the sinks took part
-
-
-def test_folded_positions_match_decode_steps():
-    """Position i of a folded call equals a decode step over the first len - L + i + 1 keys:
-    what a verify step computes for each draft is what plain decoding would."""
-    lens, L = [800], 5
-    q, k, v, tables = prefill_case(lens, L, 9, 3, 64, 16, seed=8)
-    out = cpu.paged_prefill(q, k, v, tables, lens, 0.125)
-    for i in range(L):
-        one = cpu.paged_decode(q[:, :, i:i + 1], k, v, tables, [lens[0] - L + i + 1], 0.125)
-        np.testing.assert_allclose(np.array(out[:, :, i:i + 1]), np.array(one), atol=2e-6)
+    check_rows(q, k, v, tables, lens, AttentionSpec(0.125, None, sinks))
+    rows, tab, row_lens = rows_of(q, tables, lens, 1)  # 40 keys: the sinks weigh
+    with_sinks = cpu.paged_decode(rows, k, v, tab, row_lens, AttentionSpec(0.125, None, sinks))
+    plain = cpu.paged_decode(rows, k, v, tab, row_lens, 0.125)
+    assert mx.abs(with_sinks - plain).max().item() > 1e-3  # the sinks took part
 
 
 @pytest.mark.parametrize("k_quant", [None, (8, 64)])
 def test_decode_rows_of_one_sequence_fold(k_quant):
-    """Decode rows that are one sequence's newest positions (speculative decoding verifying
-    drafts alone: one block table, lengths n - 4 .. n) run as one folded problem, equal to
-    the reference; rows that are not (a gap in the lengths) keep the decode path."""
+    """Each folded row equals its own decode alone; rows that are not one sequence's (a gap
+    in the lengths) keep the decode path, equal to the reference too."""
     n, rows = 1100, 5
     _, k, v, tables = make_case([n], 9, 3, 64, 16, seed=31, k_quant=k_quant, v_quant=k_quant)
     q = mx.random.normal((rows, 9, 1, 64), key=mx.random.key(32))
@@ -124,6 +128,16 @@ def test_decode_rows_of_one_sequence_fold(k_quant):
         for i in range(rows):  # each row is its own decode, whatever path ran
             one = cpu.paged_decode(q[i:i + 1], k, v, tables, [lens[i]], 0.125)
             np.testing.assert_allclose(np.array(out[i:i + 1]), np.array(one), atol=2e-6)
+
+
+def test_short_prefill_chunks_round_as_cold_prefill():
+    """A prompt's tail after a cached prefix (a few positions) is never folded: the prefill
+    kernel gives its positions bit for bit what the whole prefill gave them."""
+    lens, L = [600], 6
+    q, k, v, tables = prefill_case(lens, 64, 9, 3, 64, 16, seed=41)
+    whole = cpu.paged_prefill(q, k, v, tables, lens, 0.125)
+    tail = cpu.paged_prefill(q[:, :, -L:], k, v, tables, lens, 0.125)
+    np.testing.assert_array_equal(np.array(tail), np.array(whole[:, :, -L:]))
 
 
 def test_bad_inputs_come_back_nan():

@@ -164,13 +164,10 @@ class PagedModel:
         """Write this step's K/V and attend over the pool; q/k/v and the result are
         (rows, heads, L, head_dim), packed steps one row per token (L == 1)."""
         rows, _, L, _ = k.shape
-        # pool rows are (kv_heads, slot, head_dim); slots run row-major over (rows, L)
-        if rows == 1:  # the same rows without a transpose node (one sequence: most steps)
-            k_rows, v_rows = (a.reshape(self.num_kv_heads, L, -1) for a in (k, v))
-        else:
-            k_rows, v_rows = (a.transpose(1, 0, 2, 3).reshape(self.num_kv_heads, rows * L, -1)
-                              for a in (k, v))
-        kv.write(layer, batch.slots, k_rows, v_rows)
+        # pool rows (kv_heads, slot, head_dim), slots row-major; one row: no transpose node
+        k, v = (a if rows == 1 else a.transpose(1, 0, 2, 3) for a in (k, v))
+        kv.write(layer, batch.slots,
+                 *(a.reshape(self.num_kv_heads, rows * L, -1) for a in (k, v)))
         return self._paged(q, layer, batch, kv, spec)
 
     def _paged(self, q: mx.array, layer: int, batch: StepBatch | PackedBatch,

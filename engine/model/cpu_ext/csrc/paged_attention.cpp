@@ -121,9 +121,7 @@ void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, Quan
     run_one_sequence(pb, o);
   else if (pb.L == 1)
     run_problem(pb, o);
-  else if (can_fold(pb))
-    run_problem(fold_positions(pb), o);
-  else
+  else  // never folded: a prompt's tail after a cached prefix must round as a cold prefill
     run_prefill(pb, o);
   if (unrotate_out) {  // o R^T, from the output rounded to its dtype as the op returned it
     round_to(elem_of(out.dtype()), o, size);

@@ -106,11 +106,11 @@ int choose_parts(int units, int max_len, int threads) {
 
 }  // namespace
 
-// A prefill call of a few positions (a prompt's short last chunk, a follow-up of a few
-// tokens after a cached prefix) went through the prefill kernel: one thread for a problem
-// this small, and each key row converted and transposed for a handful of rows (2 positions
-// at a 1.5k context: a forward ~7 ms slower than a decode step, on the default model).
-// Folded into the heads they take the decode kernel's split-K path.
+// A few positions of one sequence (speculative decoding's verify rows) folded into the
+// heads take the decode kernel's split-K path, the K/V read once for all of them.
+// (Prefill calls are not folded: a prompt's tail after a cached prefix must round as the
+// same positions of a cold prefill, which the prefill kernel computes row by row alike;
+// folded, a server test's warm logprobs moved by > 1e-4.)
 // KVCHAT_FOLD_MAX sets the most positions folded (0: none), to compare the two paths.
 int max_fold() {
   static const int n = [] {
