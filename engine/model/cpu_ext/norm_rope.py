@@ -129,9 +129,7 @@ class CpuGemma3RMSNorm(gemma3_text.RMSNorm):
         w = self["weight"]
         held = self.__dict__.get("_scale")
         if held is None or held.source is not w:  # new weights (a load, an update)
-            held = _Held(w, 1.0 + w)
-            mx.eval(held.value)
-            self.__dict__["_scale"] = held
+            held = self.__dict__["_scale"] = _Held(w, 1.0 + w)
         return rms_norm(x, held.value, self.eps)
 
 
@@ -190,8 +188,8 @@ GEMMA3_OPS = (CpuGemma3RMSNorm, CpuGemma3MLP, CpuGemma3Block, CpuGemma3Attention
 
 
 def has_gemma3_ops(model: nn.Module) -> bool:
-    """Whether `install` gave ``model`` Gemma 3 norms, MLPs or layers (their rounding is not
-    MLX's, so the loader keys cached K/V apart)."""
+    """Whether `install` gave ``model`` Gemma 3 norms, MLPs, attention or layers (their
+    rounding is not MLX's, so the loader keys cached K/V apart)."""
     return any(isinstance(m, GEMMA3_OPS) for _, m in model.named_modules())
 
 

@@ -120,10 +120,6 @@ int max_fold() {
   return n;
 }
 
-bool can_fold(const Problem& pb) {
-  return pb.L > 1 && pb.L <= max_fold() && pb.window == 0;
-}
-
 Problem fold_positions(const Problem& pb) {
   Problem f = pb;  // (B, Hq, L, D) queries and outputs are (B, Hq * L, 1, D) in memory
   f.fold = pb.L;

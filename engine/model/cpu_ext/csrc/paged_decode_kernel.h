@@ -129,8 +129,9 @@ void run_problem(Problem pb, float* out);
 // Prefill (L >= 1, causal): out (B, Hq, L, D), float32 (paged_prefill_kernel.cpp).
 void run_prefill(const Problem& pb, float* out);
 
-// Whether `fold_positions` takes this problem, and the problem it becomes.
-bool can_fold(const Problem& pb);
+// The most positions `fold_positions` folds (KVCHAT_FOLD_MAX; 0: none), and the problem
+// a causal problem of L positions without a window becomes with them folded into the heads.
+int max_fold();
 Problem fold_positions(const Problem& pb);
 
 
