@@ -20,17 +20,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.model.cpu_ext import build
-from engine.model.cpu_ext.linear import CpuQuantizedLinear
+from engine.model.cpu_ext.linear import linear_args as _linear
 from engine.model.cpu_ext.norm_rope import EXT_ROPES, CpuRMSNorm, offsets_array
 
 Linear = tuple[list[mx.array], tuple[int, int, bool]]  # (w, scales, biases), (group, bits, tiled)
-
-
-def _linear(module) -> Linear | None:
-    if not isinstance(module, CpuQuantizedLinear) or "bias" in module:
-        return None
-    return ([module["weight"], module["scales"], module["biases"]],
-            (module.group_size, module.bits, module.tiled))
 
 
 def _norm(module) -> tuple[mx.array, float] | None:

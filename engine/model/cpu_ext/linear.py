@@ -95,6 +95,15 @@ class CpuQuantizedLinear(nn.QuantizedLinear):
         return y + self["bias"] if "bias" in self else y
 
 
+def linear_args(module) -> tuple[list[mx.array], tuple[int, int, bool]] | None:
+    """A fused layer op's arguments for ``module``: ([w, scales, biases], (group, bits,
+    tiled)) of a `CpuQuantizedLinear` without a bias; None for any other module."""
+    if not isinstance(module, CpuQuantizedLinear) or "bias" in module:
+        return None
+    return ([module["weight"], module["scales"], module["biases"]],
+            (module.group_size, module.bits, module.tiled))
+
+
 class CpuTiledLinear(CpuQuantizedLinear):
     """A `CpuQuantizedLinear` whose weight, scales and biases are in `ops.tile`'s
     layout, multiplied with x quantized to int16 per group in exact integer dot products

@@ -19,7 +19,7 @@ from mlx.utils import tree_unflatten
 from mlx_lm.models import gemma3_text
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from engine.model.cpu_ext import build
+from engine.model.cpu_ext import build, gemma_tail
 from engine.model.cpu_ext.linear import rebind
 
 
@@ -125,12 +125,16 @@ class CpuGemma3RMSNorm(gemma3_text.RMSNorm):
     MLX's ~12 on the CPU; six per layer (q/k norms, pre/post attention and MLP). The scale
     is computed once per weight array, not an add node per call (156 a decode step)."""
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def gemma_scale(self) -> mx.array:
+        """``1 + weight``, computed once per weight array."""
         w = self["weight"]
         held = self.__dict__.get("_scale")
         if held is None or held.source is not w:  # new weights (a load, an update)
             held = self.__dict__["_scale"] = _Held(w, 1.0 + w)
-        return rms_norm(x, held.value, self.eps)
+        return held.value
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self.gemma_scale(), self.eps)
 
 
 class CpuGemma3MLP(gemma3_text.MLP):
@@ -145,9 +149,14 @@ class CpuGemma3MLP(gemma3_text.MLP):
 
 class CpuGemma3Block(gemma3_text.TransformerBlock):
     """mlx-lm's Gemma 3 decoder layer (its ``__call__`` line for line) with the residual
-    sums as one op each (`clip_residual`)."""
+    sums as one op each (`clip_residual`); with quantized linears and a float16 residual
+    stream, everything after attention is one op (`gemma_tail`), the same bits."""
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        parts = gemma_tail.tail_parts(self) if x.dtype == mx.float16 else None
+        if parts is not None and isinstance(self.self_attn, CpuGemma3Attention):
+            att = self.self_attn.heads(self.input_layernorm(x), mask, cache)
+            return gemma_tail.gemma_tail(x, att, parts)
         r = self.self_attn(self.input_layernorm(x), mask, cache)
         h = clip_residual(x, self.post_attention_layernorm(r))
         r = self.mlp(self.pre_feedforward_layernorm(h))
@@ -159,7 +168,8 @@ class CpuGemma3Attention(gemma3_text.Attention):
     (decode, packed steps) go (B, 1, H * D) <-> (B, H, 1, D) by reshapes alone: the same
     values without a transpose node each for q, k, v and the output (104 a decode step)."""
 
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+    def heads(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        """Attention's output (B, n_heads, L, D), before o_proj."""
         B, L, _ = x.shape
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if L == 1:
@@ -177,8 +187,12 @@ class CpuGemma3Attention(gemma3_text.Attention):
             keys, values = cache.update_and_fetch(keys, values)
         else:
             queries, keys = self.rope(queries), self.rope(keys)
-        output = gemma3_text.scaled_dot_product_attention(
+        return gemma3_text.scaled_dot_product_attention(
             queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        B, L, _ = x.shape
+        output = self.heads(x, mask, cache)
         if L == 1:
             return self.o_proj(output.reshape(B, 1, -1))
         return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1))

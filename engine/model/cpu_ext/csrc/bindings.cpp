@@ -5,6 +5,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "gemma_tail.h"
 #include "kernels.h"
 #include "kv_write_quant.h"
 #include "layer_ops.h"
@@ -110,6 +111,20 @@ NB_MODULE(_kvchat_cpu_ext, m) {
       "o_spec"_a, "gate_up_spec"_a, "down_spec"_a,
       "h + o_proj(att), then its post-attention norm, gate/up qmm, swiglu, down qmm and\n"
       "residual: a layer's rest after attention as one op.");
+  m.def(
+      "gemma_tail",
+      [](const mx::array& h, const mx::array& att, const std::vector<mx::array>& o,
+         const std::vector<mx::array>& norms, const std::vector<mx::array>& gate,
+         const std::vector<mx::array>& up, const std::vector<mx::array>& down, float eps,
+         const std::vector<kvchat::Spec>& specs) {
+        std::vector<kvchat::LinearSpec> parts;
+        for (const auto& sp : specs) parts.push_back(kvchat::spec_of(sp));
+        return kvchat::gemma_tail(h, att, o, norms, gate, up, down, eps, parts);
+      },
+      "h"_a, "att"_a, "o"_a, "norms"_a, "gate"_a, "up"_a, "down"_a, nb::kw_only(), "eps"_a,
+      "specs"_a,
+      "Gemma 3's layer after attention (o_proj, norms, float16 residual sums, the tanh\n"
+      "GELU MLP) as one op; norms are the (1 + w) scales after o, before and after the MLP.");
   m.def("kv_write_quant", &kvchat::kv_write_quant, "pool"_a, "slots"_a, "rows"_a,
         "rotation"_a = nb::none(), nb::kw_only(), "part"_a, "bits"_a, "group"_a,
         "stream"_a = nb::none(),

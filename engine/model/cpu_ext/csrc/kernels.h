@@ -38,6 +38,11 @@ void rms_norm_into(const mx::array& x, const mx::array& w, mx::array& out, float
 void swiglu_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows,
                  int64_t D, float* y);
 
+// act(gate, up) of float arrays of one shape into n elements at `out` of `dtype`, as the
+// `swiglu` / `gelu_tanh_mul` / `clip_add` primitive computes it (swiglu.cpp).
+void gated_into(const mx::array& gate, const mx::array& up, char* out, mx::Dtype dtype,
+                int64_t n, GateAct act);
+
 // A fused projection qkv (B, L, (heads + 2 kv_heads) * D) -> out: q (B, heads, L, D),
 // k and v (kv_heads, B * L, D), q and k RoPE'd at offsets + 0..L-1 (`freqs`, when given,
 // as `rope`'s) (qkv_rope.cpp).

@@ -21,8 +21,6 @@
 
 namespace kvchat {
 
-namespace {
-
 // An evaluated array to compute into (allocated when the node is evaluated, on MLX's
 // thread, like an output).
 mx::array scratch(mx::Shape shape, mx::Dtype dtype) {
@@ -31,13 +29,21 @@ mx::array scratch(mx::Shape shape, mx::Dtype dtype) {
   return a;
 }
 
-mx::Shape rows_of(const mx::array& x, int width) {
+mx::array first_rows(const mx::array& full, int n) {
+  const int cols = full.shape(-1);
+  mx::array a({n, cols}, full.dtype(), nullptr, {});
+  a.copy_shared_buffer(full, {cols, 1}, full.flags(), size_t(n) * size_t(cols));
+  return a;
+}
+
+static mx::Shape rows_of(const mx::array& x, int width) {
   return {int(x.size() / x.shape(-1)), width};
 }
 
 // out = a + b elementwise over n elements, in float32 rounded once to the dtype: MLX's
 // add for these dtypes (two halves' sum is exact in float32).
-void add_into(const mx::array& a, const mx::array& b, char* out, mx::Dtype dtype, int64_t n) {
+static void add_into(const mx::array& a, const mx::array& b, char* out, mx::Dtype dtype,
+                     int64_t n) {
   std::vector<float> a_buf, b_buf;
   const float* af = rows_as_float(a, a_buf);
   const float* bf = rows_as_float(b, b_buf);
@@ -46,7 +52,7 @@ void add_into(const mx::array& a, const mx::array& b, char* out, mx::Dtype dtype
   store_any(out, elem_of(dtype), y.data(), n);
 }
 
-void add_into(const mx::array& a, const mx::array& b, mx::array& out) {
+static void add_into(const mx::array& a, const mx::array& b, mx::array& out) {
   add_into(a, b, out.data<char>(), out.dtype(), int64_t(out.size()));
 }
 
@@ -77,7 +83,7 @@ mx::Dtype after(const mx::array& x, const mx::array& scales) {
   return mx::promote_types(x.dtype(), scales.dtype());
 }
 
-TailBufs tail_bufs(const std::vector<mx::array>& in, int64_t R) {
+static TailBufs tail_bufs(const std::vector<mx::array>& in, int64_t R) {
   const mx::array &h = in[0], &att = in[1];
   const int F = in[6].shape(0) / 2, hidden = h.shape(2), r = int(R);
   mx::array rows = scratch({r, att.shape(1) * att.shape(3)}, att.dtype());
@@ -104,8 +110,6 @@ int64_t tail_rows(bool tiled, int64_t M) {
   }();
   return tiled ? std::min(M, n) : M;
 }
-
-}  // namespace
 
 void LayerHead::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
@@ -161,7 +165,12 @@ void LayerTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const int64_t R = tail_rows(o_.tiled && gate_up_.tiled && down_.tiled, M);
   // a set of buffers for full passes and, when M is not a multiple of R, one for the last
   std::vector<TailBufs> bufs{tail_bufs(inputs, R)};
-  if (M % R) bufs.push_back(tail_bufs(inputs, M % R));
+  if (const int n = int(M % R)) {  // the last pass's rows: the first n of the full buffers
+    const TailBufs& b = bufs[0];
+    bufs.push_back({first_rows(b.rows, n), first_rows(b.hin, n), first_rows(b.ao, n),
+                    first_rows(b.h1, n), first_rows(b.x2, n), first_rows(b.gu, n),
+                    first_rows(b.act, n), first_rows(b.dn, n)});
+  }
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);

@@ -21,6 +21,21 @@ struct LinearSpec {
   bool operator==(const LinearSpec&) const = default;
 };
 
+// Parts the fused layer ops share (layer_ops.cpp).
+// An evaluated array to compute into (allocated when the node is evaluated).
+mx::array scratch(mx::Shape shape, mx::Dtype dtype);
+// The first n rows of a row-major (rows, cols) array, sharing its buffer.
+mx::array first_rows(const mx::array& full, int n);
+// Rows m0..m1 of att (B, H, L, D), row-major bytes at src, as rows (m1 - m0, H * D).
+void heads_to_rows(const char* src, const mx::array& att, int64_t m0, int64_t m1,
+                   mx::array& rows);
+// out = qmm(x, w, scales, biases) of `wsb`'s three arrays.
+void linear(const mx::array& x, const mx::array* wsb, mx::array& out, const LinearSpec& sp);
+// The dtype `qmm` gives x by a layer with these scales.
+mx::Dtype after(const mx::array& x, const mx::array& scales);
+// Rows per pass of a tail of M rows (128 when its linears are all tiled, else M).
+int64_t tail_rows(bool tiled, int64_t M);
+
 class LayerHead : public mx::Primitive {
  public:
   LayerHead(mx::Stream stream, float eps, std::vector<LinearSpec> qkv, int heads, int kv_heads,

@@ -78,21 +78,30 @@ int64_t row_stride(const mx::array& a) {
   return a.strides()[nd - 2];
 }
 
-void gated_all(const mx::array& gate, const mx::array& up, mx::array& out, GateAct act) {
+}  // namespace
+
+void gated_into(const mx::array& gate, const mx::array& up, char* out, mx::Dtype dtype,
+                int64_t n, GateAct act) {
   const int64_t D = gate.ndim() ? gate.shape(-1) : 1;
-  const int64_t rows = D ? int64_t(out.size()) / D : 0;
+  const int64_t rows = D ? n / D : 0;
   std::vector<float> g_buf, u_buf;
   int64_t ldg = row_stride(gate), ldu = row_stride(up);
   const float* g = ldg >= 0 ? gate.data<float>() : (ldg = D, rows_as_float(gate, g_buf));
   const float* u = ldu >= 0 ? up.data<float>() : (ldu = D, rows_as_float(up, u_buf));
-  const bool direct = out.dtype() == mx::float32;
-  std::vector<float> y_buf(direct ? 0 : out.size());
-  float* y = direct ? out.data<float>() : y_buf.data();
+  const bool direct = dtype == mx::float32;
+  std::vector<float> y_buf(direct ? 0 : n);
+  float* y = direct ? reinterpret_cast<float*>(out) : y_buf.data();
   auto run = act == GateAct::silu        ? gated_rows<silu_mul>
              : act == GateAct::gelu_tanh ? gated_rows<gelu_mul>
                                          : gated_rows<clip_add>;
   run(g, ldg, u, ldu, rows, D, y);
-  if (!direct) store_any(out.data<char>(), elem_of(out.dtype()), y, int64_t(out.size()));
+  if (!direct) store_any(out, elem_of(dtype), y, n);
+}
+
+namespace {
+
+void gated_all(const mx::array& gate, const mx::array& up, mx::array& out, GateAct act) {
+  gated_into(gate, up, out.data<char>(), out.dtype(), int64_t(out.size()), act);
 }
 
 }  // namespace
