@@ -129,9 +129,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be 4, 8 or 16")
         if self.kv_key_channel and not self.kv_residual:
             raise ValueError("kv_key_channel needs kv_residual (a block is quantized when full)")
-        if self.kv_residual and self.speculate != "off":
-            raise ValueError("speculative decoding does not run on the residual KV formats "
-                             "(a rejected draft would rewrite a quantized block)")
         if self.kv_group_size not in (32, 64, 128):
             raise ValueError("kv_group_size must be 32, 64 or 128")
         if self.kv_dtype not in (None, "float32", "float16", "bfloat16"):

@@ -183,6 +183,7 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     blocks = BlockManager(num_blocks, config.block_size, window)
     if layout.residual:
         kv.free_ids = lambda: blocks.free_block_ids  # residual rows of blocks freed mid-fill
+        blocks.on_reopen = kv.reopen  # a block a rejected draft filled is exact again
     store = None
     if config.prefix_cache and config.disk_cache:
         root = Path(config.disk_cache_dir).expanduser() if config.disk_cache_dir else None

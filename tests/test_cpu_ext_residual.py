@@ -1,7 +1,8 @@
 """The extension's attention over a residual pool (`attention/cpu_residual.py`): decode
-against a float64 oracle of the same rule (each block exact where the residual map holds
-it, else its stored quantized bytes), batch invariance, bad block ids, the routing; prefill
-chunks against the reference (`attention/residual.py`), cut every way."""
+against a float64 oracle of the same rule (a row's own block exact where the residual map
+holds it, every other block its stored quantized bytes), a verify step's rows, batch
+invariance, bad block ids, the routing; prefill chunks against the reference
+(`attention/residual.py`), cut every way."""
 
 from __future__ import annotations
 
@@ -76,10 +77,11 @@ def oracle(q, kv: ResidualKVCache, table, lens, scale, sinks=None) -> np.ndarray
     group = qn.shape[1] // H
     for b, n in enumerate(lens):
         blocks = np.array(table[b])[:-(-n // BS)]
-        keys = np.concatenate([res_k[:, res_map[i]] if res_map[i] >= 0 else kq[:, i]
-                               for i in blocks], axis=1)[:, :n]
-        values = np.concatenate([res_v[:, res_map[i]] if res_map[i] >= 0 else vq[:, i]
-                                 for i in blocks], axis=1)[:, :n]
+        own = len(blocks) - 1  # the only block read exact (where mapped): the rule by position
+        keys = np.concatenate([res_k[:, res_map[i]] if res_map[i] >= 0 and j == own
+                               else kq[:, i] for j, i in enumerate(blocks)], axis=1)[:, :n]
+        values = np.concatenate([res_v[:, res_map[i]] if res_map[i] >= 0 and j == own
+                                 else vq[:, i] for j, i in enumerate(blocks)], axis=1)[:, :n]
         for hq in range(qn.shape[1]):
             s = keys[hq // group] @ qn[b, hq, 0] * scale
             m = s.max() if sinks is None else max(s.max(), float(sinks[hq]))
@@ -137,6 +139,37 @@ def test_a_row_computes_alike_alone_and_in_any_batch():
     for b, n in enumerate(LENS):
         alone = run(q[b:b + 1], kv, table[b:b + 1], [n], 0.125)
         assert mx.array_equal(alone, batched[b:b + 1]).item()
+
+
+def test_verify_rows_read_a_block_filled_this_step_quantized():
+    """A verify step's rows are one sequence's decode rows (lengths 16 and 17 here): the
+    step's write fills block 0, which stays mapped for its own row, but the next row reads
+    it quantized, as plain decoding does a step later. The op and the reference agree."""
+    layout = KVLayout(1, 3, 64, BS, mx.float16, QuantSpec(4, 64, 1),
+                      QuantSpec(4, 64, 1), residual=True, key_channel=True)
+    kv = ResidualKVCache(layout, 4)
+    rng = np.random.default_rng(9)
+    k, v = (mx.array((rng.standard_normal((3, 17, 64)) * 3).astype(np.float16))
+            for _ in range(2))
+    slots = mx.array([2 * BS + i for i in range(16)] + [BS], dtype=mx.int32)  # blocks 2, 1
+    kv.write(0, slots[:15], k[:, :15], v[:, :15])
+    kv.write(0, slots[15:], k[:, 15:], v[:, 15:])  # one step: fills block 2, starts block 1
+    kp, vp = kv.block_view(0)
+    assert np.array(kp.res_map)[[2, 1]].min() >= 0  # block 2 still mapped in its step
+    table = mx.array([[2, 1], [2, 1]], dtype=mx.int32)
+    q = mx.random.normal((2, 9, 1, 64), key=mx.random.key(7))
+    want = oracle(q, kv, table, [16, 17], 0.125)
+    check(cpu_residual.paged_decode(q, kp, vp, table, [16, 17], AttentionSpec(0.125)), want,
+          5e-5)
+    ref = residual.residual_attention(PagedCall(q, kp, vp, table, (16, 17), AttentionSpec(0.125)))
+    check(ref, want, 1e-3)
+    # the second row reads what it reads a step later, when block 2 is no longer mapped
+    kv.write(0, mx.array([BS + 1], dtype=mx.int32), k[:, :1], v[:, :1])
+    kp2, vp2 = kv.block_view(0)
+    assert int(np.array(kp2.res_map)[2]) == -1
+    step_later = cpu_residual.paged_decode(q[1:], kp2, vp2, table[1:], [17], AttentionSpec(0.125))
+    assert mx.array_equal(step_later, cpu_residual.paged_decode(
+        q[1:], kp, vp, table[1:], [17], AttentionSpec(0.125))).item()
 
 
 def test_a_bad_block_id_poisons_its_sequence_only():

@@ -212,8 +212,6 @@ def test_engine_runs_are_stable_and_give_every_block_back(default_model_ext, pro
 def test_engine_refuses_what_the_residual_formats_do_not_carry(default_model_ext):
     with pytest.raises(KVChatError, match="context shift"):
         Engine(default_model_ext, EngineConfig(**KIVI, context_shift=True))
-    with pytest.raises(ValueError, match="speculative"):
-        EngineConfig(**KIVI, speculate="lookup")
     with pytest.raises(ValueError, match="kv_residual"):
         EngineConfig(kv_bits=4, kv_key_channel=True)
 

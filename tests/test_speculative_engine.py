@@ -106,6 +106,37 @@ def test_quantized_kv_every_draft_equals_plain(quick_model, every_draft):
     check_clean(on)
 
 
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_residual_kv_every_draft_equals_plain(quick_model, every_draft, monkeypatch,
+                                              block_size):
+    """The residual formats (q4-kivi): a verify step that fills a block with drafts later
+    rejected quantized it; `reopen` takes it back to its exact rows, so the tokens and the
+    stored bytes stay plain decoding's. Blocks of 4 make that frequent."""
+    from engine.kvcache.residual import ResidualKVCache
+
+    reopened = []
+    original = ResidualKVCache.reopen
+
+    def counting(self, block):
+        reopened.append(did := original(self, block))
+        return did
+
+    monkeypatch.setattr(ResidualKVCache, "reopen", counting)
+    cfg = dict(kv_budget_bytes=64 << 20, kv_bits=4, kv_residual=True, kv_key_channel=True,
+               block_size=block_size, max_running=4)
+    off = Engine(quick_model, EngineConfig(**cfg))
+    on = Engine(quick_model, EngineConfig(**cfg, speculate="lookup"))
+    ids = [copy_prompt(off), off.encode_prompt(PROMPTS[1]), off.encode_prompt(PROMPTS[3])]
+    ref = [off.generate_text(i, params()).tokens for i in ids]  # alone, plain
+    assert run(on, ids) == ref  # batched, speculating
+    assert on.generate_text(ids[0], params()).tokens == ref[0]  # alone, prefix cached
+    assert on.metrics().spec_accepted > 0
+    assert any(reopened), "no verify step filled a block its drafts then gave back"
+    check_clean(on)
+    on.kv.reclaim()
+    assert on.kv.num_residual_blocks == 0
+
+
 def test_cancel_at_any_step_leaks_nothing(quick_model, plain, every_draft):
     ids, _ = plain
     engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8,

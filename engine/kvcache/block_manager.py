@@ -15,7 +15,7 @@ Invariants (checked by `check_invariants`, property-tested in tests):
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.errors import OutOfBlocksError
@@ -49,6 +49,9 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0, LRU first
         self.evictions = 0
         self.window = window  # sliding-window layers' storage (window_blocks.py), if any
+        # told of a block that `truncate` left partly filled (a residual pool may have
+        # quantized it when a rejected draft filled it)
+        self.on_reopen: Callable[[int], object] | None = None
 
     # -- queries -----------------------------------------------------------
     @property
@@ -160,6 +163,8 @@ class BlockManager:
             self.free_block_ids.appendleft(b)  # the next append takes it again
             freed += 1
         self.num_tokens[seq_id] = n
+        if n % self.block_size and self.on_reopen is not None:
+            self.on_reopen(table[-1])
         return freed
 
     def slots(self, seq_id: int, start: int, stop: int) -> list[int]:

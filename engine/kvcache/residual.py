@@ -19,9 +19,9 @@ blocks' slices of `channel_quant`'s store; the side store is never on disk). Swa
 sequence's full blocks the same way and its newest, filling block's exact rows apart
 (`take_rows` / `put_rows`).
 
-Not carried yet (refused where configured, `engine.wiring`): sliding-window layers, context
-shift (keys re-rotated in place) and speculative decoding (rejected drafts rewrite a block
-that may have been quantized).
+A verify step may fill (and quantize) a block with drafts that are then rejected:
+`reopen` gives it its exact rows back, to be quantized again when accepted tokens fill it.
+Not carried yet (refused, `engine.wiring`): sliding-window layers, context shift.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class ResidualKVCache(PagedKVCache):
         self._grow(FIRST_RESIDUAL_ROWS)
         self._step_map = mx.array(self._res_of.astype(np.int32))
         self._plan_memo: tuple[mx.array, tuple] | None = None
+        self._filled: dict[int, int] = {}  # blocks the latest step filled -> their rows
 
     def _empty(self, quant: QuantSpec | None, num_blocks: int, key: bool = False) -> Store:
         L = self.layout
@@ -127,9 +128,21 @@ class ResidualKVCache(PagedKVCache):
         for b, r in zip(filled, rows, strict=True):
             self._free_rows.append(r)
             self._res_of[b] = -1
+        self._filled = dict(zip(filled, rows, strict=True))
         plan = (rslots, filled, rows)
         self._plan_memo = (slots, plan)
         return plan
+
+    def reopen(self, block: int) -> bool:
+        """Rejected drafts gave back ``block``'s tail: if the latest step filled it, it
+        takes back its residual row (its exact rows are still there); whether it did."""
+        row = self._filled.pop(block, None)
+        if row is None or row not in self._free_rows:  # not this step's, or taken since
+            return False
+        self._free_rows.remove(row)
+        self._res_of[block] = row
+        self._step_map = mx.array(self._res_of.astype(np.int32))
+        return True
 
     # -- the pool's protocol ---------------------------------------------------------------
 

@@ -54,7 +54,7 @@ class ResidualBlocks:
 
     def gather(self, block_table: mx.array) -> mx.array:
         """Each block exact where it is residual, else dequantized: what a decode query
-        reads (its own block is the sequence's only residual one)."""
+        reads once only its own block is mapped (`attention.residual`)."""
         mapped = (self.res_map[block_table] >= 0)[None, ..., None, None]
         return mx.where(mapped, self.exact_rows(block_table),
                         self.quantized_rows(block_table).astype(self.residual.dtype))

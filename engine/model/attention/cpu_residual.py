@@ -53,8 +53,8 @@ def supports(call: PagedCall) -> bool:
 def paged_decode(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks,
                  block_tables: mx.array, context_lens: Sequence[int] | mx.array,
                  scale: float | AttentionSpec, **_) -> mx.array:
-    """Decode attention (queries (B, Hq, 1, D)) over a residual pool by its rule: each
-    block exact where the residual map holds it, else quantized; (B, Hq, 1, D)."""
+    """Decode attention (queries (B, Hq, 1, D)) over a residual pool by its rule: a row's
+    own block exact where the residual map holds it, the others quantized; (B, Hq, 1, D)."""
     spec = AttentionSpec.of(scale)
     kq, vq = k_pool.quantized, v_pool.quantized
     rotated = k_pool.rotated or v_pool.rotated

@@ -2,14 +2,17 @@
 
 The rule: a query at position p reads the blocks before its own block quantized and its
 own block exact (the residual rows, still held in the step the block fills). A decode query
-is the only one in its block this step, so its sequence's one residual block is its own and
-`ResidualBlocks.gather` (exact where residual) is the whole rule. A chunk of several queries
+reads `ResidualBlocks.gather` (exact where residual) with only its own block mapped: the
+rows of a verify step are one sequence's decode rows, and a later one must read quantized
+the block an earlier one filled. A chunk of several queries
 spans blocks, so each query sees a block exact or quantized by where it sits: the keys are
 the quantized rows before the last query's block and the exact rows of the chunk's blocks,
 and the mask picks per query. No chunking or batching changes what a query reads.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -46,6 +49,13 @@ def _chunk(queries: mx.array, k_pool, v_pool, table: mx.array, n: int,
         mask=visible[None, None], sinks=spec.sinks)
 
 
+def _own_block_exact(pool, own: mx.array):
+    """``pool`` with only block ``own`` exact: a decode row's earlier block may still be
+    mapped when this step filled it (a verify step's drafts); the rule reads it quantized."""
+    ids = mx.arange(pool.res_map.shape[0], dtype=mx.int32)
+    return replace(pool, res_map=mx.where(ids == own, pool.res_map, -1))
+
+
 def residual_attention(call: PagedCall) -> mx.array:
     """Attention of ``call`` (its pools `ResidualBlocks`) by the rule above; (B, Hq, L, D).
 
@@ -56,9 +66,9 @@ def residual_attention(call: PagedCall) -> mx.array:
     outs = []
     for b, n in enumerate(call.context_lens):
         q, table = call.queries[b:b + 1], call.block_tables[b, :-(-n // bs)]
-        if call.kind == "decode":  # its only residual block is its own: gather is the rule
-            outs.append(reference.paged_attention_ref(q, call.k_pool, call.v_pool,
-                                                      table[None], [n], call.spec))
+        if call.kind == "decode":  # gather is the rule once only its own block is exact
+            k, v = (_own_block_exact(p, table[-1]) for p in (call.k_pool, call.v_pool))
+            outs.append(reference.paged_attention_ref(q, k, v, table[None], [n], call.spec))
         else:
             outs.append(_chunk(q, call.k_pool, call.v_pool, table, n, call.spec))
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)

@@ -18,8 +18,9 @@ namespace mx = mlx::core;
 // k_biases (Hkv, nb, D); v_rows (Hkv, nb, BS, D * v_bits / 32) uint32 with v_scales /
 // v_biases (Hkv, nb, BS, D / v_group); res_k / res_v (Hkv, nres, BS, D) float; res_map
 // (nb,) int32: a block's residual row or -1; block_tables (B, ·), context_lens (B,) int32.
-// A block is read exact where res_map maps it, else quantized. rotate_k / rotate_v: the
-// quantized side is stored times R (`rotation`: R's (D,) signs); the residual rows never are.
+// A row's own (newest) block is read exact where res_map maps it, every other block
+// quantized (the rule is by position). rotate_k / rotate_v: the quantized side is stored
+// times R (`rotation`: R's (D,) signs); the residual rows never are.
 mx::array paged_residual_decode(
     const mx::array& queries, const mx::array& k_codes, const mx::array& k_scales,
     const mx::array& k_biases, const mx::array& v_rows, const mx::array& v_scales,

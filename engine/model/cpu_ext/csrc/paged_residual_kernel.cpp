@@ -131,11 +131,15 @@ void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts
   }
   for (int blk = blk0; blk < blk1; ++blk) {
     const int32_t phys = pb.tables[int64_t(b) * pb.table_width + blk];
-    const int32_t res = phys >= 0 && phys < pb.num_blocks ? pb.res_map[phys] : pb.nres;
-    if (res >= pb.nres) {  // an id outside the pool or the side store: report, never read
+    const int32_t mapped = phys >= 0 && phys < pb.num_blocks ? pb.res_map[phys] : pb.nres;
+    if (mapped >= pb.nres) {  // an id outside the pool or the side store: report, never read
       for (int g = 0; g < G; ++g) st.l[g] = nan();
       return;
     }
+    // the rule is by position: only the row's own block is exact. An earlier block still
+    // mapped was filled this step by this row's sequence (a verify step's drafts) and is
+    // quantized by this step's write, as plain decoding reads it.
+    const int32_t res = blk == (len - 1) / BS ? mapped : -1;
     const int r1 = std::min(BS, len - blk * BS);
     const int64_t blk_id = int64_t(h) * pb.num_blocks + phys;
     const int64_t res_row0 = (int64_t(h) * pb.nres + res) * BS;
