@@ -1,8 +1,9 @@
 """Write an mlx-lm model's float weights as a GGUF file, as llama.cpp's converter would.
 
 For test and benchmark models (no downloads): the inverse of `engine.model.gguf`'s reading
-(llama's Q/K permutation for interleaved RoPE, gemma3's 1 + w norms), metadata under
-llama.cpp's keys, and blocks of the common types. Q4_0/Q8_0 blocks come from gguf-py;
+(llama's Q/K permutation for interleaved RoPE, gemma3's 1 + w norms, qwen3moe's experts as
+one 3-D tensor each and its router in F32), metadata under llama.cpp's keys, and blocks of
+the common types. Q4_0/Q8_0 blocks come from gguf-py;
 gguf-py has no K-quant encoder, so `encode_q4_k`/`encode_q5_k`/`encode_q6_k` here write
 llama.cpp's block layouts with a plain min/max fit (llama.cpp's quantizer searches scales
 more carefully; the layout is what matters for a reader).
@@ -135,6 +136,18 @@ def gguf_name(name: str, arch: str) -> str:
     return f"blk.{parts[2]}.{layers['.'.join(parts[3:])]}.{suffix}"
 
 
+_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}  # mlx-lm -> llama.cpp
+
+
+def _check_moe(config: dict) -> None:
+    """llama.cpp's qwen3moe: experts in every layer, top-k weights always renormalized."""
+    if (config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers")
+            or not config.get("norm_topk_prob", True)):
+        raise ValueError("GGUF qwen3moe holds experts in every layer with normalized top-k "
+                         "weights (decoder_sparse_step=1, mlp_only_layers=[], "
+                         "norm_topk_prob=true)")
+
+
 def _tensor_kind(gname: str, arch_kind: tuple[str, str], layer: int | None) -> str:
     main, head = arch_kind
     if gname in ("output.weight", "token_embd.weight"):
@@ -150,13 +163,15 @@ def write_gguf(path: Path, config: dict, params: dict, tokenizer_meta: dict, *,
     ``config`` as a GGUF file of ``file_type`` (a key of `FILE_TYPES`).
 
     ``tokenizer_meta`` holds the ``tokenizer.*`` metadata to copy (e.g. the default model's).
-    Supported ``model_type``: llama, qwen2, qwen3, gemma3_text, phi3.
+    Supported ``model_type``: llama, qwen2, qwen3, gemma3_text, phi3, qwen3_moe.
     """
     import gguf
 
-    arch = {"gemma3_text": "gemma3"}.get(config["model_type"], config["model_type"])
+    arch = _ARCH.get(config["model_type"], config["model_type"])
     if arch not in gguf_config.ARCHITECTURES:
         raise ValueError(f"no GGUF writer for {config['model_type']}")
+    if arch == "qwen3moe":
+        _check_moe(config)
     kinds = FILE_TYPES[file_type]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads")
     kv = kv or heads
@@ -179,6 +194,10 @@ def write_gguf(path: Path, config: dict, params: dict, tokenizer_meta: dict, *,
         w.add_uint32("gemma3.attention.sliding_window_pattern",
                      config.get("sliding_window_pattern", 6))
         w.add_float32("gemma3.rope.freq_base_swa", config.get("rope_local_base_freq", 1e4))
+    if arch == "qwen3moe":
+        w.add_expert_count(config["num_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     _add_tokenizer(w, tokenizer_meta)
     for pname, value in params.items():
         gname = gguf_name(pname, arch)
@@ -190,10 +209,14 @@ def write_gguf(path: Path, config: dict, params: dict, tokenizer_meta: dict, *,
         if gguf_config.is_norm(arch, gname):
             value = value + 1.0
         layer = int(gname.split(".")[1]) if gname.startswith("blk.") else None
-        kind = _tensor_kind(gname, kinds, layer) if value.ndim == 2 else "F32"
+        # 1-D tensors and the experts' router stay F32, as llama.cpp's converter keeps them
+        kind = (_tensor_kind(gname, kinds, layer)
+                if value.ndim in (2, 3) and "ffn_gate_inp" not in gname else "F32")
         if kind in _ENCODERS and value.shape[-1] % QK_K:
             kind = "Q8_0"  # as llama.cpp falls back for rows not in whole super-blocks
-        data = encode(value, kind)
+        # experts (n, rows, columns): each row's blocks as in a 2-D matrix
+        data = encode(value.reshape(-1, value.shape[-1]) if value.ndim == 3 else value, kind)
+        data = data.reshape(*value.shape[:-1], -1) if value.ndim == 3 else data
         if kind == "BF16":
             data = data.view(np.uint8)
         qtype = gguf.GGMLQuantizationType[kind]

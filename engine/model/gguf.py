@@ -6,7 +6,7 @@ the very same weights. What it relies on:
 - gguf-py's reader (memory-mapped; metadata and each tensor's raw blocks);
 - `gguf_quants`: Q4_0/Q4_1/Q4_K -> 4-bit and Q8_0/Q5_0/Q5_1/Q5_K -> 8-bit MLX affine
   tensors exactly, Q6_K re-quantized to 8 bits; other types refused in one line;
-- `gguf_config`: llama, qwen2, qwen3, gemma3, phi3 onto mlx-lm's modules;
+- `gguf_config`: llama, qwen2, qwen3, gemma3, phi3, qwen3moe onto mlx-lm's modules;
 - the tokenizer from the metadata: kvchat's own byte-level BPE builder for the GPT-2-style
   vocabularies it was written for, transformers' GGUF converter for the rest.
 """
@@ -102,8 +102,8 @@ def _raw(f, t):
 def convert_tensor(t, raw, arch: str) -> tuple[list, dict]:
     """One GGUF tensor (``raw``: its bytes) as [(mlx-lm name, numpy array, safetensors
     dtype)] and its config.json ``quantization`` entry: quantized blocks as MLX affine
-    ``weight``/``scales``/``biases`` ({layer: group, bits}), float tensors as they are
-    (gemma3 norms less 1; no entry)."""
+    ``weight``/``scales``/``biases`` ({layer: group, bits}; 3-D experts stacked per
+    expert), float tensors as they are (gemma3 norms less 1; no entry)."""
     import numpy as np
 
     kind = t.tensor_type.name
@@ -121,9 +121,13 @@ def convert_tensor(t, raw, arch: str) -> tuple[list, dict]:
                 arr = (arr.astype(np.uint32) << 16).view(np.float32)
             return [(name, arr.astype(np.float32) - 1.0, None)], {}
         return [(name, arr, "BF16" if kind == "BF16" else None)], {}
-    if len(shape) != 2:
+    if len(shape) not in (2, 3):
         raise ModelLoadError(f"GGUF tensor {t.name}: a quantized tensor of shape {shape}")
-    w, scales, biases, bits = gguf_quants.to_affine(kind, raw, shape)
+    # experts (n, rows, columns): blocks never span rows, so the n matrices convert as one
+    # of n * rows rows, each row exactly as in its own 2-D matrix
+    w, scales, biases, bits = gguf_quants.to_affine(
+        kind, raw, (int(np.prod(shape[:-1])), shape[-1]))
+    w, scales, biases = (a.reshape(*shape[:-1], a.shape[-1]) for a in (w, scales, biases))
     base = name.removesuffix(".weight")
     return ([(name, w, None), (f"{base}.scales", scales, None),
              (f"{base}.biases", biases, None)],

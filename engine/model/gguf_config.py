@@ -6,7 +6,9 @@ llama.cpp's converter changes some tensors on the way in, and this undoes it:
 - gemma3: RMSNorm weights stored as 1 + w -> w again (mlx-lm's Gemma norm adds the 1);
 - llama 3.x: ``rope_scaling`` written as a ``rope_freqs`` tensor of per-frequency factors ->
   the llama3 parameters that give exactly those factors (or a refusal);
-- phi3 long-RoPE: ``rope_factors_long/short`` tensors -> ``rope_scaling`` lists.
+- phi3 long-RoPE: ``rope_factors_long/short`` tensors -> ``rope_scaling`` lists;
+- qwen3moe: experts stacked (experts, rows, columns) as mlx-lm's ``switch_mlp``, router
+  ``ffn_gate_inp`` as ``mlp.gate``; top-k weights renormalized, as llama.cpp always does.
 """
 
 from __future__ import annotations
@@ -37,11 +39,17 @@ LAYER_NAMES = {
                "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {**_COMMON, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # llama.cpp's qwen3moe has experts in every layer (no dense ffn_gate/up/down)
+    "qwen3moe": {**{k: v for k, v in _COMMON.items() if not k.startswith("ffn_")},
+                 "ffn_norm": "post_attention_layernorm", **_QK_NORM,
+                 "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+                 "ffn_up_exps": "mlp.switch_mlp.up_proj",
+                 "ffn_down_exps": "mlp.switch_mlp.down_proj"},
 }
 ARCHITECTURES = tuple(LAYER_NAMES)
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-               "phi3": "Phi3ForCausalLM"}
+               "phi3": "Phi3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors that carry configuration, not weights (read into config.json, not saved).
 CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -96,6 +104,22 @@ def _llama3_scaling(factors: np.ndarray, head_dim: int, base: float) -> dict:
         if freqs.shape == factors.shape and np.allclose(freqs / plain, factors, rtol=1e-3):
             return scaling
     raise ModelLoadError("GGUF rope_freqs do not match a Llama 3 rope_scaling kvchat knows")
+
+
+def _moe_config(meta: dict, intermediate: int) -> dict:
+    """mlx-lm's qwen3_moe fields. llama.cpp's qwen3moe graph has experts in every layer,
+    softmax routing and the top-k weights always renormalized (it reads no
+    ``expert_weights_norm``/``_scale`` for it), so those are fixed here too."""
+    experts = int(scalar(meta, "qwen3moe.expert_count"))
+    used = int(scalar(meta, "qwen3moe.expert_used_count"))
+    # one size, or one per layer (llama.cpp reads either): kvchat needs them all equal
+    ff_exp = np.asarray(meta.get("qwen3moe.expert_feed_forward_length",
+                                 intermediate // max(used, 1))).reshape(-1)
+    if ff_exp.size == 0 or (ff_exp != ff_exp[0]).any():
+        raise ModelLoadError("GGUF qwen3moe with per-layer expert sizes is not supported")
+    return {"model_type": "qwen3_moe", "num_experts": experts, "num_experts_per_tok": used,
+            "moe_intermediate_size": int(ff_exp[0]), "decoder_sparse_step": 1,
+            "mlp_only_layers": [], "norm_topk_prob": True}
 
 
 def model_config(meta: dict, weights, quantization: dict, extra: dict) -> dict:
@@ -158,6 +182,8 @@ def model_config(meta: dict, weights, quantization: dict, extra: dict) -> dict:
                 "short_factor": extra["rope_factors_short.weight"].reshape(-1).tolist()}
             config["original_max_position_embeddings"] = int(
                 key("rope.scaling.original_context_length"))
+    elif arch == "qwen3moe":
+        config.update(_moe_config(meta, config["intermediate_size"]))
     if quantization:
         config["quantization"] = {"group_size": 32, "bits": 4, "mode": "affine",
                                   **quantization}

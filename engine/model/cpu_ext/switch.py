@@ -18,12 +18,13 @@ from engine.model.cpu_ext.linear import rebind, replace_layer
 
 
 def switch_supported(layer: nn.Module) -> bool:
-    """An mlx-lm `QuantizedSwitchLinear` the tiled `qmm` computes per expert."""
+    """An mlx-lm `QuantizedSwitchLinear` the tiled `qmm` computes per expert (4, 5, 6 or 8
+    bits: a GGUF Q4_K_M's Q6_K ``ffn_down_exps`` too)."""
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
     return (type(layer) is QuantizedSwitchLinear
             and getattr(layer, "mode", "affine") == "affine"
-            and layer.bits in ops.QMM_BITS and layer.group_size in ops.QMM_GROUP_SIZES
+            and layer.bits in ops.TILED_BITS and layer.group_size in ops.QMM_GROUP_SIZES
             and layer.group_size % 32 == 0 and layer.get("biases") is not None
             and layer["weight"].shape[1] % ops.TILE_ROWS == 0
             and layer["scales"].dtype in ops.FLOAT_DTYPES)
