@@ -47,6 +47,27 @@ def test_tiled_experts_equal_gather_qmm(bits, group, bias, sort):
     assert (mx.abs(wrong - ref).max() / mx.abs(ref).max()).item() > 0.1
 
 
+def test_one_op_is_each_rows_own_expert_bit_for_bit():
+    """`switch_qmm` (one node) gives each pair the bits of the tiled `qmm` of its row by its
+    expert alone, however the rows group; a bad expert id poisons the output, never reads."""
+    from engine.model.cpu_ext import ops
+    from engine.model.cpu_ext.switch import CpuTiledSwitchLinear
+
+    new = CpuTiledSwitchLinear.from_quantized(_layer(False, 4, 32))
+    x = mx.random.normal((5, 1, 1, 256), key=mx.random.key(3))
+    idx = mx.array([[0, 5], [5, 5], [2, 0], [3, 1], [0, 0]], dtype=mx.int32)
+    got = new(x, idx)
+    assert got.shape == (5, 2, 1, 48)
+    for r in range(5):
+        for j in range(2):
+            e = int(idx[r, j])
+            one = ops.qmm(x[r, 0], new["weight"][e], new["scales"][e], new["biases"][e],
+                          group_size=32, bits=4, tiled=True)
+            assert mx.array_equal(got[r, j], one).item(), (r, j)
+    bad = new(x, mx.array([[0, 6]] * 5, dtype=mx.int32))
+    assert mx.isnan(bad).all().item()
+
+
 def test_moe_model_on_the_tiled_path_equals_mlx_lm(tmp_path, default_model):
     """A 4-bit Qwen3-MoE loads with every expert on the extension, and its logits equal
     mlx-lm's own (gather_qmm) forward of the same files, loaded separately."""

@@ -14,6 +14,7 @@
 #include "paged_residual.h"
 #include "pool.h"
 #include "qmm_tiled.h"
+#include "switch_qmm.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -125,6 +126,9 @@ NB_MODULE(_kvchat_cpu_ext, m) {
       "specs"_a,
       "Gemma 3's layer after attention (o_proj, norms, float16 residual sums, the tanh\n"
       "GELU MLP) as one op; norms are the (1 + w) scales after o, before and after the MLP.");
+  m.def("switch_qmm", &kvchat::switch_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a,
+        nb::kw_only(), "group_size"_a, "bits"_a, "stream"_a = nb::none(),
+        "MoE experts: row p of x (or p / k) times expert indices[p]'s tiled weights, (P, N).");
   m.def("kv_write_quant", &kvchat::kv_write_quant, "pool"_a, "slots"_a, "rows"_a,
         "rotation"_a = nb::none(), nb::kw_only(), "part"_a, "bits"_a, "group"_a,
         "stream"_a = nb::none(),
