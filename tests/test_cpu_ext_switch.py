@@ -53,7 +53,12 @@ def test_one_op_is_each_rows_own_expert_bit_for_bit():
     from engine.model.cpu_ext import ops
     from engine.model.cpu_ext.switch import CpuTiledSwitchLinear
 
-    new = CpuTiledSwitchLinear.from_quantized(_layer(False, 4, 32))
+    layer = _layer(False, 4, 32)
+    new = CpuTiledSwitchLinear.from_quantized(layer)
+    for e in range(6):  # the experts tiled in one call are each expert's own tiles
+        one = ops.tile(layer["weight"][e], layer["scales"][e], layer["biases"][e], 32, 4)
+        assert all(mx.array_equal(new[k][e], a).item()
+                   for k, a in zip(("weight", "scales", "biases"), one, strict=True))
     x = mx.random.normal((5, 1, 1, 256), key=mx.random.key(3))
     idx = mx.array([[0, 5], [5, 5], [2, 0], [3, 1], [0, 0]], dtype=mx.int32)
     got = new(x, idx)
