@@ -84,6 +84,20 @@ def test_tiled_rows_do_not_depend_on_the_batch(tiled, rows, split):
     assert mx.array_equal(whole, mx.concatenate(parts)).item()
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_the_relayout_op_writes_the_layout_mlx_ops_spell_out(ext, bits, group):
+    """`tile_rows` (one extension op) gives the bytes of the MLX-ops re-layout, which
+    spells the documented layout out; several tiles, rows that differ."""
+    w, _, _ = quantized(48, 256, group, seed=bits + group, bits=bits)
+    got = ext.tile_rows(w, group_size=group, bits=bits)
+    assert got.dtype == mx.uint32 and got.shape == w.shape
+    assert mx.array_equal(got, ops.tile_rows_mlx(w, group, bits)).item()
+    assert not mx.array_equal(got, w).item()  # a re-layout, not a copy
+    with pytest.raises(ValueError):
+        ext.tile_rows(w[:40], group_size=group, bits=bits)  # rows not in 16s
+
+
 def test_tiles_stack_and_slice_at_multiples_of_16(tiled):
     """`linear.fuse` concatenates tiled layers and re-points each at its slice."""
     parts = [quantized(n, 128, 32, seed=n) for n in (32, 16, 48)]

@@ -15,6 +15,7 @@
 #include "pool.h"
 #include "qmm_tiled.h"
 #include "switch_qmm.h"
+#include "tile_rows.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -126,6 +127,8 @@ NB_MODULE(_kvchat_cpu_ext, m) {
       "specs"_a,
       "Gemma 3's layer after attention (o_proj, norms, float16 residual sums, the tanh\n"
       "GELU MLP) as one op; norms are the (1 + w) scales after o, before and after the MLP.");
+  m.def("tile_rows", &kvchat::tile_rows, "w"_a, nb::kw_only(), "group_size"_a, "bits"_a,
+        "stream"_a = nb::none(), "MLX-packed 4/8-bit w (rows in 16s) in the tiled layout.");
   m.def("switch_qmm", &kvchat::switch_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a,
         nb::kw_only(), "group_size"_a, "bits"_a, "stream"_a = nb::none(),
         "MoE experts: row p of x (or p / k) times expert indices[p]'s tiled weights, (P, N).");
