@@ -21,7 +21,7 @@ ENABLED = True  # off: the separate ops (for A/B runs and the bit-for-bit tests)
 
 
 def tail_parts(block) -> tuple | None:
-    """(o, gate, up, down, norm scales, eps) of a Gemma 3 layer whose linears are the
+    """((o, gate, up, down), norm scales, eps) of a Gemma 3 layer whose linears are the
     extension's quantized ones and whose norms are the extension's Gemma norms; None for
     any other layer (it keeps the separate ops)."""
     if not ENABLED:

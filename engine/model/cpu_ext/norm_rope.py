@@ -153,8 +153,9 @@ class CpuGemma3Block(gemma3_text.TransformerBlock):
     stream, everything after attention is one op (`gemma_tail`), the same bits."""
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        parts = gemma_tail.tail_parts(self) if x.dtype == mx.float16 else None
-        if parts is not None and isinstance(self.self_attn, CpuGemma3Attention):
+        parts = (gemma_tail.tail_parts(self) if x.dtype == mx.float16
+                 and isinstance(self.self_attn, CpuGemma3Attention) else None)
+        if parts is not None:
             att = self.self_attn.heads(self.input_layernorm(x), mask, cache)
             return gemma_tail.gemma_tail(x, att, parts)
         r = self.self_attn(self.input_layernorm(x), mask, cache)

@@ -44,7 +44,7 @@ class CpuTiledSwitchLinear(_switch_base()):
     def from_quantized(cls, layer) -> CpuTiledSwitchLinear:
         new = rebind(cls, layer)
         # every expert in one call: tiles are 16 rows, so the stacked experts' rows tile as
-        # each expert's would (a call per expert took ~39 s to load a 64-expert model)
+        # each expert's would
         keys = ("weight", "scales", "biases")
         rows = [layer[k].reshape(-1, layer[k].shape[-1]) for k in keys]
         for key, tiled in zip(keys, ops.tile(*rows, layer.group_size, layer.bits), strict=True):

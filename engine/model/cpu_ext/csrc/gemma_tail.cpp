@@ -46,10 +46,6 @@ Bufs bufs_for(const std::vector<mx::array>& in, int r) {
   return {rows, hin, ao, n1, h1, x2, g, u, act, dn, n3};
 }
 
-void gated(const mx::array& a, const mx::array& b, mx::array& out, GateAct act) {
-  gated_into(a, b, out.data<char>(), out.dtype(), int64_t(out.size()), act);
-}
-
 }  // namespace
 
 void GemmaTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -82,11 +78,11 @@ void GemmaTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
         std::memcpy(b.hin.data<char>(), h + m0 * row, n * row);
         linear(b.rows, &in[O], b.ao, sp[0]);
         rms_norm_into(b.ao, in[N1], b.n1, eps);
-        gated(b.hin, b.n1, b.h1, GateAct::clip_add);
+        gated_into(b.hin, b.n1, b.h1, GateAct::clip_add);
         rms_norm_into(b.h1, in[N2], b.x2, eps);
         linear(b.x2, &in[GATE], b.g, sp[1]);
         linear(b.x2, &in[UP], b.u, sp[2]);
-        gated(b.g, b.u, b.act, GateAct::gelu_tanh);
+        gated_into(b.g, b.u, b.act, GateAct::gelu_tanh);
         linear(b.act, &in[DOWN], b.dn, sp[3]);
         rms_norm_into(b.dn, in[N3], b.n3, eps);
         gated_into(b.h1, b.n3, out.data<char>() + m0 * row, mx::float16,

@@ -42,6 +42,8 @@ void swiglu_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64
 // `swiglu` / `gelu_tanh_mul` / `clip_add` primitive computes it (swiglu.cpp).
 void gated_into(const mx::array& gate, const mx::array& up, char* out, mx::Dtype dtype,
                 int64_t n, GateAct act);
+// The same into all of `out`.
+void gated_into(const mx::array& gate, const mx::array& up, mx::array& out, GateAct act);
 
 // A fused projection qkv (B, L, (heads + 2 kv_heads) * D) -> out: q (B, heads, L, D),
 // k and v (kv_heads, B * L, D), q and k RoPE'd at offsets + 0..L-1 (`freqs`, when given,

@@ -29,13 +29,6 @@ mx::array scratch(mx::Shape shape, mx::Dtype dtype) {
   return a;
 }
 
-mx::array first_rows(const mx::array& full, int n) {
-  const int cols = full.shape(-1);
-  mx::array a({n, cols}, full.dtype(), nullptr, {});
-  a.copy_shared_buffer(full, {cols, 1}, full.flags(), size_t(n) * size_t(cols));
-  return a;
-}
-
 static mx::Shape rows_of(const mx::array& x, int width) {
   return {int(x.size() / x.shape(-1)), width};
 }

@@ -9,6 +9,7 @@
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 #include "norm_rope.h"
+#include "tensor.h"
 
 namespace kvchat {
 
@@ -25,7 +26,9 @@ struct LinearSpec {
 // An evaluated array to compute into (allocated when the node is evaluated).
 mx::array scratch(mx::Shape shape, mx::Dtype dtype);
 // The first n rows of a row-major (rows, cols) array, sharing its buffer.
-mx::array first_rows(const mx::array& full, int n);
+inline mx::array first_rows(const mx::array& full, int n) {
+  return shared_view(full, {n, full.shape(-1)});
+}
 // Rows m0..m1 of att (B, H, L, D), row-major bytes at src, as rows (m1 - m0, H * D).
 void heads_to_rows(const char* src, const mx::array& att, int64_t m0, int64_t m1,
                    mx::array& rows);

@@ -98,13 +98,9 @@ void gated_into(const mx::array& gate, const mx::array& up, char* out, mx::Dtype
   if (!direct) store_any(out, elem_of(dtype), y, n);
 }
 
-namespace {
-
-void gated_all(const mx::array& gate, const mx::array& up, mx::array& out, GateAct act) {
+void gated_into(const mx::array& gate, const mx::array& up, mx::array& out, GateAct act) {
   gated_into(gate, up, out.data<char>(), out.dtype(), int64_t(out.size()), act);
 }
-
-}  // namespace
 
 void swiglu_rows(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows,
                  int64_t D, float* y) {
@@ -117,7 +113,7 @@ void Swiglu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
   encoder.dispatch([gate = inputs[0], up = inputs[1], out, act = act_]() mutable {
-    guarded(out, [&] { gated_all(gate, up, out, act); });
+    guarded(out, [&] { gated_into(gate, up, out, act); });
   });
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "layer_ops.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "switch_qmm.h"
@@ -20,23 +21,8 @@ namespace {
 
 // Expert e's slice of a stacked (E, ...) row-major array, sharing its buffer.
 mx::array expert(const mx::array& stacked, int e) {
-  mx::Shape shape(stacked.shape().begin() + 1, stacked.shape().end());
-  int64_t per = 1;
-  for (int d : shape) per *= d;
-  mx::Strides strides(shape.size(), 1);
-  for (int i = int(shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
-  mx::array view(shape, stacked.dtype(), nullptr, {});
-  mx::array::Flags flags{};
-  flags.contiguous = flags.row_contiguous = true;
-  flags.col_contiguous = shape.size() <= 1;
-  view.copy_shared_buffer(stacked, strides, flags, size_t(per), int64_t(e) * per);
-  return view;
-}
-
-mx::array scratch_rows(int rows, int cols, mx::Dtype dtype) {
-  mx::array a({rows, cols}, dtype, nullptr, {});
-  a.set_data(mx::allocator::malloc(a.nbytes()));
-  return a;
+  const mx::Shape shape(stacked.shape().begin() + 1, stacked.shape().end());
+  return shared_view(stacked, shape, int64_t(e) * (stacked.size() / stacked.shape(0)));
 }
 
 }  // namespace
@@ -66,10 +52,10 @@ void SwitchQmm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
         const auto& ps = pairs[e];
         if (ps.empty()) continue;
         const int n = int(ps.size());
-        mx::array xe = scratch_rows(n, int(K), x.dtype());
+        mx::array xe = scratch({n, int(K)}, x.dtype());
         for (int i = 0; i < n; ++i)
           std::memcpy(xe.data<char>() + i * x_row, xs + (ps[i] / per) * x_row, x_row);
-        mx::array oe = scratch_rows(n, int(N), out.dtype());
+        mx::array oe = scratch({n, int(N)}, out.dtype());
         qmm_into(xe, expert(w, e), expert(scales, e), biased ? expert(biases, e) : biases, oe,
                  group, bits, true);
         for (int i = 0; i < n; ++i)

@@ -73,6 +73,17 @@ bool share_if_donated(const mx::array& pool, mx::array& out) {
   return donated;
 }
 
+mx::array shared_view(const mx::array& base, mx::Shape shape, int64_t offset) {
+  mx::Strides strides(shape.size(), 1);
+  for (int i = int(shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
+  mx::array view(std::move(shape), base.dtype(), nullptr, {});
+  mx::array::Flags flags{};
+  flags.contiguous = flags.row_contiguous = true;
+  flags.col_contiguous = view.ndim() <= 1 || view.size() <= 1;
+  view.copy_shared_buffer(base, strides, flags, view.size(), offset);
+  return view;
+}
+
 void fill_nan(mx::array& out) {
   const int64_t n = int64_t(out.size());
   if (out.dtype() == mx::float32) {

@@ -33,6 +33,10 @@ const void* row_major(const mx::array& a, std::vector<char>& scratch);
 // else a new one; returns whether it is the pool's (the caller copies the pool if not).
 bool share_if_donated(const mx::array& pool, mx::array& out);
 
+// A row-major array of `shape` over `base`'s buffer from element `offset` on, no copy:
+// a stacked array's slice, or the first rows of a buffer.
+mx::array shared_view(const mx::array& base, mx::Shape shape, int64_t offset = 0);
+
 // Fill `out` (a float array) with NaN: what a task that cannot compute reports.
 void fill_nan(mx::array& out);
 
