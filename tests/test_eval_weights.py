@@ -91,3 +91,17 @@ def test_llama_cpp_peer_needs_its_tools_and_a_gguf(kvchat_cli, tmp_path):
     assert err.strip().count("\n") == 0
     status, _, err = kvchat_cli("eval", "weights", "--peer", "llama.cpp")
     assert status == 2 and "--model FILE.gguf" in err
+
+
+def test_llama_perplexity_output_is_read_with_or_without_its_final_line():
+    from app.eval.llama_peer import final_perplexity
+
+    runs = "perplexity: calculating\n[1]12.5000,[2]11.2500,[3]10.7500,[4]10.1250,\n"
+    assert final_perplexity(runs + "Final estimate: PPL = 10.1250 +/- 0.5\n", 4) == 10.125
+    # the final line missing (llama.cpp logs an error instead, or the capture was cut):
+    # the running estimate after the last chunk is the same figure
+    assert final_perplexity(runs + "Unexpected negative standard deviation\n", 4) == 10.125
+    assert final_perplexity("[1]4083123.2944,[2]3.1e+07,", 2) == 3.1e7
+    # a run that stopped before its last chunk gives nothing, not an earlier chunk's figure
+    assert final_perplexity(runs, 5) is None
+    assert final_perplexity("", 1) is None

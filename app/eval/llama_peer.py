@@ -47,10 +47,22 @@ def llama_perplexity(bin_dir: str | None, gguf: str, text: Path, ctx: int, chunk
     proc = subprocess.run([tool("llama-perplexity", bin_dir), "-m", gguf, "-f", str(text),
                            "-c", str(ctx), "-b", str(ctx), "--chunks", str(chunks),
                            "-t", str(os.cpu_count()), *extra], capture_output=True, text=True)
-    found = re.search(r"Final estimate: PPL = ([\d.]+)", proc.stdout + proc.stderr)
-    if proc.returncode or not found:
+    ppl = final_perplexity(proc.stdout + proc.stderr, chunks)
+    if proc.returncode or ppl is None:
         raise KVChatError(f"llama-perplexity failed: {(proc.stderr or proc.stdout)[-300:]}")
-    return float(found.group(1))
+    return ppl
+
+
+def final_perplexity(output: str, chunks: int) -> float | None:
+    """The perplexity a llama-perplexity run printed: its "Final estimate", else its running
+    estimate after the last chunk (``[chunks]PPL,``: the same figure, printed first). The
+    final line is missing where llama.cpp finds the spread of the log-probabilities not
+    positive (it logs an error instead) and was seen cut from captured output."""
+    found = re.search(r"Final estimate: PPL = ([\d.]+)", output)
+    if found:
+        return float(found.group(1))
+    last = re.findall(rf"\[{chunks}\]([\d.]+(?:e[+-]?\d+)?),", output)
+    return float(last[-1]) if last else None
 
 
 def kvchat_perplexity(engine, ids: list[int], ctx: int, chunks: int, bos: int | None
