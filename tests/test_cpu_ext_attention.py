@@ -169,3 +169,37 @@ def test_bad_first_launch_falls_back_once(monkeypatch):
     assert len([w for w in seen if "attention kernels off" in str(w.message)]) == 1
     assert "first launch" in guard.kernel_fallback()
     guard.GUARD.reset()
+
+
+def test_prefill_first_launch_is_checked_on_its_last_rows(monkeypatch):
+    """The check's reference computes only the chunk's last `CHECK_ROWS` query rows (they
+    see every key; a whole chunk's scores were a 1B model's first-prefill peak), and a
+    kernel wrong there still falls back."""
+    from engine.model.attention import dispatch, reference
+
+    L, lens = 80, [100]
+    _, k, v, tables = make_case(lens, 4, 2, 32, 8, seed=9, pool_dtype=mx.float16)
+    q = mx.random.normal((1, 4, L, 32))
+    real_ref, real_prefill, seen = reference.paged_attention_ref, cpu.paged_prefill, []
+    monkeypatch.setattr(reference, "paged_attention_ref",
+                        lambda *a, **kw: seen.append(a[0].shape) or real_ref(*a, **kw))
+    guard.GUARD.reset()
+    out = paged_attention(q, k, v, tables, lens, 0.2)
+    assert seen == [(1, 4, dispatch.CHECK_ROWS, 32)] and guard.kernel_fallback() is None
+    np.testing.assert_array_equal(np.array(out), np.array(real_prefill(q, k, v, tables,
+                                                                       lens, 0.2)))
+    full = real_ref(q, k, v, tables, lens, 0.2)
+    assert mx.allclose(out, full, atol=2e-3).item()  # what the check samples, all rows hold
+
+    guard.GUARD.reset()
+    bad_last = mx.concatenate([mx.zeros((1, 4, L - 1, 32)), mx.full((1, 4, 1, 32), 7.0)], 2)
+    monkeypatch.setattr(cpu, "paged_prefill", lambda q, *a, **kw: real_prefill(q, *a, **kw)
+                        + bad_last)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = paged_attention(q, k, v, tables, lens, 0.2)
+    assert any("attention kernels off" in str(w.message) for w in caught)
+    assert "first launch" in guard.kernel_fallback()
+    np.testing.assert_array_equal(np.array(out), np.array(real_ref(q, k, v, tables, lens,
+                                                                   0.2)))
+    guard.GUARD.reset()

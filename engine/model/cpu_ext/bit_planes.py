@@ -30,9 +30,12 @@ def unpack_codes(w: mx.array, bits: int) -> mx.array:
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
     """codes (..., K) -> MLX's ``bits``-bit packing (..., K * bits / 32) uint32."""
     *lead, K = codes.shape
-    stream = (codes[..., None].astype(mx.uint32) >> mx.arange(bits, dtype=mx.uint32)) & 1
-    words = stream.reshape(*lead, K * bits // 32, 32) << mx.arange(32, dtype=mx.uint32)
-    return words.sum(-1).astype(mx.uint32)
+    # the bit stream a byte at a time (little-endian words are their bytes in order): a
+    # bit per uint8, where a bit per uint32 took ~50 MiB for a 512-token lookup
+    stream = (codes[..., None] >> mx.arange(bits, dtype=mx.uint8)) & 1
+    stream = stream.reshape(*lead, K * bits // 8, 8) << mx.arange(8, dtype=mx.uint8)
+    packed = stream.sum(-1).astype(mx.uint8)
+    return packed.reshape(*lead, K * bits // 32, 4).view(mx.uint32).squeeze(-1)
 
 
 def widen_to_8(w: mx.array, bits: int) -> mx.array:
@@ -59,19 +62,29 @@ def tile_rows(w: mx.array, group_size: int, bits: int) -> mx.array:
     return blocks.reshape(N, K * bits // 8).view(mx.uint32).reshape(N, packed)
 
 
-def untile_rows(w: mx.array, rows: mx.array, group_size: int, bits: int) -> mx.array:
-    """Rows ``rows`` (any int shape) of `tile_rows`'s layout back in MLX's packing."""
+def untile_codes(w: mx.array, rows: mx.array, group_size: int, bits: int) -> mx.array:
+    """The codes (..., K) uint8 of rows ``rows`` (any int shape) of `tile_rows`'s layout
+    (`pack_codes` gives them MLX's packing).
+
+    Only the bytes of the rows asked for are gathered (a row's nibbles, and the one plane
+    byte per quad and plane that holds its bits): slicing the blocks first copied the whole
+    matrix, ~100 MiB a lookup for a 1B model's 6-bit embedding."""
     N, packed = w.shape
     K = packed * 32 // bits
-    T, G, P, H = N // TILE_ROWS, K // group_size, group_size // 8, bits - 4
-    t, i = rows // TILE_ROWS, rows % TILE_ROWS
-    blocks = w.view(mx.uint8).reshape(T, G, P, 16 * bits)
-    nib = blocks[..., :64].reshape(T, G, P, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4)[t, i]
+    G, P, H, B = K // group_size, group_size // 8, bits - 4, 16 * bits
+    t, i = (rows // TILE_ROWS).astype(mx.uint32), (rows % TILE_ROWS).astype(mx.uint32)
+    flat = w.view(mx.uint8).reshape(-1)
+    gp = mx.arange(G * P, dtype=mx.uint32).reshape(G, P)
+    at = lambda a: a.reshape(*rows.shape, *([1] * 2))  # noqa: E731  (broadcast over g, p)
+    base = ((at(t) * (G * P) + gp) * B)[..., None]  # (..., G, P, 1): the block's first byte
+    b4 = mx.arange(4, dtype=mx.uint32)
+    nib = flat[base + at(i)[..., None] * 4 + b4]  # (..., G, P, b): row i's 4 nibble bytes
     low = mx.stack([nib & 0xF, nib >> 4], axis=-2)  # (..., G, P, half, b)
-    plane_bytes = blocks[..., 64:].reshape(T, G, P, 2, H, 8)[t]  # (..., G, P, half, h, 8)
-    bits_of = (plane_bytes[..., None] >> mx.arange(8, dtype=mx.uint8)) & 1
-    bits_of = bits_of.reshape(*rows.shape, G, P, 2, H, TILE_ROWS, 4)
-    pick = i.reshape(*rows.shape, 1, 1, 1, 1, 1, 1)
-    high = mx.take_along_axis(bits_of, pick, axis=-2).squeeze(-2)  # (..., G, P, half, h, b)
-    high = (high << (4 + mx.arange(H, dtype=mx.uint8))[:, None]).sum(-2).astype(mx.uint8)
-    return pack_codes((low | high).reshape(*rows.shape, K), bits)
+    # bit 4i + b of plane bytes (half, h): byte i // 2, bit 4 (i % 2) + b
+    planes = (mx.arange(2 * H, dtype=mx.uint32) * 8).reshape(2, H)
+    byte = flat[base[..., None] + 64 + planes + at(i // 2)[..., None, None]]  # (.., half, h)
+    shift = (4 * (i % 2)).astype(mx.uint8).reshape(*rows.shape, 1, 1, 1, 1, 1) + b4.astype(
+        mx.uint8)
+    bit = (byte[..., None] >> shift) & 1  # (..., G, P, half, h, b)
+    high = (bit << (4 + mx.arange(H, dtype=mx.uint8))[:, None]).sum(-2).astype(mx.uint8)
+    return (low | high).reshape(*rows.shape, K)

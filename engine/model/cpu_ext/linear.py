@@ -143,16 +143,15 @@ class CpuQuantizedEmbedding(nn.QuantizedEmbedding):
 
 
 class CpuTiledEmbedding(CpuQuantizedEmbedding):
-    """A 4/8-bit `CpuQuantizedEmbedding` in `ops.tile`'s layout: ``as_linear`` (the tied
-    output head, the largest matmul of a small model) runs the tiled `qmm`, and a lookup
-    puts its rows back in MLX's layout before the same `mx.dequantize` MLX's does."""
+    """A 4/5/6/8-bit `CpuQuantizedEmbedding` in `ops.tile`'s layout: ``as_linear`` (the
+    tied output head, the largest matmul of a small model) runs the tiled `qmm`, and a
+    lookup gathers only its rows' bytes and dequantizes them as MLX does (`ops.lookup_rows`)."""
 
     tiled = True
 
     def __call__(self, x: mx.array) -> mx.array:
-        w, s, b = ops.untile_rows(self["weight"], self["scales"], self["biases"], x,
-                                  self.group_size, self.bits)
-        return mx.dequantize(w, scales=s, biases=b, group_size=self.group_size, bits=self.bits)
+        return ops.lookup_rows(self["weight"], self["scales"], self["biases"], x,
+                               self.group_size, self.bits)
 
 
 def install(model: nn.Module, *, tiled: bool = False) -> int:

@@ -140,13 +140,15 @@ def tile_rows_mlx(w: mx.array, group_size: int, bits: int) -> mx.array:
 
 
 def untile_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
-                group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
-    """Rows ``rows`` (any int shape) of `tile`d 4/8-bit weights back in MLX's layout: what
+                group_size: int, bits: int, *, packed: bool = True
+                ) -> tuple[mx.array, mx.array, mx.array]:
+    """Rows ``rows`` (any int shape) of `tile`d weights back in MLX's layout: what
     ``w[rows], scales[rows], biases[rows]`` gave before tiling (an embedding lookup). A
     (1, 1) ``biases`` (a symmetric format's factor) gives each row's biases as that factor
-    times its scales (exact: the factor is a power of two)."""
+    times its scales (exact: the factor is a power of two). 5/6 bits with ``packed=False``:
+    the codes (..., K) uint8 in place of MLX's packing."""
     if biases.size == 1 and biases.shape != scales.shape:
-        data, s, _ = untile_rows(w, scales, scales, rows, group_size, bits)
+        data, s, _ = untile_rows(w, scales, scales, rows, group_size, bits, packed=packed)
         return data, s, s * biases.reshape(())
     if bits == 8:
         return untile8_rows(w, scales, biases, rows, group_size)
@@ -157,7 +159,9 @@ def untile_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
         return a.reshape(N // TILE_ROWS, G, TILE_ROWS).transpose(0, 2, 1)[t, i]
 
     if bits in bit_planes.BITS:
-        return bit_planes.untile_rows(w, rows, group_size, bits), params(scales), params(biases)
+        codes = bit_planes.untile_codes(w, rows, group_size, bits)
+        data = bit_planes.pack_codes(codes, bits) if packed else codes
+        return data, params(scales), params(biases)
     N, packed = w.shape
     K, T = packed * 8, N // TILE_ROWS
     # (t, g, p, i, b): byte b of row i holds quad 2p's weight in its low nibble, 2p + 1's high
@@ -166,6 +170,20 @@ def untile_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
     codes = mx.stack([q & 0xF, q >> 4], axis=-2).reshape(*rows.shape, K)  # natural order
     data = (codes[..., 0::2] | (codes[..., 1::2] << 4)).view(mx.uint32)
     return data, params(scales), params(biases)
+
+
+def lookup_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
+                group_size: int, bits: int) -> mx.array:
+    """Rows ``rows`` of `tile`d weights dequantized: ``mx.dequantize`` of `untile_rows`,
+    the same values. 5/6-bit codes are scaled as they are gathered (code x scale + bias in
+    the scales' dtype: MLX's dequantize, bit for bit), not packed again first: re-packing a
+    512-token lookup's codes took ~25 MiB."""
+    if bits not in bit_planes.BITS:
+        w, s, b = untile_rows(w, scales, biases, rows, group_size, bits)
+        return mx.dequantize(w, scales=s, biases=b, group_size=group_size, bits=bits)
+    codes, s, b = untile_rows(w, scales, biases, rows, group_size, bits, packed=False)
+    g = codes.reshape(*rows.shape, s.shape[-1], group_size).astype(s.dtype)
+    return (g * s[..., None] + b[..., None]).reshape(codes.shape)
 
 
 def untile8_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,

@@ -21,8 +21,8 @@
 
 namespace kvchat {
 
-// An evaluated array to compute into (allocated when the node is evaluated, on MLX's
-// thread, like an output).
+// An evaluated array to compute into. The ops call it inside their dispatched task, so a
+// buffer lives while its task runs, not from when the graph was queued.
 mx::array scratch(mx::Shape shape, mx::Dtype dtype) {
   mx::array a(std::move(shape), dtype, nullptr, {});
   a.set_data(mx::allocator::malloc(a.nbytes()));
@@ -106,22 +106,22 @@ int64_t tail_rows(bool tiled, int64_t M) {
 
 void LayerHead::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-  const mx::array& h = inputs[0];
   const int P = int(qkv_.size());
-  mx::array x = scratch(h.shape(), mx::promote_types(h.dtype(), inputs[1].dtype()));
-  auto qkv_shape = h.shape();
-  qkv_shape.back() = 0;
-  for (int p = 0; p < P; ++p) qkv_shape.back() += inputs[2 + 3 * p].shape(0);
-  mx::array qkv = scratch(qkv_shape, after(x, inputs[3]));
-  std::vector<mx::array> parts;  // q, k and v apart: each its own product, then interleaved
-  for (int p = 0; P > 1 && p < P; ++p)
-    parts.push_back(scratch(rows_of(h, inputs[2 + 3 * p].shape(0)), qkv.dtype()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   for (auto& o : outputs) encoder.set_output_array(o);
-  encoder.dispatch([in = inputs, outs = outputs, x, qkv, parts, eps = eps_, sp = qkv_,
+  encoder.dispatch([in = inputs, outs = outputs, eps = eps_, sp = qkv_,
                     hq = heads_, hkv = kv_heads_, p = rope_, P]() mutable {
-    try {
+    try {  // the buffers are allocated by the task (see gemma_tail.cpp)
+      const mx::array& h = in[0];
+      mx::array x = scratch(h.shape(), mx::promote_types(h.dtype(), in[1].dtype()));
+      auto qkv_shape = h.shape();
+      qkv_shape.back() = 0;
+      for (int i = 0; i < P; ++i) qkv_shape.back() += in[2 + 3 * i].shape(0);
+      mx::array qkv = scratch(qkv_shape, after(x, in[3]));
+      std::vector<mx::array> parts;  // q, k and v apart: each its own product, interleaved
+      for (int i = 0; P > 1 && i < P; ++i)
+        parts.push_back(scratch(rows_of(h, in[2 + 3 * i].shape(0)), qkv.dtype()));
       rms_norm_into(in[0], in[1], x, eps);
       if (P == 1) {
         linear(x, &in[2], qkv, sp[0]);
@@ -156,20 +156,21 @@ void LayerTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   const int64_t M = int64_t(inputs[0].size()) / inputs[0].shape(2);
   const int64_t R = tail_rows(o_.tiled && gate_up_.tiled && down_.tiled, M);
-  // a set of buffers for full passes and, when M is not a multiple of R, one for the last
-  std::vector<TailBufs> bufs{tail_bufs(inputs, R)};
-  if (const int n = int(M % R)) {  // the last pass's rows: the first n of the full buffers
-    const TailBufs& b = bufs[0];
-    bufs.push_back({first_rows(b.rows, n), first_rows(b.hin, n), first_rows(b.ao, n),
-                    first_rows(b.h1, n), first_rows(b.x2, n), first_rows(b.gu, n),
-                    first_rows(b.act, n), first_rows(b.dn, n)});
-  }
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
-  encoder.dispatch([in = inputs, out, bufs, M, R, eps = eps_, o = o_, g = gate_up_,
+  encoder.dispatch([in = inputs, out, M, R, eps = eps_, o = o_, g = gate_up_,
                     d = down_]() mutable {
     guarded(out, [&] {
+      // buffers for full passes and, when M is not a multiple of R, the last pass's (the
+      // first rows of the full ones), allocated by the task (see gemma_tail.cpp)
+      std::vector<TailBufs> bufs{tail_bufs(in, R)};
+      if (const int n = int(M % R)) {
+        const TailBufs& b = bufs[0];
+        bufs.push_back({first_rows(b.rows, n), first_rows(b.hin, n), first_rows(b.ao, n),
+                        first_rows(b.h1, n), first_rows(b.x2, n), first_rows(b.gu, n),
+                        first_rows(b.act, n), first_rows(b.dn, n)});
+      }
       std::vector<char> att_buf, h_buf;
       const char* att = static_cast<const char*>(row_major(in[1], att_buf));
       const char* h = static_cast<const char*>(row_major(in[0], h_buf));
