@@ -83,8 +83,8 @@ def untile_codes(w: mx.array, rows: mx.array, group_size: int, bits: int) -> mx.
     # bit 4i + b of plane bytes (half, h): byte i // 2, bit 4 (i % 2) + b
     planes = (mx.arange(2 * H, dtype=mx.uint32) * 8).reshape(2, H)
     byte = flat[base[..., None] + 64 + planes + at(i // 2)[..., None, None]]  # (.., half, h)
-    shift = (4 * (i % 2)).astype(mx.uint8).reshape(*rows.shape, 1, 1, 1, 1, 1) + b4.astype(
+    shift = (4 * (i % 2)).astype(mx.uint8).reshape(*rows.shape, 1, 1, 1, 1) + b4.astype(
         mx.uint8)
-    bit = (byte[..., None] >> shift) & 1  # (..., G, P, half, h, b)
-    high = (bit << (4 + mx.arange(H, dtype=mx.uint8))[:, None]).sum(-2).astype(mx.uint8)
-    return (low | high).reshape(*rows.shape, K)
+    for h in range(H):  # plane by plane in uint8: no (..., half, h, b) array of bits
+        low = low | (((byte[..., h, None] >> shift) & 1) << (4 + h))
+    return low.reshape(*rows.shape, K)
