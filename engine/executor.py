@@ -25,7 +25,6 @@ from engine.constraint import mask_rows
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.metrics import MetricsRecorder
-from engine.model.backend import backend
 from engine.model.model_runner import PagedModel, StepInterrupted
 from engine.model.packed_batch import pack
 from engine.outcome import Flight, Outcome, error_text, same_requests
@@ -56,10 +55,6 @@ class StepExecutor:
         self._last: dict[int, int] = {}  # tokens read from a flight, not yet applied
         # times every decode-only step: (sequences, draft tokens verified, seconds)
         self.on_decode: Callable[[int, int, float], None] | None = None
-        # on the CPU, a prefill's freed activations leave MLX's buffer cache after its step:
-        # they are sized by its chunk, rarely reused by decodes, and were ~5 % of a 1B
-        # model's peak RSS (the next chunk's page faults cost well under 1 % of its forward)
-        self.release_prefill_buffers = backend() == "cpu"
 
     @property
     def in_flight(self) -> bool:
@@ -117,8 +112,6 @@ class StepExecutor:
             return [o for o in out if o is not None]
         finally:
             self._last.clear()
-            if plan.prefills and self.release_prefill_buffers:
-                mx.clear_cache()
 
     def _interrupt(self, reqs: list[Request]):
         if self.unwanted is None:

@@ -75,7 +75,10 @@ def untile_codes(w: mx.array, rows: mx.array, group_size: int, bits: int) -> mx.
     t, i = (rows // TILE_ROWS).astype(mx.uint32), (rows % TILE_ROWS).astype(mx.uint32)
     flat = w.view(mx.uint8).reshape(-1)
     gp = mx.arange(G * P, dtype=mx.uint32).reshape(G, P)
-    at = lambda a: a.reshape(*rows.shape, *([1] * 2))  # noqa: E731  (broadcast over g, p)
+
+    def at(a: mx.array) -> mx.array:  # per asked row, broadcast over (g, p)
+        return a.reshape(*rows.shape, 1, 1)
+
     base = ((at(t) * (G * P) + gp) * B)[..., None]  # (..., G, P, 1): the block's first byte
     b4 = mx.arange(4, dtype=mx.uint32)
     nib = flat[base + at(i)[..., None] * 4 + b4]  # (..., G, P, b): row i's 4 nibble bytes
