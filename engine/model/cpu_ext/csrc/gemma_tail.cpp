@@ -48,6 +48,20 @@ Bufs bufs_for(const std::vector<mx::array>& in, int r) {
   return {rows, hin, ao, n1, h1, x2, g, u, act, dn, n3};
 }
 
+// Buffers for full passes of R rows and, when M is not a multiple of R, the last pass's
+// (the first rows of the full ones).
+std::vector<Bufs> pass_bufs(const std::vector<mx::array>& in, int64_t R, int64_t M) {
+  std::vector<Bufs> bufs{bufs_for(in, int(R))};
+  if (const int n = int(M % R)) {
+    const Bufs& b = bufs[0];
+    bufs.push_back({first_rows(b.rows, n), first_rows(b.hin, n), first_rows(b.ao, n),
+                    first_rows(b.n1, n), first_rows(b.h1, n), first_rows(b.x2, n),
+                    first_rows(b.g, n), first_rows(b.u, n), first_rows(b.act, n),
+                    first_rows(b.dn, n), first_rows(b.n3, n)});
+  }
+  return bufs;
+}
+
 }  // namespace
 
 void GemmaTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
@@ -56,21 +70,14 @@ void GemmaTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const bool tiled = std::all_of(specs_.begin(), specs_.end(),
                                  [](const LinearSpec& s) { return s.tiled; });
   const int64_t R = tail_rows(tiled, M);
+  std::vector<Bufs> queued;  // see queued_scratch_rows
+  if (M <= queued_scratch_rows()) queued = pass_bufs(inputs, R, M);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
-  encoder.dispatch([in = inputs, out, M, R, eps = eps_, sp = specs_]() mutable {
+  encoder.dispatch([in = inputs, out, M, R, queued, eps = eps_, sp = specs_]() mutable {
     guarded(out, [&] {
-      // allocated by the task, not when it is queued: the graph is queued layers ahead of
-      // the stream, and buffers taken at queue time were alive for several layers at once
-      std::vector<Bufs> bufs{bufs_for(in, int(R))};
-      if (const int n = int(M % R)) {  // the last pass's rows: the first n of the full ones
-        const Bufs& b = bufs[0];
-        bufs.push_back({first_rows(b.rows, n), first_rows(b.hin, n), first_rows(b.ao, n),
-                        first_rows(b.n1, n), first_rows(b.h1, n), first_rows(b.x2, n),
-                        first_rows(b.g, n), first_rows(b.u, n), first_rows(b.act, n),
-                        first_rows(b.dn, n), first_rows(b.n3, n)});
-      }
+      std::vector<Bufs> bufs = queued.empty() ? pass_bufs(in, R, M) : std::move(queued);
       std::vector<char> att_buf, h_buf;
       const char* att = static_cast<const char*>(row_major(in[ATT], att_buf));
       const char* h = static_cast<const char*>(row_major(in[H], h_buf));

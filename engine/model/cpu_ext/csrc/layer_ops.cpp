@@ -11,23 +11,17 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 
 #include "layer_ops.h"
 #include "kernels.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+
 #include "tensor.h"
 
 namespace kvchat {
-
-// An evaluated array to compute into. The ops call it inside their dispatched task, so a
-// buffer lives while its task runs, not from when the graph was queued.
-mx::array scratch(mx::Shape shape, mx::Dtype dtype) {
-  mx::array a(std::move(shape), dtype, nullptr, {});
-  a.set_data(mx::allocator::malloc(a.nbytes()));
-  return a;
-}
 
 static mx::Shape rows_of(const mx::array& x, int width) {
   return {int(x.size() / x.shape(-1)), width};
@@ -49,32 +43,10 @@ static void add_into(const mx::array& a, const mx::array& b, mx::array& out) {
   add_into(a, b, out.data<char>(), out.dtype(), int64_t(out.size()));
 }
 
-// Rows m0..m1 of att (B, H, L, D) as rows (m1 - m0, H * D): att.transpose(0, 2, 1, 3)
-// .reshape(B * L, H * D)[m0:m1]. `src` is att's row-major bytes.
-void heads_to_rows(const char* src, const mx::array& att, int64_t m0, int64_t m1,
-                   mx::array& rows) {
-  const int64_t H = att.shape(1), L = att.shape(2), D = att.shape(3);
-  const size_t row = size_t(D) * att.itemsize();
-  char* dst = rows.data<char>();
-  for (int64_t m = m0; m < m1; ++m) {
-    const int64_t b = m / L, l = m % L;
-    for (int64_t h = 0; h < H; ++h)
-      std::memcpy(dst + ((m - m0) * H + h) * row, src + ((b * H + h) * L + l) * row, row);
-  }
-}
-
 // A tail's intermediate arrays for R rows at a time.
 struct TailBufs {
   mx::array rows, hin, ao, h1, x2, gu, act, dn;
 };
-
-void linear(const mx::array& x, const mx::array* wsb, mx::array& out, const LinearSpec& sp) {
-  qmm_into(x, wsb[0], wsb[1], wsb[2], out, sp.group, sp.bits, sp.tiled);
-}
-
-mx::Dtype after(const mx::array& x, const mx::array& scales) {
-  return mx::promote_types(x.dtype(), scales.dtype());
-}
 
 static TailBufs tail_bufs(const std::vector<mx::array>& in, int64_t R) {
   const mx::array &h = in[0], &att = in[1];
@@ -90,38 +62,54 @@ static TailBufs tail_bufs(const std::vector<mx::array>& in, int64_t R) {
   return {rows, hin, ao, h1, x2, gu, act, dn};
 }
 
-// Rows per pass of a tail whose linears are all tiled: the MLP's activations (2 F + F
-// floats a row, 48 kB for a 1B model) then exist for this many rows, not a whole prefill
-// chunk's (~70 MB at 512 tokens of a 1B model). Tiled matmuls give a row the same bits
-// whatever rows run with it, so the result does not change; other linears take all rows
-// in one pass (their GEMV/GEMM choice depends on the row count). KVCHAT_TAIL_ROWS
-// overrides it, to measure.
-int64_t tail_rows(bool tiled, int64_t M) {
-  static const int64_t n = [] {
-    const char* env = std::getenv("KVCHAT_TAIL_ROWS");
-    return env && std::atoi(env) > 0 ? int64_t(std::atoi(env)) : int64_t(128);
-  }();
-  return tiled ? std::min(M, n) : M;
+// Buffers for full passes and, when M is not a multiple of R, the last pass's (the first
+// rows of the full ones).
+static std::vector<TailBufs> tail_pass_bufs(const std::vector<mx::array>& in, int64_t R,
+                                            int64_t M) {
+  std::vector<TailBufs> bufs{tail_bufs(in, R)};
+  if (const int n = int(M % R)) {
+    const TailBufs& b = bufs[0];
+    bufs.push_back({first_rows(b.rows, n), first_rows(b.hin, n), first_rows(b.ao, n),
+                    first_rows(b.h1, n), first_rows(b.x2, n), first_rows(b.gu, n),
+                    first_rows(b.act, n), first_rows(b.dn, n)});
+  }
+  return bufs;
+}
+
+// The head's normed rows, its q/k/v product and, for separate q, k, v linears, each part.
+struct HeadBufs {
+  mx::array x, qkv;
+  std::vector<mx::array> parts;
+};
+
+static HeadBufs head_bufs(const std::vector<mx::array>& in, int P) {
+  const mx::array& h = in[0];
+  mx::array x = scratch(h.shape(), mx::promote_types(h.dtype(), in[1].dtype()));
+  auto qkv_shape = h.shape();
+  qkv_shape.back() = 0;
+  for (int i = 0; i < P; ++i) qkv_shape.back() += in[2 + 3 * i].shape(0);
+  mx::array qkv = scratch(qkv_shape, after(x, in[3]));
+  std::vector<mx::array> parts;  // q, k and v apart: each its own product, then interleaved
+  for (int i = 0; P > 1 && i < P; ++i)
+    parts.push_back(scratch(rows_of(h, in[2 + 3 * i].shape(0)), qkv.dtype()));
+  return {x, qkv, parts};
 }
 
 void LayerHead::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
   const int P = int(qkv_.size());
+  const bool early = inputs[0].size() / inputs[0].shape(-1) <= queued_scratch_rows();
+  std::optional<HeadBufs> queued;  // see queued_scratch_rows
+  if (early) queued = head_bufs(inputs, P);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   for (auto& o : outputs) encoder.set_output_array(o);
-  encoder.dispatch([in = inputs, outs = outputs, eps = eps_, sp = qkv_,
+  encoder.dispatch([in = inputs, outs = outputs, queued, eps = eps_, sp = qkv_,
                     hq = heads_, hkv = kv_heads_, p = rope_, P]() mutable {
-    try {  // the buffers are allocated by the task (see gemma_tail.cpp)
-      const mx::array& h = in[0];
-      mx::array x = scratch(h.shape(), mx::promote_types(h.dtype(), in[1].dtype()));
-      auto qkv_shape = h.shape();
-      qkv_shape.back() = 0;
-      for (int i = 0; i < P; ++i) qkv_shape.back() += in[2 + 3 * i].shape(0);
-      mx::array qkv = scratch(qkv_shape, after(x, in[3]));
-      std::vector<mx::array> parts;  // q, k and v apart: each its own product, interleaved
-      for (int i = 0; P > 1 && i < P; ++i)
-        parts.push_back(scratch(rows_of(h, in[2 + 3 * i].shape(0)), qkv.dtype()));
+    try {
+      HeadBufs b = queued ? std::move(*queued) : head_bufs(in, P);
+      mx::array &x = b.x, &qkv = b.qkv;
+      std::vector<mx::array>& parts = b.parts;
       rms_norm_into(in[0], in[1], x, eps);
       if (P == 1) {
         linear(x, &in[2], qkv, sp[0]);
@@ -156,21 +144,16 @@ void LayerTail::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   const int64_t M = int64_t(inputs[0].size()) / inputs[0].shape(2);
   const int64_t R = tail_rows(o_.tiled && gate_up_.tiled && down_.tiled, M);
+  std::vector<TailBufs> queued;  // see queued_scratch_rows
+  if (M <= queued_scratch_rows()) queued = tail_pass_bufs(inputs, R, M);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
-  encoder.dispatch([in = inputs, out, M, R, eps = eps_, o = o_, g = gate_up_,
+  encoder.dispatch([in = inputs, out, M, R, queued, eps = eps_, o = o_, g = gate_up_,
                     d = down_]() mutable {
     guarded(out, [&] {
-      // buffers for full passes and, when M is not a multiple of R, the last pass's (the
-      // first rows of the full ones), allocated by the task (see gemma_tail.cpp)
-      std::vector<TailBufs> bufs{tail_bufs(in, R)};
-      if (const int n = int(M % R)) {
-        const TailBufs& b = bufs[0];
-        bufs.push_back({first_rows(b.rows, n), first_rows(b.hin, n), first_rows(b.ao, n),
-                        first_rows(b.h1, n), first_rows(b.x2, n), first_rows(b.gu, n),
-                        first_rows(b.act, n), first_rows(b.dn, n)});
-      }
+      std::vector<TailBufs> bufs =
+          queued.empty() ? tail_pass_bufs(in, R, M) : std::move(queued);
       std::vector<char> att_buf, h_buf;
       const char* att = static_cast<const char*>(row_major(in[1], att_buf));
       const char* h = static_cast<const char*>(row_major(in[0], h_buf));

@@ -22,9 +22,15 @@ struct LinearSpec {
   bool operator==(const LinearSpec&) const = default;
 };
 
-// Parts the fused layer ops share (layer_ops.cpp).
-// An evaluated array to compute into (allocated when the node is evaluated).
+// Parts the fused layer ops share (layer_parts.cpp).
+// An evaluated array to compute into.
 mx::array scratch(mx::Shape shape, mx::Dtype dtype);
+// Rows up to which an op takes its scratch when it is queued (16: a decode's, small, taken
+// while the previous task still runs); above it the dispatched task takes its own, since
+// MLX queues layers ahead of the stream and queued prefill buffers were alive for several
+// layers at once (a Gemma prefill step's peak 36 -> 22 MiB). KVCHAT_QUEUED_ROWS overrides
+// it, to measure.
+int64_t queued_scratch_rows();
 // The first n rows of a row-major (rows, cols) array, sharing its buffer.
 inline mx::array first_rows(const mx::array& full, int n) {
   return shared_view(full, {n, full.shape(-1)});
