@@ -18,7 +18,6 @@
 #include "kernels.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-
 #include "tensor.h"
 
 namespace kvchat {
@@ -98,7 +97,8 @@ static HeadBufs head_bufs(const std::vector<mx::array>& in, int P) {
 void LayerHead::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
   const int P = int(qkv_.size());
-  const bool early = inputs[0].size() / inputs[0].shape(-1) <= queued_scratch_rows();
+  const bool early =
+      int64_t(inputs[0].size() / inputs[0].shape(-1)) <= queued_scratch_rows();
   std::optional<HeadBufs> queued;  // see queued_scratch_rows
   if (early) queued = head_bufs(inputs, P);
   auto& encoder = mx::cpu::get_command_encoder(stream());
