@@ -162,8 +162,8 @@ def untile_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
         codes = bit_planes.untile_codes(w, rows, group_size, bits)
         data = bit_planes.pack_codes(codes, bits) if packed else codes
         return data, params(scales), params(biases)
-    N, packed = w.shape
-    K, T = packed * 8, N // TILE_ROWS
+    N, words = w.shape
+    K, T = words * 8, N // TILE_ROWS
     # (t, g, p, i, b): byte b of row i holds quad 2p's weight in its low nibble, 2p + 1's high
     q = w.view(mx.uint8).reshape(T, G, group_size // 8, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4)
     q = q[t, i]  # (..., G, P, 4)
