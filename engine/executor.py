@@ -215,8 +215,11 @@ class StepExecutor:
             logits = self.runner(batch, self.kv)
             if self.pipeline and all(r.decoder.greedy for r in reqs):
                 tokens = greedy.exact(logits)
+                # This graph was built while the previous step ran; launch it only once
+                # that step is done: its queued tasks still hold the pool, and the pool's
+                # writes would copy it instead of writing in place (measured: 4x slower).
+                out += self.resolve()
                 mx.async_eval(tokens, self.kv.keys, self.kv.values)
-                out += self.resolve()  # the previous step's tokens, while this one runs
                 self.flight = Flight(reqs, tokens, t)
                 return out
             picked = self._pick(reqs, logits)
