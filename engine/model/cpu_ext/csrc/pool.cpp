@@ -51,14 +51,27 @@ ThreadPool::~ThreadPool() {
   for (auto& t : workers_) t.join();
 }
 
-void ThreadPool::drain(const std::function<void(int)>& fn, int num_tasks) {
-  for (int t = next_task_.fetch_add(1); t < num_tasks; t = next_task_.fetch_add(1)) {
+int ThreadPool::claim() {
+  uint64_t cur = tasks_.load(std::memory_order_acquire);
+  while (uint32_t(cur) < uint32_t(cur >> 32)) {
+    if (tasks_.compare_exchange_weak(cur, cur + 1, std::memory_order_acq_rel,
+                                     std::memory_order_acquire))
+      return int(uint32_t(cur));
+  }
+  return -1;
+}
+
+void ThreadPool::drain() {
+  // job_ is read only after a claim: the job that published the claimed task
+  // cannot return before done_ counts it, so the pointer stays valid.
+  for (int t = claim(); t >= 0; t = claim()) {
     try {
-      fn(t);
+      (*job_)(t);
     } catch (...) {  // an exception must not leave a worker thread (std::terminate)
       std::lock_guard<std::mutex> lock(error_mutex_);
       if (!error_) error_ = std::current_exception();
     }
+    done_.fetch_add(1, std::memory_order_acq_rel);
   }
 }
 
@@ -72,12 +85,13 @@ void ThreadPool::worker_loop() {
         continue;
       }
       std::unique_lock<std::mutex> lock(sleep_mutex_);
+      sleepers_.fetch_add(1, std::memory_order_acq_rel);
       wake_.wait(lock, [&] { return generation_.load() != seen || stop_; });
+      sleepers_.fetch_sub(1, std::memory_order_acq_rel);
     }
     if (stop_) return;
     seen = generation_.load(std::memory_order_acquire);
-    drain(*job_, num_tasks_);
-    busy_.fetch_sub(1, std::memory_order_acq_rel);
+    drain();
   }
 }
 
@@ -88,19 +102,22 @@ void ThreadPool::run(int num_tasks, const std::function<void(int)>& fn) {
     return;
   }
   job_ = &fn;
-  num_tasks_ = num_tasks;
-  next_task_.store(0);
-  busy_.store(int(workers_.size()));
-  {
+  done_.store(0, std::memory_order_relaxed);
+  tasks_.store(uint64_t(uint32_t(num_tasks)) << 32, std::memory_order_release);
+  // A worker going to sleep just as this reads 0 misses this one job (the
+  // caller runs its tasks); the next job wakes it.
+  if (sleepers_.load() > 0) {
     // Publishing under the mutex pairs with the sleepers' predicate check.
     std::lock_guard<std::mutex> lock(sleep_mutex_);
     generation_.fetch_add(1, std::memory_order_acq_rel);
+    wake_.notify_all();
+  } else {
+    generation_.fetch_add(1, std::memory_order_acq_rel);
   }
-  wake_.notify_all();
-  drain(fn, num_tasks);
-  // A worker that took a task may have been preempted (a loaded machine):
-  // spin a little, then yield the core instead of burning it.
-  for (int spins = 0; busy_.load(std::memory_order_acquire) != 0; ++spins) {
+  drain();
+  // Every task is claimed now; wait only for those a worker is still running.
+  // One that was preempted mid-task (a loaded machine) gets the core back.
+  for (int spins = 0; done_.load(std::memory_order_acquire) != num_tasks; ++spins) {
     if (spins < 2000)
       KVCHAT_PAUSE();
     else

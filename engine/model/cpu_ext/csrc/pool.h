@@ -33,20 +33,25 @@ class ThreadPool {
  private:
   explicit ThreadPool(int threads);
   void worker_loop();
-  void drain(const std::function<void(int)>& fn, int num_tasks);
+  int claim();    // the next task of the current job, or -1
+  void drain();   // claim and run tasks until none is left
 
   std::vector<std::thread> workers_;
   std::mutex run_mutex_;  // one job at a time
   std::mutex sleep_mutex_;
   std::condition_variable wake_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> next_task_{0};
-  std::atomic<int> busy_{0};
+  std::atomic<uint64_t> generation_{0};  // bumped per job: wakes the workers
+  // The current job as one word, (num_tasks << 32) | next_task: a worker claims
+  // a task by a compare-and-swap on it, so a late worker can never claim a task
+  // of a job it did not see published, and the caller waits only for tasks a
+  // worker actually claimed (a descheduled worker costs nothing).
+  std::atomic<uint64_t> tasks_{0};
+  std::atomic<int> done_{0};
+  std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   std::mutex error_mutex_;
   std::exception_ptr error_;  // the first exception a task threw, rethrown by run()
   const std::function<void(int)>* job_ = nullptr;
-  int num_tasks_ = 0;
 };
 
 }  // namespace kvchat
