@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from itertools import accumulate
 
 import mlx.core as mx
@@ -25,6 +26,7 @@ from engine.constraint import mask_rows
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.metrics import MetricsRecorder
+from engine.model.backend import uncached_buffers
 from engine.model.model_runner import PagedModel, StepInterrupted
 from engine.model.packed_batch import pack
 from engine.outcome import Flight, Outcome, error_text, same_requests
@@ -150,9 +152,10 @@ class StepExecutor:
             ids = mx.array(req.kv_ids[start:start + n], dtype=mx.int32)
             batch = build_batch(self.blocks, [req.request_id], ids[None], [slots.slots])
             t = time.perf_counter()
-            self.runner(batch, self.kv, logits=False, interrupt=self._interrupt([req]),
-                        group=self.pacer.layer_group(n))
-            mx.eval(self.kv.keys, self.kv.values)
+            with uncached_buffers():  # a chunk's scratch: see there
+                self.runner(batch, self.kv, logits=False, interrupt=self._interrupt([req]),
+                            group=self.pacer.layer_group(n))
+                mx.eval(self.kv.keys, self.kv.values)
             self._timed("prefill", n, time.perf_counter() - t)
             return Outcome(req, computed=n)
         except StepInterrupted:
@@ -178,10 +181,12 @@ class StepExecutor:
         reqs = [r for r, _, _ in pre] + [r for r, _ in dec]
         t = time.perf_counter()
         try:
-            logits = self.runner.forward_packed(batch, self.kv, interrupt=self._interrupt(reqs),
-                                                group=self.pacer.layer_group(batch.num_tokens))
-            picked = self._verify([r for r, _ in dec], logits) if dec else []
-            mx.eval(self.kv.keys, self.kv.values)
+            with uncached_buffers() if pre else nullcontext():  # decodes keep the cache
+                logits = self.runner.forward_packed(
+                    batch, self.kv, interrupt=self._interrupt(reqs),
+                    group=self.pacer.layer_group(batch.num_tokens))
+                picked = self._verify([r for r, _ in dec], logits) if dec else []
+                mx.eval(self.kv.keys, self.kv.values)
         except StepInterrupted:
             return out
         except Exception as e:  # noqa: BLE001 - the packed forward failed: all of it
