@@ -1,5 +1,5 @@
 """Gemma 3's layer after attention as one op (`cpu_ext.gemma_tail`): bit for bit the
-separate ops, at decode, prompt and multi-pass (over 128 rows) lengths, tiled or not."""
+separate ops, at decode, prompt and multi-pass (over 64 rows) lengths, tiled or not."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,7 +52,7 @@ def test_tail_is_bit_for_bit_the_separate_ops(ext, monkeypatch, tiled):
     assert gemma_tail.tail_parts(layer) is not None
     assert all(spec[2] == tiled for _, spec in gemma_tail.tail_parts(layer)[0])
     ids = mx.random.randint(0, 256, (2, 300), key=mx.random.key(1))
-    # 300 rows: two passes of 128 and one of 44 when tiled; decode and short prompts
+    # 300 rows: four passes of 64 and one of 44 when tiled; decode and short prompts
     for x in (ids, ids[:1, :5], ids[:, :1]):
         fused, separate = (logits(model, x, on, monkeypatch) for on in (True, False))
         assert fused.dtype == separate.dtype and fused.shape == separate.shape

@@ -134,7 +134,7 @@ def tiled_linear(n_out: int, n_in: int, bits: int, dtype, seed: int, symmetric: 
 @pytest.mark.parametrize("dtype,symmetric", [(mx.float32, False), (mx.float16, True),
                                              (mx.bfloat16, False)])
 def test_a_tiled_tail_in_row_passes_equals_the_separate_ops(ext, B, L, dtype, symmetric):
-    # A prefill chunk's tail runs 128 rows at a time when its linears are tiled (bounding
+    # A prefill chunk's tail runs 64 rows at a time when its linears are tiled (bounding
     # its MLP activations); the rows' results must not change.
     if not ops.tiled_supported():
         pytest.skip("this CPU has no AVX-512 VNNI: the tiled matmul is not built")

@@ -6,7 +6,7 @@ llama-family two-op layers) at several us of dispatch each. The tail computes o_
 the post-attention norm, the float16 residual sum, the pre-MLP norm, gate, up, the tanh
 GELU product, down, the post-MLP norm and the second residual sum in one node, each step
 rounded to the dtype its own op gives: bit for bit the separate ops. A prefill chunk runs
-128 rows at a time when every linear is tiled, so its MLP activations are 128 rows', not
+64 rows at a time when every linear is tiled, so its MLP activations are 64 rows', not
 512's (the memory bar of a long prompt).
 """
 

@@ -2,9 +2,9 @@
 // (o_proj, three norms, two residual sums, gate, up, the GELU product, down, reshapes) at
 // several us of dispatch each; this computes the same ops one after another in one task,
 // each result rounded to the dtype its own op gives, so the outputs are bit-identical.
-// Like `layer_tail`, a prefill chunk runs 128 rows at a time when every linear is tiled
+// Like `layer_tail`, a prefill chunk runs 64 rows at a time when every linear is tiled
 // (a tiled matmul gives a row the same bits whatever rows run with it): the MLP's
-// activations then exist for 128 rows, not the chunk's 512.
+// activations then exist for 64 rows, not the chunk's 512.
 #include <algorithm>
 #include <cstring>
 #include <stdexcept>
