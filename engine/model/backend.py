@@ -8,7 +8,6 @@ variables read on every call, so a test or a user can flip them in-process.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 
 import mlx.core as mx
 
@@ -53,23 +52,3 @@ def cpu_compile_off() -> None:
     """
     if backend() == "cpu":
         mx.disable_compile()
-
-
-@contextmanager
-def uncached_buffers():
-    """On the CPU backend, buffers freed inside go back to the allocator, not MLX's cache.
-
-    A prefill chunk frees MBs of scratch per layer in sizes the next layer does not reuse
-    exactly, so the cache grows beside the live arrays: a Gemma-3-1B-shaped Q4_0 file's
-    606-token prompt peaked at 730.6 MB RSS with it, 700.6 MB without. Decode steps keep
-    the cache (without it they measured ~6 % slower, within noise). Metal and CUDA keep theirs.
-    """
-    if backend() != "cpu":
-        yield
-        return
-    previous = mx.set_cache_limit(0)
-    mx.clear_cache()  # what earlier steps left cached is no use to a chunk's sizes
-    try:
-        yield
-    finally:
-        mx.set_cache_limit(previous)
