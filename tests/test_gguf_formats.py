@@ -17,7 +17,7 @@ from app.dev import gguf_writer
 from app.dev.make_model import make_model, random_model
 from engine.errors import ModelLoadError
 from engine.model import gguf_quants
-from engine.model.gguf import convert, converted_dir
+from engine.model.gguf import KQUANT_STEPS, convert, converted_dir
 
 pytestmark = pytest.mark.subprocess  # conversions (converted_dir) run in a child process
 
@@ -127,11 +127,34 @@ def test_q4_k_m_file_loads_on_the_tiled_path(tmp_path):
         assert kinds <= {"CpuTiledLinear", "CpuTiledEmbedding", "CpuQuantizedLinear",
                          "CpuQuantizedEmbedding"}, kinds
         _two_op_layers_with_qkv_apart(loaded)
+        _k_quant_codes_kept(loaded, tmp_path / "m.gguf")
     same, _ = mlx_load(loaded.path)
     a, b = same(IDS), loaded.model(IDS)
     assert (mx.abs(a - b).max() / mx.abs(a).max()).item() < 1e-2
     floats = random_model(dict(config, vocab_size=512), seed=2)(IDS)
     assert (mx.abs(a - floats).mean() / mx.abs(floats).mean()).item() < 0.5
+
+
+def _k_quant_codes_kept(loaded, path):
+    """Its Q4_K linears keep codes and steps (`cpu_ext.kquant`), Q6_K ones float16, and the
+    logits are the bits of the same file loaded with float16 scales throughout."""
+    from unittest import mock
+
+    from engine import load_model
+    from engine.model.cpu_ext import kquant
+
+    dtypes = [str(m["scales"].dtype) for _, m in loaded.model.named_modules()
+              if type(m).__name__ == "CpuTiledLinear"]
+    assert "mlx.core.uint8" in dtypes and "mlx.core.float16" in dtypes, dtypes
+    with mock.patch.object(kquant, "load_steps", return_value={}):
+        plain = load_model(str(path))
+    assert plain.weight_bytes > loaded.weight_bytes
+    assert mx.array_equal(plain.model(IDS), loaded.model(IDS)).item()
+    steps = loaded.path / KQUANT_STEPS  # damaged: the load keeps float16 scales, same bits
+    steps.write_bytes(steps.read_bytes()[: steps.stat().st_size // 2])
+    damaged = load_model(str(path))
+    assert damaged.weight_bytes == plain.weight_bytes
+    assert mx.array_equal(damaged.model(IDS), loaded.model(IDS)).item()
 
 
 def _two_op_layers_with_qkv_apart(loaded):

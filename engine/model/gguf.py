@@ -37,7 +37,10 @@ from engine.paths import (
 )
 
 # Bumped when the conversion changes what it writes: a new directory, not a stale one.
-CONVERTER_VERSION = 3
+CONVERTER_VERSION = 4
+# Q4_K/Q5_K tensors' steps per 256 weights (`gguf_quants.k_steps`), beside the model: not a
+# model*.safetensors file, so mlx-lm's loader never sees them.
+KQUANT_STEPS = "kquant_steps.safetensors"
 
 
 def _write_tree(out_dir: Path, write) -> None:
@@ -103,7 +106,9 @@ def convert_tensor(t, raw, arch: str) -> tuple[list, dict]:
     """One GGUF tensor (``raw``: its bytes) as [(mlx-lm name, numpy array, safetensors
     dtype)] and its config.json ``quantization`` entry: quantized blocks as MLX affine
     ``weight``/``scales``/``biases`` ({layer: group, bits}; 3-D experts stacked per
-    expert), float tensors as they are (gemma3 norms less 1; no entry)."""
+    expert), float tensors as they are (gemma3 norms less 1; no entry). A 2-D Q4_K/Q5_K
+    matrix adds its ``scales_step`` and ``biases_step`` (`gguf_quants.k_steps`), which
+    `convert` writes to `KQUANT_STEPS`."""
     import numpy as np
 
     kind = t.tensor_type.name
@@ -129,9 +134,11 @@ def convert_tensor(t, raw, arch: str) -> tuple[list, dict]:
         kind, raw, (int(np.prod(shape[:-1])), shape[-1]))
     w, scales, biases = (a.reshape(*shape[:-1], a.shape[-1]) for a in (w, scales, biases))
     base = name.removesuffix(".weight")
-    return ([(name, w, None), (f"{base}.scales", scales, None),
-             (f"{base}.biases", biases, None)],
-            {base: {"group_size": gguf_quants.GROUP, "bits": bits}})
+    arrays = [(name, w, None), (f"{base}.scales", scales, None), (f"{base}.biases", biases, None)]
+    steps = gguf_quants.k_steps(kind, raw, shape) if len(shape) == 2 else None
+    if steps is not None:
+        arrays += [(f"{base}.scales_step", steps[0], None), (f"{base}.biases_step", steps[1], None)]
+    return arrays, {base: {"group_size": gguf_quants.GROUP, "bits": bits}}
 
 
 def convert(gguf_path: Path, out_dir: Path) -> Path:
@@ -154,6 +161,7 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
     def write(tmp: Path) -> None:
         names, quantization, extra = set(), {}, {}
         writer = SafetensorsWriter(tmp / "model.safetensors")
+        steps = SafetensorsWriter(tmp / KQUANT_STEPS)
         try:
             with open(gguf_path, "rb") as f:
                 for t in tensors:
@@ -162,14 +170,22 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
                         continue
                     arrays, quant = convert_tensor(t, _raw(f, t), arch)
                     for name, arr, dtype in arrays:
+                        if name.endswith("_step"):
+                            steps.add(name, arr, dtype)
+                            continue
                         writer.add(name, arr, dtype)
                         names.add(name)
                     quantization.update(quant)
                     del arrays  # before the next tensor's conversion
         except BaseException:
             writer.abort()
+            steps.abort()
             raise
         writer.close({"format": "mlx"})
+        if len(steps):
+            steps.close({"format": "kvchat-kquant-steps"})
+        else:
+            steps.abort()
         config = gguf_config.model_config(meta, names, quantization, extra)
         files = {
             "config.json": json.dumps(config, indent=2),

@@ -157,6 +157,22 @@ def to_affine(kind: str, data: np.ndarray, shape: tuple[int, int]
     return w, scales, biases, bits
 
 
+def k_steps(kind: str, data: np.ndarray, shape: tuple[int, int]
+            ) -> tuple[np.ndarray, np.ndarray] | None:
+    """A Q4_K/Q5_K matrix's float16 steps per 256 weights, (rows, columns / 256) each: d,
+    of which each scale of `to_affine` is d x sc, and -dmin, of which each bias is -dmin x m
+    (sc, m < 64), both before rounding to float16. The tiled matmul keeps the codes and these
+    steps instead of float16 scales and biases (`cpu_ext.kquant`): 0.625 bits a weight, not
+    1. None for other kinds."""
+    if kind not in ("Q4_K", "Q5_K"):
+        return None
+    rows, cols = shape
+    blocks = np.asarray(data).reshape(-1).view(np.uint8).reshape(-1, BLOCKS[kind][1])
+    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16)[:, 0]
+    dmin = np.ascontiguousarray(blocks[:, 2:4]).view(np.float16)[:, 0]
+    return d.reshape(rows, cols // QK_K), (-dmin).reshape(rows, cols // QK_K)
+
+
 def _rows_affine(kind: str, raw: np.ndarray, rows: int, cols: int, bits: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`to_affine` of whole rows (``raw``: their blocks, (rows, bytes per row))."""

@@ -221,11 +221,11 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
                                                                              float_budget_bytes)
     matmul = "mlx"
     if cpu_ext:
-        from engine.model.cpu_ext import linear, norm_rope, switch
+        from engine.model.cpu_ext import kquant, linear, norm_rope, switch
 
         tiled = tiled and linear.tiled_enabled()
         with memory.no_buffer_cache():  # each re-laid layer's old buffers freed at once
-            linear.install(model, tiled=tiled)
+            linear.install(model, tiled=tiled, steps=kquant.load_steps(path) if tiled else None)
             if tiled:
                 switch.install(model)  # MoE experts (use_cpu_ext required tiled for them)
         norm_rope.install(model)  # one op each instead of MLX's ~11 / ~34 on CPU

@@ -49,6 +49,10 @@ class SafetensorsWriter:
                                "data_offsets": [self._offset, end]}
         self._offset = end
 
+    def __len__(self) -> int:
+        """Tensors added so far."""
+        return len(self._entries)
+
     def close(self, metadata: dict[str, str] | None = None) -> None:
         """Write the file: the header, then the tensors' bytes."""
         self._side.close()

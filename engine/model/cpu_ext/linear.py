@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from engine.model.cpu_ext import bit_planes, ops
+from engine.model.cpu_ext import bit_planes, kquant, ops
 
 
 def supported(layer: nn.Module, bits: tuple[int, ...] = ops.QMM_BITS) -> bool:
@@ -43,13 +43,22 @@ def rebind(cls, layer: nn.Module) -> nn.Module:
     return new
 
 
-def rebind_layout(cls, layer: nn.Module) -> nn.Module:
+def rebind_layout(cls, layer: nn.Module, steps: tuple | None = None) -> nn.Module:
     """`rebind`; for a ``cls.tiled`` class, with the weight, scales and biases re-laid by
     `ops.tile` (new arrays: the layer's own are freed with it). Biases that are all one
     factor times their scales (`bias_factor`) become that (1, 1) factor: a symmetric file
-    (GGUF Q4_0, Q8_0) then holds no biases, ~1/9 of a 4-bit layer's bytes."""
+    (GGUF Q4_0, Q8_0) then holds no biases, ~1/9 of a 4-bit layer's bytes. With a GGUF
+    K-quant layer's ``steps`` (scales and biases steps), scales and biases become its codes
+    and steps where they are exactly that (`kquant.compact`), 0.625 bits a weight not 1."""
     new = rebind(cls, layer)
-    if cls.tiled:
+    compact = kquant.compact(layer["scales"], layer["biases"], *steps) if cls.tiled and steps \
+        else None
+    if compact:
+        new["weight"] = ops.tile(layer["weight"], layer["scales"], layer["biases"],
+                                 layer.group_size, layer.bits)[0]
+        new["scales"], new["biases"] = compact
+        mx.eval(new["weight"])
+    elif cls.tiled:
         factor = bias_factor(layer)
         biases = layer["biases"] if factor is None else mx.full(
             (1, 1), factor, dtype=layer["scales"].dtype)
@@ -86,8 +95,9 @@ class CpuQuantizedLinear(nn.QuantizedLinear):
     tiled = False  # parameters in `ops.tile`'s layout (`CpuTiledLinear`)
 
     @classmethod
-    def from_quantized(cls, layer: nn.QuantizedLinear) -> CpuQuantizedLinear:
-        return rebind_layout(cls, layer)
+    def from_quantized(cls, layer: nn.QuantizedLinear, steps: tuple | None = None
+                       ) -> CpuQuantizedLinear:
+        return rebind_layout(cls, layer, steps)
 
     def __call__(self, x: mx.array) -> mx.array:
         y = ops.qmm(x, self["weight"], self["scales"], self["biases"],
@@ -154,19 +164,25 @@ class CpuTiledEmbedding(CpuQuantizedEmbedding):
                                self.group_size, self.bits)
 
 
-def install(model: nn.Module, *, tiled: bool = False) -> int:
+def install(model: nn.Module, *, tiled: bool = False,
+            steps: dict[str, mx.array] | None = None) -> int:
     """Swap the supported quantized layers of `model` in place; returns how many.
 
     With ``tiled``, the layers that fit the tiled layout become `CpuTiledLinear` /
-    `CpuTiledEmbedding`."""
+    `CpuTiledEmbedding`; a linear named in ``steps`` (`kquant.load_steps`) keeps its GGUF
+    K-quant scales as codes and steps."""
+    steps = steps or {}
     count = 0
     # largest first: a layer's re-laid copy and its lazily loaded source are alive together,
     # and the embedding's pair is the peak only while the rest is not yet loaded
     modules = sorted(model.named_modules(), key=lambda nm: -_weight_bytes(nm[1]))
     for name, module in modules:
         if tiled and tileable(module):
-            cls = CpuTiledLinear if isinstance(module, nn.QuantizedLinear) else CpuTiledEmbedding
-            new = cls.from_quantized(module)
+            if isinstance(module, nn.QuantizedLinear):
+                new = CpuTiledLinear.from_quantized(module, (steps.get(f"{name}.scales_step"),
+                                                             steps.get(f"{name}.biases_step")))
+            else:
+                new = CpuTiledEmbedding.from_quantized(module)
         elif type(module) in (nn.QuantizedLinear, nn.QuantizedEmbedding) and supported(
                 module, ops.TILED_BITS):
             cls = CpuQuantizedLinear if isinstance(module, nn.QuantizedLinear) \
@@ -268,7 +284,8 @@ class QkvParts(nn.Module):
                    and "bias" not in m and m.group_size == first.group_size
                    and m["weight"].shape[1] * 32 // m.bits
                    == first["weight"].shape[1] * 32 // first.bits
-                   and m["scales"].dtype == first["scales"].dtype for m in layers):
+                   and kquant.param_dtype(m["scales"]) == kquant.param_dtype(first["scales"])
+                   for m in layers):
             return None
         return cls(list(layers))
 

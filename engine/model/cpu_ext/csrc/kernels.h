@@ -25,6 +25,17 @@ inline bool scaled_biases(const mx::array& biases, const mx::array& scales) {
          scales.shape() != biases.shape();
 }
 
+// K-quant steps (tiled weights only): scales and biases as uint8 codes, each group's
+// float16 value its code times a float16 step per 8 groups (`ops.tile_kquant`'s layout).
+inline bool kquant_params(const mx::array& scales) {
+  return scales.dtype() == mx::uint8;
+}
+
+// The float dtype scales and biases stand for (K-quant codes: float16, as converted).
+inline mx::Dtype param_dtype(const mx::array& scales) {
+  return kquant_params(scales) ? mx::float16 : scales.dtype();
+}
+
 // What `qmm` checks of its arguments, for an x of K columns (std::invalid_argument when
 // they do not fit).
 void check_qmm(int K, mx::Dtype x_dtype, const mx::array& w, const mx::array& scales,

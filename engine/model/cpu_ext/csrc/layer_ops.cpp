@@ -203,7 +203,7 @@ std::vector<mx::array> layer_head(const mx::array& h, const mx::array& norm,
     const LinearSpec& sp = specs[p];
     check_qmm(h.shape(2), h.dtype(), qkv[3 * p], qkv[3 * p + 1], qkv[3 * p + 2], sp.group,
               sp.bits, sp.tiled);
-    if (qkv[3 * p + 1].dtype() != qkv[1].dtype())
+    if (param_dtype(qkv[3 * p + 1]) != param_dtype(qkv[1]))
       throw std::invalid_argument("layer_head: q, k and v scales of one dtype");
     N += qkv[3 * p].shape(0);
   }

@@ -37,7 +37,7 @@ void linear(const mx::array& x, const mx::array* wsb, mx::array& out, const Line
 }
 
 mx::Dtype after(const mx::array& x, const mx::array& scales) {
-  return mx::promote_types(x.dtype(), scales.dtype());
+  return mx::promote_types(x.dtype(), param_dtype(scales));
 }
 
 // Rows per pass of a tail whose linears are all tiled: the MLP's activations (2 F + F

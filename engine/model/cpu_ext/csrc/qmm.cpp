@@ -166,7 +166,9 @@ void qmm_into(const mx::array& x, const mx::array& w, const mx::array& scales,
   QuantWeights q;
   q.w = static_cast<const uint8_t*>(row_major(w, w_buf));
   q.scales = row_major(scales, s_buf);
-  q.elem = elem_of(scales.dtype());
+  q.kquant = kquant_params(scales);
+  q.elem = elem_of(param_dtype(scales));
+  if (q.kquant && !tiled) throw std::invalid_argument("qmm: K-quant codes need tiled weights");
   if (scaled_biases(biases, scales)) {
     q.biases = nullptr;
     q.bias_factor = scalar_any(row_major(biases, b_buf), q.elem, 0);
@@ -221,17 +223,24 @@ void check_qmm(int K, mx::Dtype x_dtype, const mx::array& w, const mx::array& sc
   if (w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2)
     throw std::invalid_argument("qmm: x needs >= 1 dims; w, scales, biases 2");
   if (w.dtype() != mx::uint32) throw std::invalid_argument("qmm: w must be uint32 (packed)");
-  if (!is_float_dtype(x_dtype) || !is_float_dtype(scales.dtype()) ||
+  const bool kquant = kquant_params(scales);
+  if (!is_float_dtype(x_dtype) || !(is_float_dtype(scales.dtype()) || kquant) ||
       biases.dtype() != scales.dtype())
-    throw std::invalid_argument("qmm: x, scales and biases must be float32/float16/bfloat16");
+    throw std::invalid_argument("qmm: x, scales and biases must be float32/float16/bfloat16 "
+                                "(tiled: or uint8 K-quant codes)");
   const int N = w.shape(0);
+  const int G = K / group_size;
+  if (kquant && (!tiled || group_size != 32 || G % 8 != 0 || K % group_size != 0 ||
+                 scales.shape() != mx::Shape({N, G / 8 * 10}) || biases.shape() != scales.shape()))
+    throw std::invalid_argument("qmm: K-quant codes need tiled weights, groups of 32 in 8s "
+                                "and scales and biases (N, K / 256 * 10) uint8");
   if (tiled && (N % 16 != 0 || group_size % 32 != 0 || !tiled_supported()))
     throw std::invalid_argument("qmm: tiled weights need rows in 16s, groups of 32s and "
                                 "AVX-512 VNNI");
   if (scaled_biases(biases, scales) && !tiled)
     throw std::invalid_argument("qmm: a (1, 1) bias factor needs tiled weights");
   if (K % group_size != 0 || int64_t(w.shape(1)) * 32 / bits != K ||
-      scales.shape(0) != N || scales.shape(1) != K / group_size ||
+      scales.shape(0) != N || (scales.shape(1) != K / group_size && !kquant) ||
       (biases.shape() != scales.shape() && !scaled_biases(biases, scales)))
     throw std::invalid_argument("qmm: shapes of x " + std::to_string(K) +
                                 " and w/scales/biases do not match");
@@ -244,7 +253,7 @@ mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
   check_qmm(x.shape(-1), x.dtype(), w, scales, biases, group_size, bits, tiled);
   auto shape = x.shape();
   shape.back() = w.shape(0);
-  const mx::Dtype dtype = mx::promote_types(x.dtype(), scales.dtype());
+  const mx::Dtype dtype = mx::promote_types(x.dtype(), param_dtype(scales));
   auto stream = mx::to_stream(s, mx::Device::cpu);
   return mx::array(shape, dtype, std::make_shared<QuantizedMatmul>(stream, group_size, bits, tiled),
                    {x, w, scales, biases});

@@ -159,9 +159,8 @@ void tile_rows(const QuantWeights& q, const QuantX& qx, int t, int64_t m0, int64
             isum[r], row_sums(_mm512_add_epi32(lo0, lo1), _mm512_add_epi32(hi0, hi1)));
       }
     }
-    const int64_t pidx = (int64_t(t) * G + g) * kTile;
-    const __m512 S = load_params(q.scales, q.elem, pidx);
-    const __m512 B = load_biases(q, pidx, S);
+    const __m512 S = load_scales(q, t, g);
+    const __m512 B = load_biases(q, t, g, S);
     for (int r = 0; r < rows; ++r) {
       const int64_t mg = (m0 + r) * G + g;
       const __m512 f = _mm512_cvtepi32_ps(isum[r]);

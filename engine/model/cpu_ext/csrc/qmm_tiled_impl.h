@@ -26,9 +26,28 @@ inline __m512 load_params(const void* base, Elem e, int64_t i) {
   return reinterpret_cast<__m512>(load_any(base, e, i));
 }
 
-// Biases of the 16 rows at params index i, whose scales are S: stored, or bias_factor x S.
-inline __m512 load_biases(const QuantWeights& q, int64_t i, __m512 S) {
-  return q.biases ? load_params(q.biases, q.elem, i) : _mm512_mul_ps(S, _mm512_set1_ps(q.bias_factor));
+// Tile t's group g of K-quant codes at `base` (`QuantWeights::kquant`): code x step, rounded
+// to float16 as the converter rounded d x sc: the same bits as its float16 scales.
+inline __m512 kquant_params(const void* base, int G, int t, int g) {
+  const uint8_t* blk = static_cast<const uint8_t*>(base) + (int64_t(t) * (G / 8) + g / 8) * 160;
+  const __m512 code = _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + g % 8 * 16))));
+  const __m512 step =
+      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128)));
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(code, step), _MM_FROUND_TO_NEAREST_INT));
+}
+
+// Scales of tile t's group g (16 rows).
+inline __m512 load_scales(const QuantWeights& q, int t, int g) {
+  if (q.kquant) return kquant_params(q.scales, q.G, t, g);
+  return load_params(q.scales, q.elem, (int64_t(t) * q.G + g) * kTile);
+}
+
+// Biases of tile t's group g, whose scales are S: stored, or bias_factor x S.
+inline __m512 load_biases(const QuantWeights& q, int t, int g, __m512 S) {
+  if (q.kquant) return kquant_params(q.biases, q.G, t, g);
+  return q.biases ? load_params(q.biases, q.elem, (int64_t(t) * q.G + g) * kTile)
+                  : _mm512_mul_ps(S, _mm512_set1_ps(q.bias_factor));
 }
 
 // Tile t's group g: its 16 rows x group weights (2 * group * bits bytes).

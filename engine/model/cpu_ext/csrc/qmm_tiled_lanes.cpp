@@ -65,10 +65,9 @@ void unpack_tile(const QuantWeights& q, int t, int32_t* wp, float* s, float* b) 
       _mm512_storeu_si512(dst, lo);
       _mm512_storeu_si512(dst + kTile, hi);
     }
-    const int64_t pidx = (int64_t(t) * q.G + g) * kTile;
-    const __m512 S = load_params(q.scales, q.elem, pidx);
+    const __m512 S = load_scales(q, t, g);
     _mm512_storeu_ps(s + g * kTile, S);
-    _mm512_storeu_ps(b + g * kTile, load_biases(q, pidx, S));
+    _mm512_storeu_ps(b + g * kTile, load_biases(q, t, g, S));
   }
 }
 

@@ -24,6 +24,9 @@ struct QuantWeights {
   // A symmetric format (GGUF Q4_0/Q8_0: w = d * (q - 8) / d * (q - 128)) needs no stored
   // biases: -8 x a float16 scale is exact in float32, so the results are the same bits.
   float bias_factor = 0.0f;
+  // GGUF K-quant steps (tiled kernels only): scales and biases are uint8 codes, per tile
+  // and 8 groups 160 bytes: codes (group, row), then 16 float16 steps (`ops.tile_kquant`).
+  bool kquant = false;
 
   int64_t row_bytes() const {
     return int64_t(K) * bits / 8;
