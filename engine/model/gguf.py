@@ -4,8 +4,9 @@ The directory (safetensors in MLX affine format, config.json, tokenizer.json,
 tokenizer_config.json) is what `mlx_lm.load` opens, so kvchat and mlx-lm run
 the very same weights. What it relies on:
 - gguf-py's reader (memory-mapped; metadata and each tensor's raw blocks);
-- `gguf_quants`: Q4_0/Q4_1/Q4_K -> 4-bit and Q8_0/Q5_0/Q5_1/Q5_K -> 8-bit MLX affine
-  tensors exactly, Q6_K re-quantized to 8 bits; other types refused in one line;
+- `gguf_quants`: Q4_0/Q4_1/Q4_K -> 4-bit, Q5_0/Q5_1/Q5_K -> 5-bit and Q8_0 -> 8-bit MLX
+  affine tensors exactly, Q6_K re-quantized to 6 bits per 32; other types refused in one
+  line; Q4_K/Q5_K steps per 256 weights also to `KQUANT_STEPS` (the tiled path's codes);
 - `gguf_config`: llama, qwen2, qwen3, gemma3, phi3, qwen3moe onto mlx-lm's modules;
 - the tokenizer from the metadata: kvchat's own byte-level BPE builder for the GPT-2-style
   vocabularies it was written for, transformers' GGUF converter for the rest.
