@@ -8,6 +8,8 @@ weights (Q4_K_M) and loaded into that float model (Q8_0).
 
 from __future__ import annotations
 
+from unittest import mock
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -157,7 +159,7 @@ def test_k_quant_moe_runs_on_the_tiled_experts(files):
     from mlx_lm.utils import load_model as mlx_load
 
     from engine import load_model
-    from engine.model.cpu_ext import build, linear
+    from engine.model.cpu_ext import build, kquant, linear
 
     if not (build.available() and linear.tiled_enabled()):
         pytest.skip("needs the CPU extension's tiled path")
@@ -168,11 +170,18 @@ def test_k_quant_moe_runs_on_the_tiled_experts(files):
     assert loaded.cpu_ext and len(experts) == 6, experts
     assert {kind for kind, _ in experts} == {"CpuTiledSwitchLinear"}
     assert {bits for _, bits in experts} == {4, 6}
+    # Q4_K experts keep codes and steps (`cpu_ext.kquant`), Q6_K ones float16 scales
+    dtypes = {(m.bits, str(m["scales"].dtype)) for n, m in loaded.model.named_modules()
+              if n.split(".")[-2:-1] == ["switch_mlp"] and hasattr(m, "bits")}
+    assert dtypes == {(4, "mlx.core.uint8"), (6, "mlx.core.float16")}, dtypes
+    with mock.patch.object(kquant, "load_steps", return_value={}):
+        plain = load_model(str(conv))
     ref, _ = mlx_load(conv)
     for piece in (IDS, IDS[:, :1]):
         a, b = ref(piece), loaded.model(piece)
         assert _rel(a, b) < 2e-3
         assert (a.argmax(-1) == b.argmax(-1)).all().item()
+        assert mx.array_equal(plain.model(piece), b).item()  # the float16 scales' bits
 
 
 def test_moe_layouts_llama_cpp_cannot_hold_are_not_written(tmp_path):

@@ -107,8 +107,8 @@ def convert_tensor(t, raw, arch: str) -> tuple[list, dict]:
     """One GGUF tensor (``raw``: its bytes) as [(mlx-lm name, numpy array, safetensors
     dtype)] and its config.json ``quantization`` entry: quantized blocks as MLX affine
     ``weight``/``scales``/``biases`` ({layer: group, bits}; 3-D experts stacked per
-    expert), float tensors as they are (gemma3 norms less 1; no entry). A 2-D Q4_K/Q5_K
-    matrix adds its ``scales_step`` and ``biases_step`` (`gguf_quants.k_steps`), which
+    expert), float tensors as they are (gemma3 norms less 1; no entry). A Q4_K/Q5_K
+    tensor adds its ``scales_step`` and ``biases_step`` (`gguf_quants.k_steps`), which
     `convert` writes to `KQUANT_STEPS`."""
     import numpy as np
 
@@ -136,9 +136,10 @@ def convert_tensor(t, raw, arch: str) -> tuple[list, dict]:
     w, scales, biases = (a.reshape(*shape[:-1], a.shape[-1]) for a in (w, scales, biases))
     base = name.removesuffix(".weight")
     arrays = [(name, w, None), (f"{base}.scales", scales, None), (f"{base}.biases", biases, None)]
-    steps = gguf_quants.k_steps(kind, raw, shape) if len(shape) == 2 else None
+    steps = gguf_quants.k_steps(kind, raw, (int(np.prod(shape[:-1])), shape[-1]))
     if steps is not None:
-        arrays += [(f"{base}.scales_step", steps[0], None), (f"{base}.biases_step", steps[1], None)]
+        for side, step in zip(("scales", "biases"), steps, strict=True):
+            arrays.append((f"{base}.{side}_step", step.reshape(*shape[:-1], -1), None))
     return arrays, {base: {"group_size": gguf_quants.GROUP, "bits": bits}}
 
 

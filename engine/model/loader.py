@@ -224,10 +224,12 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
         from engine.model.cpu_ext import kquant, linear, norm_rope, switch
 
         tiled = tiled and linear.tiled_enabled()
+        steps = kquant.load_steps(path) if tiled else None  # GGUF K-quant codes kept
         with memory.no_buffer_cache():  # each re-laid layer's old buffers freed at once
-            linear.install(model, tiled=tiled, steps=kquant.load_steps(path) if tiled else None)
+            linear.install(model, tiled=tiled, steps=steps)
             if tiled:
-                switch.install(model)  # MoE experts (use_cpu_ext required tiled for them)
+                switch.install(model, steps)  # MoE experts (use_cpu_ext required them tiled)
+        del steps
         norm_rope.install(model)  # one op each instead of MLX's ~11 / ~34 on CPU
         # Same weights, other rounding than the float32 path: cached K/V must not mix.
         compute = CPU_EXT_TILED_COMPUTE if tiled else CPU_EXT_COMPUTE

@@ -13,7 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.model.cpu_ext import build, ops
+from engine.model.cpu_ext import build, kquant, ops
 from engine.model.cpu_ext.linear import rebind, replace_layer
 
 
@@ -41,14 +41,21 @@ class CpuTiledSwitchLinear(_switch_base()):
     them."""
 
     @classmethod
-    def from_quantized(cls, layer) -> CpuTiledSwitchLinear:
+    def from_quantized(cls, layer, steps: tuple | None = None) -> CpuTiledSwitchLinear:
+        """The tiled experts of ``layer``; with GGUF K-quant ``steps`` (scales and biases
+        steps, (experts, rows, columns / 256)), scales and biases as codes and steps where
+        they are exactly that (`kquant.compact`)."""
         new = rebind(cls, layer)
         # every expert in one call: tiles are 16 rows, so the stacked experts' rows tile as
         # each expert's would
         keys = ("weight", "scales", "biases")
         rows = [layer[k].reshape(-1, layer[k].shape[-1]) for k in keys]
+        flat = [s.reshape(-1, s.shape[-1]) if s is not None else None for s in steps or ()]
+        compact = kquant.compact(rows[1], rows[2], *flat) if flat else None
         for key, tiled in zip(keys, ops.tile(*rows, layer.group_size, layer.bits), strict=True):
-            new[key] = tiled.reshape(layer[key].shape)
+            if compact and key != "weight":
+                tiled = compact[key == "biases"]
+            new[key] = tiled.reshape(*layer[key].shape[:-1], tiled.shape[-1])
             mx.eval(new[key])
         return new
 
@@ -68,14 +75,16 @@ class CpuTiledSwitchLinear(_switch_base()):
         return y.reshape(*shape, 1, y.shape[-1])
 
 
-def install(model: nn.Module) -> int:
+def install(model: nn.Module, steps: dict[str, mx.array] | None = None) -> int:
     """Swap every supported `QuantizedSwitchLinear` of ``model`` for a
     `CpuTiledSwitchLinear`, one at a time (the untiled experts dropped at once); returns
-    how many."""
+    how many. Those named in ``steps`` (`kquant.load_steps`) keep K-quant codes."""
     count = 0
+    steps = steps or {}
     for name, module in model.named_modules():
         if switch_supported(module):
-            replace_layer(model, name, module, CpuTiledSwitchLinear.from_quantized(module),
+            pair = (steps.get(f"{name}.scales_step"), steps.get(f"{name}.biases_step"))
+            replace_layer(model, name, module, CpuTiledSwitchLinear.from_quantized(module, pair),
                           drop_old=True)
             count += 1
     return count

@@ -88,7 +88,7 @@ mx::array switch_qmm(const mx::array& x, const mx::array& w, const mx::array& sc
             biases.ndim() == 3 ? slice(biases) : biases, group, bits, true);
   auto stream = mx::to_stream(s, mx::Device::cpu);
   return mx::array({int(indices.size()), w.shape(1)},
-                   mx::promote_types(x.dtype(), scales.dtype()),
+                   mx::promote_types(x.dtype(), param_dtype(scales)),
                    std::make_shared<SwitchQmm>(stream, group, bits), {x, w, scales, biases, indices});
 }
 
