@@ -26,7 +26,7 @@ inline bool scaled_biases(const mx::array& biases, const mx::array& scales) {
 }
 
 // K-quant steps (tiled weights only): scales and biases as uint8 codes, each group's
-// float16 value its code times a float16 step per 8 groups (`ops.tile_kquant`'s layout).
+// float16 value its code times a float16 step per 8 groups (`cpu_ext/kquant.py`'s layout).
 inline bool kquant_params(const mx::array& scales) {
   return scales.dtype() == mx::uint8;
 }

@@ -130,6 +130,7 @@ void tile_rows(const QuantWeights& q, const QuantX& qx, int t, int64_t m0, int64
   for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t gbytes = int64_t(q.group) * 2 * BITS;
   const int64_t pf = prefetch_bytes();
+  __m512 k_step = _mm512_setzero_ps(), k_bstep = k_step;
   for (int g = 0; g < G; ++g) {
     const uint8_t* wg = tile_group(q, t, g);
     if (pf)
@@ -159,8 +160,13 @@ void tile_rows(const QuantWeights& q, const QuantX& qx, int t, int64_t m0, int64
             isum[r], row_sums(_mm512_add_epi32(lo0, lo1), _mm512_add_epi32(hi0, hi1)));
       }
     }
-    const __m512 S = load_scales(q, t, g);
-    const __m512 B = load_biases(q, t, g, S);
+    if (q.kquant && g % 8 == 0) {  // a K-quant block's steps serve its 8 groups
+      k_step = kquant_step(q.scales, G, t, g);
+      k_bstep = kquant_step(q.biases, G, t, g);
+    }
+    const __m512 S = q.kquant ? kquant_value(q.scales, G, t, g, k_step) : load_scales(q, t, g);
+    const __m512 B =
+        q.kquant ? kquant_value(q.biases, G, t, g, k_bstep) : load_biases(q, t, g, S);
     for (int r = 0; r < rows; ++r) {
       const int64_t mg = (m0 + r) * G + g;
       const __m512 f = _mm512_cvtepi32_ps(isum[r]);

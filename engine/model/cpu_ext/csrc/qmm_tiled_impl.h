@@ -26,15 +26,28 @@ inline __m512 load_params(const void* base, Elem e, int64_t i) {
   return reinterpret_cast<__m512>(load_any(base, e, i));
 }
 
-// Tile t's group g of K-quant codes at `base` (`QuantWeights::kquant`): code x step, rounded
-// to float16 as the converter rounded d x sc: the same bits as its float16 scales.
+// K-quant params (`QuantWeights::kquant`) at `base`: tile t's block of 8 groups from g on.
+inline const uint8_t* kquant_block(const void* base, int G, int t, int g) {
+  return static_cast<const uint8_t*>(base) + (int64_t(t) * (G / 8) + g / 8) * 160;
+}
+
+// The 16 rows' float16 steps of the block holding group g.
+inline __m512 kquant_step(const void* base, int G, int t, int g) {
+  return _mm512_cvtph_ps(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kquant_block(base, G, t, g) + 128)));
+}
+
+// Group g's 16 values: code x step, rounded to float16 as the converter rounded d x sc
+// (the same bits as its float16 scales and biases).
+inline __m512 kquant_value(const void* base, int G, int t, int g, __m512 step) {
+  const __m128i codes = _mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(kquant_block(base, G, t, g) + g % 8 * 16));
+  const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)), step);
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
 inline __m512 kquant_params(const void* base, int G, int t, int g) {
-  const uint8_t* blk = static_cast<const uint8_t*>(base) + (int64_t(t) * (G / 8) + g / 8) * 160;
-  const __m512 code = _mm512_cvtepi32_ps(
-      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + g % 8 * 16))));
-  const __m512 step =
-      _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128)));
-  return _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_mul_ps(code, step), _MM_FROUND_TO_NEAREST_INT));
+  return kquant_value(base, G, t, g, kquant_step(base, G, t, g));
 }
 
 // Scales of tile t's group g (16 rows).

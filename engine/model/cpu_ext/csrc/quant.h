@@ -25,7 +25,7 @@ struct QuantWeights {
   // biases: -8 x a float16 scale is exact in float32, so the results are the same bits.
   float bias_factor = 0.0f;
   // GGUF K-quant steps (tiled kernels only): scales and biases are uint8 codes, per tile
-  // and 8 groups 160 bytes: codes (group, row), then 16 float16 steps (`ops.tile_kquant`).
+  // and 8 groups 160 bytes: codes (group, row), then 16 float16 steps (`cpu_ext/kquant.py`).
   bool kquant = false;
 
   int64_t row_bytes() const {
