@@ -12,7 +12,8 @@ import struct
 import pytest
 
 from engine.errors import ModelLoadError
-from engine.model.gguf import converted_dir, rename_tensor
+from engine.model.fingerprint import file_digest
+from engine.model.gguf import CONVERTER_VERSION, converted_dir, rename_tensor
 from engine.model.loader import default_gguf_path, resolve_model_path
 from engine.paths import is_private_tree
 
@@ -97,6 +98,25 @@ def test_corrupt_gguf_says_not_a_valid_gguf(tmp_path, name, data, reason):
 
 
 @pytest.mark.subprocess  # each conversion runs in a child process
+def test_a_new_conversion_removes_the_old_versions_of_its_file(tmp_path):
+    """Converter version N's directory goes when N + 1 converts the same file; another
+    file's, a directory kvchat did not write privately and unrelated names stay."""
+    models = tmp_path / "models"
+    models.mkdir(mode=0o700)
+    digest = file_digest(default_gguf_path())[:16]
+    stem = f"{default_gguf_path().stem}-{digest}"
+    old, loose = models / f"{stem}-v{CONVERTER_VERSION - 1}", models / f"{stem}-v1"
+    keep = [models / f"other-{digest}-v{CONVERTER_VERSION - 1}", loose, models / f"{stem}-vx"]
+    for d in (old, *keep):
+        d.mkdir(mode=0o700)
+        (d / "config.json").write_text("{}")
+        os.chmod(d / "config.json", 0o600)
+    os.chmod(loose / "config.json", 0o666)  # not private: not ours to trust or remove
+    out = converted_dir(default_gguf_path(), root=models)
+    assert out.name == f"{stem}-v{CONVERTER_VERSION}"
+    assert not old.exists() and all(d.exists() for d in keep)
+
+
 def test_converted_dir_is_private_and_a_loose_one_is_redone(tmp_path):
     old = os.umask(0)
     try:

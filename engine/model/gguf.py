@@ -14,6 +14,8 @@ the very same weights. What it relies on:
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import shutil
@@ -184,10 +186,7 @@ def convert(gguf_path: Path, out_dir: Path) -> Path:
             steps.abort()
             raise
         writer.close({"format": "mlx"})
-        if len(steps):
-            steps.close({"format": "kvchat-kquant-steps"})
-        else:
-            steps.abort()
+        steps.close({"format": "kvchat-kquant-steps"}) if len(steps) else steps.abort()
         config = gguf_config.model_config(meta, names, quantization, extra)
         files = {
             "config.json": json.dumps(config, indent=2),
@@ -271,7 +270,18 @@ def converted_dir(gguf_path: Path, root: Path | None = None) -> Path:
         )
         if proc.returncode != 0:
             raise _child_failure(gguf_path, proc)
+        _drop_other_versions(out)
     return out
+
+
+def _drop_other_versions(out: Path) -> None:
+    """Remove other converter versions' directories of the same file (as big as the model,
+    never read again); one not ours or not a conversion stays."""
+    stem = out.name.rsplit("-v", 1)[0]
+    for old in out.parent.glob(f"{glob.escape(stem)}-v*"):
+        if old != out and old.name[len(stem) + 2:].isdigit() and is_private_tree(old):
+            with contextlib.suppress(OSError):
+                remove_own(old)
 
 
 def child_main(argv: list[str]) -> int:
