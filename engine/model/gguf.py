@@ -133,12 +133,12 @@ def convert_tensor(t, raw, arch: str) -> tuple[list, dict]:
         raise ModelLoadError(f"GGUF tensor {t.name}: a quantized tensor of shape {shape}")
     # experts (n, rows, columns): blocks never span rows, so the n matrices convert as one
     # of n * rows rows, each row exactly as in its own 2-D matrix
-    w, scales, biases, bits = gguf_quants.to_affine(
-        kind, raw, (int(np.prod(shape[:-1])), shape[-1]))
+    matrix = (int(np.prod(shape[:-1])), shape[-1])
+    w, scales, biases, bits = gguf_quants.to_affine(kind, raw, matrix)
     w, scales, biases = (a.reshape(*shape[:-1], a.shape[-1]) for a in (w, scales, biases))
     base = name.removesuffix(".weight")
     arrays = [(name, w, None), (f"{base}.scales", scales, None), (f"{base}.biases", biases, None)]
-    steps = gguf_quants.k_steps(kind, raw, (int(np.prod(shape[:-1])), shape[-1]))
+    steps = gguf_quants.k_steps(kind, raw, matrix)
     if steps is not None:
         for side, step in zip(("scales", "biases"), steps, strict=True):
             arrays.append((f"{base}.{side}_step", step.reshape(*shape[:-1], -1), None))

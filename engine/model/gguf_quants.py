@@ -168,8 +168,7 @@ def k_steps(kind: str, data: np.ndarray, shape: tuple[int, int]
         return None
     rows, cols = shape
     blocks = np.asarray(data).reshape(-1).view(np.uint8).reshape(-1, BLOCKS[kind][1])
-    d = np.ascontiguousarray(blocks[:, 0:2]).view(np.float16)[:, 0]
-    dmin = np.ascontiguousarray(blocks[:, 2:4]).view(np.float16)[:, 0]
+    d, dmin = (_f16(blocks[:, a:a + 2]).astype(np.float16) for a in (0, 2))  # exact
     return d.reshape(rows, cols // QK_K), (-dmin).reshape(rows, cols // QK_K)
 
 
