@@ -190,3 +190,20 @@ def describe(model) -> str:
     if experts:
         parts.append(f"{experts} experts, {model.args.num_experts_per_tok} per token")
     return "; ".join(parts)
+
+
+def _first(*values):
+    return next((v for v in values if v), None)
+
+
+def head_layout(attn, args) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a layer's attention module and the model args,
+    wherever the architecture keeps them."""
+    heads = _first(getattr(attn, "n_heads", None), getattr(attn, "num_attention_heads", None),
+                   args.num_attention_heads)
+    kv_heads = _first(getattr(attn, "n_kv_heads", None),
+                      getattr(attn, "num_key_value_heads", None),
+                      getattr(args, "num_key_value_heads", None), heads)
+    head_dim = _first(getattr(args, "head_dim", None), getattr(attn, "head_dim", None),
+                      args.hidden_size // args.num_attention_heads)
+    return heads, kv_heads, head_dim

@@ -21,7 +21,7 @@ from engine.kvcache.kv_cache import KVLayout, PagedKVCache
 from engine.kvcache.quant import QuantSpec
 from engine.model import architectures
 from engine.model.attention import AttentionSpec, paged_attention
-from engine.model.cpu_ext import layer_ops
+from engine.model.cpu_ext import layer_ops, layer_stack
 from engine.model.cpu_ext.layer_ops import ExtLayer
 from engine.model.cpu_ext.norm_rope import swiglu as cpu_swiglu
 from engine.model.fused import FusedLayer, fuse_layers
@@ -50,10 +50,6 @@ class StepBatch:
     block_run: int | None = None  # B == 1 and the blocks are a contiguous run from here
 
 
-def _first(*values):
-    return next((v for v in values if v), None)
-
-
 class PagedModel:
     """Forward pass of an mlx-lm model (`architectures.ARCHITECTURES`) over a `PagedKVCache`."""
 
@@ -62,28 +58,18 @@ class PagedModel:
         self.text = architectures.text_model(model)  # a multimodal wrapper's language model
         inner_type = getattr(self.text, "model_type", None) or model_type
         if inner_type not in architectures.ARCHITECTURES:
-            raise ValueError(
-                f"model type {model_type!r} is not supported by the paged engine "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
+            raise ValueError(f"model type {model_type!r} is not supported by the paged engine "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         self.arch = architectures.ARCHITECTURES[inner_type]
         self.args = args = self.text.args
         inner = self.text.model
         self.embed_tokens = inner.embed_tokens
         self.layers = inner.layers
         self.norm = inner.norm
-        self.tied = getattr(args, "tie_word_embeddings", False) or not hasattr(
-            self.text, "lm_head"
-        )
-        attn = self.layers[0].self_attn
-        self.num_heads = _first(getattr(attn, "n_heads", None),
-                                getattr(attn, "num_attention_heads", None),
-                                args.num_attention_heads)
-        self.num_kv_heads = _first(getattr(attn, "n_kv_heads", None),
-                                   getattr(attn, "num_key_value_heads", None),
-                                   getattr(args, "num_key_value_heads", None), self.num_heads)
-        self.head_dim = _first(getattr(args, "head_dim", None), getattr(attn, "head_dim", None),
-                               args.hidden_size // args.num_attention_heads)
+        self.tied = (getattr(args, "tie_word_embeddings", False)
+                     or not hasattr(self.text, "lm_head"))
+        self.num_heads, self.num_kv_heads, self.head_dim = architectures.head_layout(
+            self.layers[0].self_attn, args)
         # A quantized embedding computes in the dtype of its scales.
         self.dtype = getattr(self.embed_tokens, "scales", self.embed_tokens.weight).dtype
         self.fused: list[FusedLayer | None] = [None] * len(self.layers)
@@ -101,6 +87,12 @@ class PagedModel:
         if self.modules:
             route_attention(self.text)
         self.use_kernels = True  # decode kernels where they apply (EngineConfig.kernels)
+        self.stacks: dict[int, layer_stack.LayerStack] = {}  # by block size
+
+    @property
+    def stack_layers(self) -> bool:
+        """Every layer an `ExtLayer` that `layer_stack` can build."""
+        return layer_stack.LayerStack.applies(self.ext, self.attention)
 
     def describe(self) -> str:
         """What this model uses, in a few words (the model line of the CLI and the TUI)."""
@@ -122,15 +114,9 @@ class PagedModel:
     def kv_layout(self, block_size: int, dtype: mx.Dtype | None = None, *,
                   k_quant: QuantSpec | None = None, v_quant: QuantSpec | None = None,
                   ) -> KVLayout:
-        return KVLayout(
-            num_layers=len(self.layers),
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            block_size=block_size,
-            dtype=dtype or self.dtype,
-            k_quant=k_quant,
-            v_quant=v_quant,
-        )
+        return KVLayout(num_layers=len(self.layers), num_kv_heads=self.num_kv_heads,
+                        head_dim=self.head_dim, block_size=block_size,
+                        dtype=dtype or self.dtype, k_quant=k_quant, v_quant=v_quant)
 
     @staticmethod
     def _qkv(x: mx.array, fused: FusedLayer) -> mx.array:
@@ -227,10 +213,7 @@ class PagedModel:
     def _block(self, i: int, layer, h: mx.array, batch: StepBatch | PackedBatch,
                kv: PagedKVCache) -> mx.array:
         if self.ext[i] is not None:  # the extension's two ops around attention
-            rows = h.reshape(h.shape[1], 1, -1) if isinstance(batch, PackedBatch) else h
-            q, k, v = self.ext[i].head(rows, self._offset(batch, rows.shape[1]))
-            kv.write(i, batch.slots, k, v)
-            return self.ext[i].tail(h, self._paged(q, i, batch, kv, self.attention[i]))
+            return self._ext_block(i, h, batch, kv)[0]
         if not self.modules:
             h = h + self._attention(layer.self_attn, layer.input_layernorm(h), i, batch, kv)
             return h + self._mlp(layer.mlp, layer.post_attention_layernorm(h), self.fused[i])
@@ -243,18 +226,36 @@ class PagedModel:
             return self.arch.call(self.args, layer, h, step)
         return layer(h, None, step)
 
+    def _ext_block(self, i: int, h: mx.array, batch: StepBatch | PackedBatch,
+                   kv: PagedKVCache) -> tuple[mx.array, mx.array]:
+        """An `ExtLayer`'s output and its attention's queries."""
+        rows = h.reshape(h.shape[1], 1, -1) if isinstance(batch, PackedBatch) else h
+        q, k, v = self.ext[i].head(rows, self._offset(batch, rows.shape[1]))
+        kv.write(i, batch.slots, k, v)
+        return self.ext[i].tail(h, self._paged(q, i, batch, kv, self.attention[i])), q
+
     def _layers(self, h: mx.array, batch: StepBatch | PackedBatch, kv: PagedKVCache,
                 interrupt: Interrupt | None = None, group: int = 1) -> mx.array:
         """Every layer on ``h``; with ``interrupt``, evaluated ``group`` layers at a time and
         stopped (`StepInterrupted`) when it says so.
 
         The graph of a layer group is built only after the previous group ran, so an
-        interrupted forward leaves no lazy K/V writes behind to be computed later.
+        interrupted forward leaves no lazy K/V writes behind. Layers 1.. of an uninterrupted
+        step are one C++ call where `layer_stack.stacked` allows.
         """
+        if interrupt is None and self.stack_layers and not isinstance(batch, PackedBatch):
+            h, q = self._ext_block(0, h, batch, kv)
+            out = layer_stack.stacked(self, h, q, batch, kv)
+            return out if out is not None else self._layers_from(1, h, batch, kv)
+        return self._layers_from(0, h, batch, kv, interrupt, group)
+
+    def _layers_from(self, start: int, h: mx.array, batch: StepBatch | PackedBatch,
+                     kv: PagedKVCache, interrupt: Interrupt | None = None,
+                     group: int = 1) -> mx.array:
         shape = h.shape
         if self.modules and isinstance(batch, PackedBatch):
             h = h.reshape(shape[1], 1, shape[2])  # mlx-lm's modules: one row per token
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[start:], start):
             h = self._block(i, layer, h, batch, kv)
             if interrupt is not None and (i + 1) % group == 0 and i + 1 < len(self.layers):
                 mx.eval(h, kv.keys[: i + 1], kv.values[: i + 1])

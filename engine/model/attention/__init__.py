@@ -31,7 +31,7 @@ checked against the reference and any failure turns kernels off for the process
 (`guard`). Callers never choose a path: they describe the call.
 """
 
-from engine.model.attention.dispatch import paged_attention
+from engine.model.attention.dispatch import paged_attention, validated_kernel
 from engine.model.attention.spec import AttentionSpec, PagedCall, contiguous_run
 
-__all__ = ["AttentionSpec", "PagedCall", "contiguous_run", "paged_attention"]
+__all__ = ["AttentionSpec", "PagedCall", "contiguous_run", "paged_attention", "validated_kernel"]

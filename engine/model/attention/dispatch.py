@@ -82,6 +82,31 @@ def _reference(call: PagedCall) -> mx.array:
     return reference.paged_attention_ref(*call.args()[:5], call.spec, block_run=call.block_run)
 
 
+def _kernel(call: PagedCall) -> tuple[str, str, KernelPath] | None:
+    """(backend, path name, kernel) the route table picks for ``call``, where the kernels
+    are on and that kernel takes it; None: the reference."""
+    if GUARD.switch.tripped or not backend.kernels_enabled():
+        return None
+    where = backend.kernel_backend() or "cpu"  # MLX's CPU backend: the extension's rows
+    name = routes.route(call, where).path
+    path = KERNEL_PATHS.get(name)
+    return (where, name, path) if path is not None and path.ready(call) else None
+
+
+def validated_kernel(queries: mx.array, k_pool: Pool, v_pool: Pool, block_tables: mx.array,
+                     context_lens: Sequence[int], spec: AttentionSpec) -> str | None:
+    """The kernel path `paged_attention` launches for this call, if its variant has already
+    passed the first-launch check (so a caller building the same launch itself, like
+    `cpu_ext.layer_stack`, skips nothing the guard would do); else None."""
+    call = PagedCall(queries, k_pool, v_pool, block_tables, tuple(map(int, context_lens)),
+                     spec)
+    chosen = _kernel(call)
+    if chosen is None:
+        return None
+    where, name, path = chosen
+    return name if GUARD.validated((where, *path.variant(call))) else None
+
+
 def paged_attention(
     queries: mx.array,
     k_pool: Pool,
@@ -112,23 +137,21 @@ def paged_attention(
         out = fn(c)
         return rotation.unrotate(out) if rotated[1] else out
 
-    if use_kernels and not GUARD.switch.tripped and backend.kernels_enabled():
-        where = backend.kernel_backend() or "cpu"  # MLX's CPU backend: the extension's rows
-        name = routes.route(call, where).path
-        path = KERNEL_PATHS.get(name)
-        if path is not None and path.ready(call):
-            if path.rotates:
-                def launch(*args):
-                    return path.launch(*args, rotated=rotated)
+    chosen = _kernel(call) if use_kernels else None
+    if chosen is not None:
+        where, name, path = chosen
+        if path.rotates:
+            def launch(*args):
+                return path.launch(*args, rotated=rotated)
 
-                args = call.args()
-            else:
-                def launch(*args):
-                    return around(lambda c: path.launch(*c.args()))
+            args = call.args()
+        else:
+            def launch(*args):
+                return around(lambda c: path.launch(*c.args()))
 
-                args = ()
-            out = GUARD.run(f"{name} attention on {where}", (where, *path.variant(call)),
-                            launch, args, lambda: around(_check_reference), (k_pool, v_pool))
-            if out is not None:
-                return out
+            args = ()
+        out = GUARD.run(f"{name} attention on {where}", (where, *path.variant(call)),
+                        launch, args, lambda: around(_check_reference), (k_pool, v_pool))
+        if out is not None:
+            return out
     return around(_reference)

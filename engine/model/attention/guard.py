@@ -70,6 +70,10 @@ class LaunchGuard:
             return None
         return out
 
+    def validated(self, key: tuple) -> bool:
+        """Whether variant ``key`` passed its first-launch check and nothing has failed."""
+        return not self.switch.tripped and key in self._validated
+
     def reset(self) -> None:
         """Forget the fallback and the validated variants (tests)."""
         with self._lock:

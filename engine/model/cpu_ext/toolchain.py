@@ -27,7 +27,7 @@ SOURCES = ("qmm.cpp", "qmm_tiled.cpp", "qmm_tiled_lanes.cpp", "kv_write.cpp",
            "kv_write_quant.cpp", "qgemm.cpp", "paged_attention.cpp", "paged_decode_kernel.cpp",
            "paged_prefill_kernel.cpp", "paged_residual.cpp",
            "paged_residual_kernel.cpp", "norm_rope.cpp", "qkv_rope.cpp", "layer_ops.cpp",
-           "layer_parts.cpp",
+           "layer_parts.cpp", "layer_stack.cpp",
            "gemma_tail.cpp", "switch_qmm.cpp", "tile_rows.cpp",
            "swiglu.cpp", "greedy.cpp", "hadamard.cpp",
            "tensor.cpp", "pool.cpp", "bindings.cpp")

@@ -1,5 +1,6 @@
 // Python bindings (nanobind, in MLX's nanobind domain so mx.array passes through).
 #include <nanobind/nanobind.h>
+#include <stdexcept>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
@@ -9,6 +10,7 @@
 #include "kernels.h"
 #include "kv_write_quant.h"
 #include "layer_ops.h"
+#include "layer_stack.h"
 #include "norm_rope.h"
 #include "ops.h"
 #include "paged_residual.h"
@@ -127,6 +129,34 @@ NB_MODULE(_kvchat_cpu_ext, m) {
       "specs"_a,
       "Gemma 3's layer after attention (o_proj, norms, float16 residual sums, the tanh\n"
       "GELU MLP) as one op; norms are the (1 + w) scales after o, before and after the MLP.");
+  nb::class_<kvchat::LayerStack>(m, "LayerStack",
+                                 "A decode step's extension layers built in C++ (layer_stack.h).")
+      .def(nb::init<int, int, int>(), "heads"_a, "kv_heads"_a, "block_size"_a)
+      .def(
+          "add",
+          [](kvchat::LayerStack& self, const mx::array& in_norm, float in_eps,
+             const std::vector<mx::array>& qkv, const std::vector<kvchat::Spec>& qkv_specs,
+             int dims, bool traditional, float base, float rope_scale,
+             const std::optional<mx::array>& freqs, const std::vector<mx::array>& o,
+             const kvchat::Spec& o_spec, const mx::array& post_norm, float post_eps,
+             const std::vector<mx::array>& gate_up, const kvchat::Spec& gate_up_spec,
+             const std::vector<mx::array>& down, const kvchat::Spec& down_spec, float scale) {
+            std::vector<kvchat::LinearSpec> parts;
+            for (const auto& sp : qkv_specs) parts.push_back(kvchat::spec_of(sp));
+            if (o.size() != 3 || gate_up.size() != 3 || down.size() != 3 || parts.empty() ||
+                qkv.size() != 3 * parts.size())
+              throw std::invalid_argument("LayerStack.add: linears are (w, scales, biases)");
+            self.add({in_norm, in_eps, qkv, parts, {dims, traditional, base, rope_scale}, freqs,
+                      o, gate_up, down, kvchat::spec_of(o_spec), kvchat::spec_of(gate_up_spec),
+                      kvchat::spec_of(down_spec), post_norm, post_eps, scale});
+          },
+          "in_norm"_a, "in_eps"_a, "qkv"_a, "qkv_specs"_a, "dims"_a, "traditional"_a, "base"_a,
+          "rope_scale"_a, "freqs"_a.none(), "o"_a, "o_spec"_a, "post_norm"_a, "post_eps"_a,
+          "gate_up"_a, "gate_up_spec"_a, "down"_a, "down_spec"_a, "scale"_a)
+      .def("__len__", &kvchat::LayerStack::size)
+      .def("run", &kvchat::LayerStack::run, "h"_a, "keys"_a, "values"_a, "slots"_a,
+           "block_tables"_a, "context_lens"_a, "offsets"_a, "first"_a,
+           "Layers first.. of h over float pools: (h, their new keys, their new values).");
   m.def("tile_rows", &kvchat::tile_rows, "w"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "stream"_a = nb::none(), "MLX-packed 4/8-bit w (rows in 16s) in the tiled layout.");
   m.def("switch_qmm", &kvchat::switch_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a,

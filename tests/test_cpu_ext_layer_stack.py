@@ -1,0 +1,139 @@
+"""The decode step's layers built in C++ (`cpu_ext.layer_stack`): the same logits and pools
+to the bit as the runner's layer-by-layer build, and used only where that build would
+launch the CPU attention kernel on plain float pools."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.executor import build_batch
+from engine.model.attention.guard import GUARD
+from engine.model.cpu_ext import layer_stack
+
+
+@pytest.fixture
+def stack_calls(monkeypatch):
+    """How many times `LayerStack.run` built a step's layers."""
+    calls = []
+    run = layer_stack.LayerStack.run
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.block_size)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(layer_stack.LayerStack, "run", counted)
+    return calls
+
+
+def step(eng: Engine, sids: list[int], tokens: list[list[int]]) -> mx.array:
+    plans = [eng.blocks.append(s, len(t)) for s, t in zip(sids, tokens, strict=True)]
+    batch = build_batch(eng.blocks, sids, mx.array(tokens, dtype=mx.int32),
+                        [p.slots for p in plans])
+    logits = eng.runner(batch, eng.kv)
+    mx.eval(logits, eng.kv.keys, eng.kv.values)
+    return np.array(logits.astype(mx.float32))
+
+
+def run_steps(eng: Engine) -> tuple[list, list]:
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(100, 40000, size=37)]
+    for sid in (1, 2):
+        eng.blocks.allocate(sid)
+    got = [step(eng, [1], [prompt])]  # a prefill (B 1, L 37)
+    got += [step(eng, [1], [[prompt[i]]]) for i in range(4)]  # decodes, one crossing a block
+    got.append(step(eng, [2], [prompt[:5]]))
+    got += [step(eng, [1, 2], [[5], [7]]) for _ in range(2)]  # a ragged batch (B 2, L 1)
+    pools = [np.array(x.astype(mx.float32)) for x in eng.kv.keys + eng.kv.values]
+    for sid in (1, 2):
+        eng.blocks.free(sid)
+    return got, pools
+
+
+def test_the_stack_gives_the_layer_by_layer_bits(default_model_ext, monkeypatch, stack_calls):
+    cfg = EngineConfig(kv_budget_bytes=32 << 20, prefix_cache=False)
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KVCHAT_LAYER_STACK", flag)
+        eng = Engine(default_model_ext, cfg)
+        try:
+            assert eng.runner.stack_layers
+            before = len(stack_calls)
+            outs.append(run_steps(eng))
+            used = len(stack_calls) - before
+        finally:
+            eng.shutdown()
+        # every step after the variant's first launch (already validated by other
+        # tests, or by this run's first step of each kind) goes through the stack
+        assert (used >= 6) if flag == "1" else used == 0
+    (a, ka), (b, kb) = outs
+    for x, y in zip(a + ka, b + kb, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_generation_is_token_for_token_the_same(default_model_ext, monkeypatch, stack_calls):
+    cfg = EngineConfig(kv_budget_bytes=32 << 20, prefix_cache=False)
+    eng = Engine(default_model_ext, cfg)
+    try:
+        ids = eng.tokenizer.encode("The history of the printing press begins")
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        monkeypatch.setenv("KVCHAT_LAYER_STACK", "0")
+        plain = eng.generate_text(ids, params).tokens
+        assert not stack_calls
+        monkeypatch.setenv("KVCHAT_LAYER_STACK", "1")
+        assert eng.generate_text(ids, params).tokens == plain
+        assert len(stack_calls) >= 39  # the decodes; the prompt's chunk can be interrupted
+        assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+    finally:
+        eng.shutdown()
+
+
+def test_the_guard_checks_layer_0_and_a_tripped_guard_stops_the_stack(default_model_ext,
+                                                                      stack_calls):
+    """A variant's first launch is layer 0's, checked against the reference by the guard
+    before the stack builds layers 1.. with the same kernel; once the guard has tripped,
+    no step takes the stack (every layer falls to the reference)."""
+    eng = Engine(default_model_ext, EngineConfig(kv_budget_bytes=32 << 20, prefix_cache=False))
+    try:
+        GUARD.reset()
+        eng.blocks.allocate(1)
+        step(eng, [1], [[11]])
+        assert len(stack_calls) == 1 and GUARD._validated
+        GUARD.switch.trip("a test")
+        step(eng, [1], [[12]])
+        assert len(stack_calls) == 1
+    finally:
+        GUARD.reset()
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("config", [dict(kv_bits=8), dict(kernels=False)],
+                         ids=["quantized pool", "kernels off"])
+def test_other_pools_and_paths_keep_the_layer_by_layer_build(default_model_ext, stack_calls,
+                                                              config):
+    eng = Engine(default_model_ext,
+                 EngineConfig(kv_budget_bytes=32 << 20, prefix_cache=False, **config))
+    try:
+        ids = eng.tokenizer.encode("Once upon a time")
+        assert len(eng.generate_text(ids, SamplingParams(max_tokens=6)).tokens) > 0
+        assert not stack_calls
+    finally:
+        eng.shutdown()
+
+
+def test_bad_pools_are_refused(default_model_ext):
+    eng = Engine(default_model_ext, EngineConfig(kv_budget_bytes=16 << 20, prefix_cache=False))
+    try:
+        stack = layer_stack.LayerStack(eng.runner.ext, eng.runner.attention, 16)
+        h = mx.zeros((1, 1, 576))
+        one = mx.array([0], dtype=mx.int32)
+        keys = list(eng.kv.keys)
+        with pytest.raises(ValueError, match="one key and one value pool per layer"):
+            stack.run(h, keys[:3], list(eng.kv.values), 1, one, one[None], one + 1, one)
+        bad = [mx.zeros((3, 17, 64), mx.float16)] * len(keys)  # not whole blocks
+        with pytest.raises(ValueError, match="pools must be"):
+            stack.run(h, bad, bad, 1, one, one[None], one + 1, one)
+    finally:
+        eng.shutdown()
