@@ -1,11 +1,10 @@
 """Runs an mlx-lm model's layers with attention over the paged KV pool.
 
-Why not mlx-lm's caches: `update_and_fetch` returns one dense K/V per batch, so
-ragged batches (each sequence at its own position, with its own block table) do not
-fit. We reuse mlx-lm's modules instead (projections, norms, RoPE, MLPs, experts,
-embeddings, weight loading and sanitizing) and own only attention over the pool:
-K/V written into block slots, paged attention. Each mlx-lm model file stays the single
-source of truth; `architectures` says which run and on which of the two paths.
+Why not mlx-lm's caches: `update_and_fetch` returns one dense K/V per batch, so ragged
+batches (each sequence at its own position, with its own block table) do not fit. We
+reuse mlx-lm's modules (projections, norms, RoPE, MLPs, experts, embeddings, weight
+loading and sanitizing) and own only attention over the pool: K/V written into block
+slots, paged attention. Each mlx-lm model file stays the single source of truth.
 """
 
 from __future__ import annotations
