@@ -46,14 +46,29 @@ def run_steps(eng: Engine) -> tuple[list, list]:
     got += [step(eng, [1], [[prompt[i]]]) for i in range(4)]  # decodes, one crossing a block
     got.append(step(eng, [2], [prompt[:5]]))
     got += [step(eng, [1, 2], [[5], [7]]) for _ in range(2)]  # a ragged batch (B 2, L 1)
-    pools = [np.array(x.astype(mx.float32)) for x in eng.kv.keys + eng.kv.values]
+    stores = eng.kv.keys + eng.kv.values + getattr(eng.kv, "res_keys", []) + getattr(
+        eng.kv, "res_values", [])
+    pools = [np.array(a.astype(mx.float32)) for x in stores
+             for a in (x if isinstance(x, tuple) else (x,))]
     for sid in (1, 2):
         eng.blocks.free(sid)
     return got, pools
 
 
-def test_the_stack_gives_the_layer_by_layer_bits(default_model_ext, monkeypatch, stack_calls):
-    cfg = EngineConfig(kv_budget_bytes=32 << 20, prefix_cache=False)
+FORMATS = {
+    "f16": {},
+    "q8 per token, rotated": dict(kv_bits=8),
+    "k8v4 per token, not rotated": dict(k_bits=8, v_bits=4, kv_rotation=False),
+    "q4-kivi": dict(kv_bits=4, kv_residual=True, kv_key_channel=True),
+    "k8v4-kivi, not rotated": dict(k_bits=8, v_bits=4, kv_residual=True, kv_key_channel=True,
+                                   kv_rotation=False),
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS.keys())
+def test_the_stack_gives_the_layer_by_layer_bits(default_model_ext, monkeypatch, stack_calls,
+                                                 fmt):
+    cfg = EngineConfig(kv_budget_bytes=32 << 20, prefix_cache=False, **fmt)
     outs = []
     for flag in ("1", "0"):
         monkeypatch.setenv("KVCHAT_LAYER_STACK", flag)
@@ -65,9 +80,10 @@ def test_the_stack_gives_the_layer_by_layer_bits(default_model_ext, monkeypatch,
             used = len(stack_calls) - before
         finally:
             eng.shutdown()
-        # every step after the variant's first launch (already validated by other
-        # tests, or by this run's first step of each kind) goes through the stack
-        assert (used >= 6) if flag == "1" else used == 0
+        # every step after the variant's first launch (already validated by other tests,
+        # or by this run's first step of each kind) goes through the stack; a residual
+        # pool's steps that fill a block (one here) and its prefills do not
+        assert (used >= 5) if flag == "1" else used == 0
     (a, ka), (b, kb) = outs
     for x, y in zip(a + ka, b + kb, strict=True):
         np.testing.assert_array_equal(x, y)
@@ -109,8 +125,8 @@ def test_the_guard_checks_layer_0_and_a_tripped_guard_stops_the_stack(default_mo
         eng.shutdown()
 
 
-@pytest.mark.parametrize("config", [dict(kv_bits=8), dict(kernels=False)],
-                         ids=["quantized pool", "kernels off"])
+@pytest.mark.parametrize("config", [dict(kv_bits=4, kv_residual=True), dict(kernels=False)],
+                         ids=["residual, keys per token", "kernels off"])
 def test_other_pools_and_paths_keep_the_layer_by_layer_build(default_model_ext, stack_calls,
                                                               config):
     eng = Engine(default_model_ext,
@@ -129,11 +145,16 @@ def test_bad_pools_are_refused(default_model_ext):
         stack = layer_stack.LayerStack(eng.runner.ext, eng.runner.attention, 16)
         h = mx.zeros((1, 1, 576))
         one = mx.array([0], dtype=mx.int32)
-        keys = list(eng.kv.keys)
+        keys, values = [[k] for k in eng.kv.keys[1:]], [[v] for v in eng.kv.values[1:]]
         with pytest.raises(ValueError, match="one key and one value pool per layer"):
-            stack.run(h, keys[:3], list(eng.kv.values), 1, one, one[None], one + 1, one)
-        bad = [mx.zeros((3, 17, 64), mx.float16)] * len(keys)  # not whole blocks
-        with pytest.raises(ValueError, match="pools must be"):
+            stack.run(h, keys[:3], values, 1, one, one[None], one + 1, one)
+        bad = [[mx.zeros((3, 17, 64), mx.float16)]] * len(keys)  # not whole blocks
+        with pytest.raises(ValueError, match="stores must be"):
             stack.run(h, bad, bad, 1, one, one[None], one + 1, one)
+        with pytest.raises(ValueError, match="as its kind stores them"):  # 1 array, not 3
+            stack.run(h, keys, values, 1, one, one[None], one + 1, one, kind=1, k_bits=8,
+                      k_group=64, v_bits=8, v_group=64)
+        with pytest.raises(ValueError, match="residual pools need their map"):
+            stack.run(h, keys, values, 1, one, one[None], one + 1, one, kind=2)
     finally:
         eng.shutdown()

@@ -53,38 +53,92 @@ class LayerStack:
                 and len({(x.heads, x.kv_heads) for x in layers}) == 1)
 
     def run(self, h: mx.array, keys: list, values: list, first: int, slots: mx.array,
-            block_tables: mx.array, context_lens: mx.array, offsets: mx.array) -> mx.array:
-        """Layers ``first``.. of ``h``: writes their new pools into ``keys``/``values``
-        (every layer's, indexed by layer) and returns the last layer's output."""
-        out, new_k, new_v = self._stack.run(
-            h, keys[first:], values[first:], slots.astype(mx.int32),
-            block_tables.astype(mx.int32), context_lens, offsets, first)
-        keys[first:], values[first:] = new_k, new_v
-        return out
+            block_tables: mx.array, context_lens: mx.array, offsets: mx.array,
+            **kv) -> tuple[mx.array, list, list]:
+        """Layers ``first``.. of ``h``, each side given per layer as a list of its arrays
+        (``kv``: the C++ `StackKV`, float pools by default): (the last layer's output, the
+        layers' new keys, their new values) in the same form."""
+        return self._stack.run(h, keys, values, slots.astype(mx.int32),
+                               block_tables.astype(mx.int32), context_lens, offsets, first,
+                               **kv)
+
+
+def _sides(kv, first: int, kind: int) -> tuple[list, list]:
+    """Each layer's K and V arrays from ``first`` on, in the C++ stack's form."""
+    if kind == 0:
+        return [[a] for a in kv.keys[first:]], [[a] for a in kv.values[first:]]
+    if kind == 1:
+        return [list(a) for a in kv.keys[first:]], [list(a) for a in kv.values[first:]]
+    return ([[*k, r] for k, r in zip(kv.keys[first:], kv.res_keys[first:], strict=True)],
+            [[*v, r] for v, r in zip(kv.values[first:], kv.res_values[first:], strict=True)])
+
+
+def _put(kv, first: int, kind: int, keys: list, values: list) -> None:
+    """The stack's written arrays back into the pool's lists (kind 2: only residual rows)."""
+    if kind == 0:
+        kv.keys[first:], kv.values[first:] = [k[0] for k in keys], [v[0] for v in values]
+    elif kind == 1:
+        kv.keys[first:], kv.values[first:] = [tuple(k) for k in keys], [tuple(v) for v in values]
+    else:
+        kv.res_keys[first:] = [k[3] for k in keys]
+        kv.res_values[first:] = [v[3] for v in values]
+
+
+def _kind(kv, slots, decode_rows: int) -> tuple[int, str, dict] | None:
+    """(kind, the attention path it needs, the C++ `StackKV` fields) of ``kv``'s layout;
+    None for a layout the stack does not build (windowed layers, a residual step that
+    fills a block and so quantizes it, writers other than the extension's)."""
+    from engine.kvcache import rotation
+    from engine.kvcache.residual import ResidualKVCache
+    from engine.model.cpu_ext.ops import kv_write, kv_write_quant
+
+    L = kv.layout
+    if any(kv.windowed) or kv.row_writer is not kv_write:
+        return None
+    if L.k_quant is None and L.v_quant is None:
+        return 0, "cpu", {}
+    if L.k_quant is None or L.v_quant is None:
+        return None
+    fields = dict(k_bits=L.k_quant.bits, v_bits=L.v_quant.bits, v_group=L.v_quant.group_size,
+                  rotate_k=bool(L.k_quant.rotation), rotate_v=bool(L.v_quant.rotation))
+    if fields["rotate_k"] or fields["rotate_v"]:
+        fields["rotation"] = rotation.signs(L.head_dim)
+    if isinstance(kv, ResidualKVCache):
+        if decode_rows != 1 or not L.key_channel or kv._plan(slots)[1]:
+            return None  # its prefill kernel is another path; a filled block is quantized
+        return 2, "cpu_residual", fields | {"res_map": kv._step_map}
+    if L.residual or L.key_channel or kv.quant_writer is not kv_write_quant:
+        return None
+    return 1, "cpu", fields | {"k_group": L.k_quant.group_size}
 
 
 def stacked(runner, h: mx.array, q0: mx.array, batch, kv) -> mx.array | None:
-    """Layers 1.. of ``runner``'s decode step (`model_runner.StepBatch`) through its
-    `LayerStack`, given layer 0's output ``h`` and queries ``q0``; None where the stack
-    does not apply (the runner then builds them one by one)."""
+    """Layers 1.. of ``runner``'s step (`model_runner.StepBatch`) through its `LayerStack`,
+    given layer 0's output ``h`` and queries ``q0``; None where the stack does not apply
+    (the runner then builds them one by one)."""
     from engine.model.attention import validated_kernel
     from engine.model.attention.cpu import lens_array
     from engine.model.cpu_ext.norm_rope import offsets_array
-    from engine.model.cpu_ext.ops import kv_write
 
-    layout = kv.layout
-    if (len(runner.layers) < 2 or not runner.use_kernels or not enabled()
-            or layout.k_quant is not None or layout.v_quant is not None
-            or any(kv.windowed) or kv.row_writer is not kv_write):
+    if len(runner.layers) < 2 or not runner.use_kernels or not enabled():
         return None
+    kind = _kind(kv, batch.slots, q0.shape[2])
+    if kind is None:
+        return None
+    kind, path, fields = kind
     k_pool, v_pool = kv.block_view(0)
     if validated_kernel(q0, k_pool, v_pool, batch.block_tables, batch.context_lens,
-                        runner.attention[0]) != "cpu":
+                        runner.attention[0]) != path:
         return None  # the route, the guard or a failure says otherwise: the usual build
-    stack = runner.stacks.get(layout.block_size)
+    block_size = kv.layout.block_size
+    stack = runner.stacks.get(block_size)
     if stack is None:
-        stack = runner.stacks[layout.block_size] = LayerStack(
-            runner.ext, runner.attention, layout.block_size)
-    return stack.run(h, kv.keys, kv.values, 1, batch.slots, batch.block_tables,
-                     lens_array(batch.context_lens),
-                     offsets_array(runner._offset(batch, h.shape[1])))
+        stack = runner.stacks[block_size] = LayerStack(runner.ext, runner.attention, block_size)
+    slots = kv._plan(batch.slots)[0] if kind == 2 else batch.slots  # residual slots
+    keys, values = _sides(kv, 1, kind)
+    out, keys, values = stack.run(h, keys, values, 1, slots, batch.block_tables,
+                                  lens_array(batch.context_lens),
+                                  offsets_array(runner._offset(batch, h.shape[1])),
+                                  kind=kind, **fields)
+    _put(kv, 1, kind, keys, values)
+    return out

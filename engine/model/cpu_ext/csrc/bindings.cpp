@@ -154,9 +154,25 @@ NB_MODULE(_kvchat_cpu_ext, m) {
           "rope_scale"_a, "freqs"_a.none(), "o"_a, "o_spec"_a, "post_norm"_a, "post_eps"_a,
           "gate_up"_a, "gate_up_spec"_a, "down"_a, "down_spec"_a, "scale"_a)
       .def("__len__", &kvchat::LayerStack::size)
-      .def("run", &kvchat::LayerStack::run, "h"_a, "keys"_a, "values"_a, "slots"_a,
-           "block_tables"_a, "context_lens"_a, "offsets"_a, "first"_a,
-           "Layers first.. of h over float pools: (h, their new keys, their new values).");
+      .def(
+          "run",
+          [](const kvchat::LayerStack& self, const mx::array& h,
+             const kvchat::LayerStack::Sides& keys, const kvchat::LayerStack::Sides& values,
+             const mx::array& slots, const mx::array& block_tables,
+             const mx::array& context_lens, const mx::array& offsets, int first, int kind,
+             int k_bits, int k_group, int v_bits, int v_group, bool rotate_k, bool rotate_v,
+             const std::optional<mx::array>& rotation, const std::optional<mx::array>& res_map) {
+            kvchat::StackKV kv{kind, k_bits, k_group, v_bits, v_group, rotate_k, rotate_v,
+                               rotation, res_map};
+            return self.run(h, keys, values, kv, slots, block_tables, context_lens, offsets,
+                            first);
+          },
+          "h"_a, "keys"_a, "values"_a, "slots"_a, "block_tables"_a, "context_lens"_a,
+          "offsets"_a, "first"_a, nb::kw_only(), "kind"_a = 0, "k_bits"_a = 0, "k_group"_a = 0,
+          "v_bits"_a = 0, "v_group"_a = 0, "rotate_k"_a = false, "rotate_v"_a = false,
+          "rotation"_a = nb::none(), "res_map"_a = nb::none(),
+          "Layers first.. of h, each side's arrays per layer as `kind` stores them (0 float,\n"
+          "1 quantized rows, 2 residual -kivi): (h, their keys, their values).");
   m.def("tile_rows", &kvchat::tile_rows, "w"_a, nb::kw_only(), "group_size"_a, "bits"_a,
         "stream"_a = nb::none(), "MLX-packed 4/8-bit w (rows in 16s) in the tiled layout.");
   m.def("switch_qmm", &kvchat::switch_qmm, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a,

@@ -1,39 +1,82 @@
 // See layer_stack.h. Each layer's nodes are the ones the Python runner makes for an
-// extension layer on plain float pools (model_runner._block with `ExtLayer`), built by
-// the same C++ functions with the same arguments, so the outputs are the same bits.
+// extension layer (model_runner._block with `ExtLayer`, `PagedKVCache.write`, the
+// attention route's CPU kernel), built by the same C++ functions with the same arguments,
+// so the outputs are the same bits.
 #include "layer_stack.h"
 
 #include <stdexcept>
 
 #include "mlx/ops.h"
+#include "kv_write_quant.h"
 #include "ops.h"
+#include "paged_residual.h"
 
 namespace kvchat {
 
-std::tuple<mx::array, std::vector<mx::array>, std::vector<mx::array>> LayerStack::run(
-    mx::array h, const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
+namespace {
+
+// (H, blocks * size, W) as (H, blocks, size, W).
+mx::array blocks_of(const mx::array& a, int size) {
+  if (a.ndim() != 3 || a.shape(1) % size != 0)
+    throw std::invalid_argument("layer_stack: stores must be (kv_heads, blocks * size, W)");
+  return mx::reshape(a, {a.shape(0), a.shape(1) / size, size, a.shape(2)});
+}
+
+size_t parts_of(int kind) {
+  return kind == 0 ? 1 : kind == 1 ? 3 : 4;
+}
+
+}  // namespace
+
+std::tuple<mx::array, LayerStack::Sides, LayerStack::Sides> LayerStack::run(
+    mx::array h, const Sides& keys, const Sides& values, const StackKV& kv,
     const mx::array& slots, const mx::array& block_tables, const mx::array& context_lens,
     const mx::array& offsets, int first) const {
   const int n = size();
   if (first < 0 || first > n || keys.size() != size_t(n - first) || values.size() != keys.size())
     throw std::invalid_argument("layer_stack: one key and one value pool per layer run");
-  std::vector<mx::array> new_keys, new_values;
-  new_keys.reserve(keys.size());
-  new_values.reserve(values.size());
+  if (kv.kind < 0 || kv.kind > 2 || (kv.kind == 2 && !kv.res_map) ||
+      ((kv.rotate_k || kv.rotate_v) && !kv.rotation))
+    throw std::invalid_argument("layer_stack: kind 0-2; residual pools need their map, "
+                                "rotated ones R's signs");
+  const std::optional<mx::array> none;
+  const auto rot = kv.rotate_k || kv.rotate_v ? kv.rotation : none;
+  Sides new_keys, new_values;
   for (int i = first; i < n; ++i) {
     const StackLayer& L = layers_[i];
     const auto qkv = layer_head(h, L.in_norm, L.qkv, L.qkv_specs, offsets, L.in_eps, heads_,
                                 kv_heads_, L.rope, L.freqs);
-    const mx::array& kp = keys[i - first];
-    const mx::array& vp = values[i - first];
-    if (kp.ndim() != 3 || kp.shape(1) % block_size_ != 0 || vp.shape() != kp.shape())
-      throw std::invalid_argument("layer_stack: pools must be (kv_heads, blocks * size, D)");
-    mx::array k = kv_write(kp, slots, qkv[1]);
-    mx::array v = kv_write(vp, slots, qkv[2]);
-    const mx::Shape view = {kp.shape(0), kp.shape(1) / block_size_, block_size_, kp.shape(2)};
-    const mx::array att = paged_attention(
-        qkv[0], mx::reshape(k, view), mx::reshape(v, view), block_tables, context_lens, L.scale,
-        std::nullopt, std::nullopt, 0, 0, std::nullopt, std::nullopt, 0, 0);
+    std::vector<mx::array> k = keys[i - first], v = values[i - first];
+    if (k.size() != parts_of(kv.kind) || v.size() != k.size())
+      throw std::invalid_argument("layer_stack: each side's arrays as its kind stores them");
+    mx::array att = qkv[0];
+    if (kv.kind == 0) {
+      k[0] = kv_write(k[0], slots, qkv[1]);
+      v[0] = kv_write(v[0], slots, qkv[2]);
+      att = paged_attention(qkv[0], blocks_of(k[0], block_size_), blocks_of(v[0], block_size_),
+                            block_tables, context_lens, L.scale, none, none, 0, 0, none, none,
+                            0, 0);
+    } else if (kv.kind == 1) {
+      for (int p = 0; p < 3; ++p) {
+        k[p] = kv_write_quant(k[p], slots, qkv[1], kv.rotate_k ? kv.rotation : none, p,
+                              kv.k_bits, kv.k_group);
+        v[p] = kv_write_quant(v[p], slots, qkv[2], kv.rotate_v ? kv.rotation : none, p,
+                              kv.v_bits, kv.v_group);
+      }
+      att = paged_attention(qkv[0], blocks_of(k[0], block_size_), blocks_of(v[0], block_size_),
+                            block_tables, context_lens, L.scale, blocks_of(k[1], block_size_),
+                            blocks_of(k[2], block_size_), kv.k_bits, kv.k_group,
+                            blocks_of(v[1], block_size_), blocks_of(v[2], block_size_),
+                            kv.v_bits, kv.v_group, 0, none, rot, kv.rotate_k, kv.rotate_v);
+    } else {  // full blocks as stored; only the residual rows take this step's K/V
+      k[3] = kv_write(k[3], slots, qkv[1]);
+      v[3] = kv_write(v[3], slots, qkv[2]);
+      att = paged_residual_decode(
+          qkv[0], k[0], k[1], k[2], blocks_of(v[0], block_size_), blocks_of(v[1], block_size_),
+          blocks_of(v[2], block_size_), blocks_of(k[3], block_size_),
+          blocks_of(v[3], block_size_), *kv.res_map, block_tables, context_lens, L.scale,
+          kv.k_bits, kv.v_bits, kv.v_group, none, rot, kv.rotate_k, kv.rotate_v);
+    }
     h = layer_tail(h, att, L.o, L.post_norm, L.gate_up, L.down, L.post_eps, L.o_spec,
                    L.gate_up_spec, L.down_spec);
     new_keys.push_back(std::move(k));

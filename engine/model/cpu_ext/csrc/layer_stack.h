@@ -26,6 +26,17 @@ struct StackLayer {
   float scale;  // softmax scale (plain attention: no window, no sinks)
 };
 
+// How a step's K/V are stored: what each layer's side lists hold, and how attention reads
+// them (the nodes `PagedKVCache.write` / `block_view` and the attention route make).
+struct StackKV {
+  int kind = 0;  // 0: float pools [rows]; 1: quantized rows [rows, scales, biases] (per
+                 // token); 2: residual -kivi [codes, scales, biases, residual rows]
+  int k_bits = 0, k_group = 0, v_bits = 0, v_group = 0;
+  bool rotate_k = false, rotate_v = false;
+  std::optional<mx::array> rotation;  // R's (D,) signs when a side is stored rotated
+  std::optional<mx::array> res_map;  // kind 2: (num_blocks,) int32, the step's map
+};
+
 class LayerStack {
  public:
   LayerStack(int heads, int kv_heads, int block_size)
@@ -33,12 +44,14 @@ class LayerStack {
   void add(StackLayer layer) { layers_.push_back(std::move(layer)); }
   int size() const { return int(layers_.size()); }
 
-  // Layers first..end of h (B, L, hidden) over float pools (kv_heads, slots, D), each
-  // layer's new K/V written at `slots` first: (h, new keys, new values) for those layers.
-  std::tuple<mx::array, std::vector<mx::array>, std::vector<mx::array>> run(
-      mx::array h, const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
-      const mx::array& slots, const mx::array& block_tables, const mx::array& context_lens,
-      const mx::array& offsets, int first) const;
+  using Sides = std::vector<std::vector<mx::array>>;  // per layer run, one side's arrays
+  // Layers first.. of h (B, L, hidden), each layer's new K/V written at `slots` (kind 2:
+  // residual slots) first: (h, the layers' keys, their values) in `keys`' form.
+  std::tuple<mx::array, Sides, Sides> run(mx::array h, const Sides& keys, const Sides& values,
+                                          const StackKV& kv, const mx::array& slots,
+                                          const mx::array& block_tables,
+                                          const mx::array& context_lens,
+                                          const mx::array& offsets, int first) const;
 
  private:
   int heads_, kv_heads_, block_size_;
