@@ -89,6 +89,53 @@ def test_the_stack_gives_the_layer_by_layer_bits(default_model_ext, monkeypatch,
         np.testing.assert_array_equal(x, y)
 
 
+def verify_steps(eng: Engine) -> tuple[list, list]:
+    """Packed steps of decode rows only: one sequence verifying three drafts (its newest
+    positions, consecutive), next to another sequence's single decode."""
+    from engine.model.packed_batch import pack
+
+    rng = np.random.default_rng(2)
+    for sid in (1, 2):
+        eng.blocks.allocate(sid)
+        step(eng, [sid], [[int(t) for t in rng.integers(100, 40000, size=14 + 9 * sid)]])
+    got = []
+    for r in range(3):
+        rows = []
+        for sid, k in ((1, 4), (2, 1)):
+            for j in range(k):
+                p = eng.blocks.append(sid, 1)
+                rows.append((100 + 7 * r + j, p.slots[0], eng.blocks.block_tables[sid],
+                             eng.blocks.num_tokens[sid]))
+        logits = eng.runner.forward_packed(pack([], rows), eng.kv)
+        mx.eval(logits, eng.kv.keys, eng.kv.values)
+        got.append(np.array(logits.astype(mx.float32)))
+    pools = [np.array(a.astype(mx.float32)) for x in eng.kv.keys + eng.kv.values
+             for a in (x if isinstance(x, tuple) else (x,))]
+    for sid in (1, 2):
+        eng.blocks.free(sid)
+    return got, pools
+
+
+@pytest.mark.parametrize("fmt", [FORMATS["f16"], FORMATS["q4-kivi"]], ids=["f16", "q4-kivi"])
+def test_a_packed_step_of_decode_rows_gives_the_same_bits(default_model_ext, monkeypatch,
+                                                          stack_calls, fmt):
+    cfg = EngineConfig(kv_budget_bytes=32 << 20, prefix_cache=False, **fmt)
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KVCHAT_LAYER_STACK", flag)
+        eng = Engine(default_model_ext, cfg)
+        try:
+            before = len(stack_calls)
+            outs.append(verify_steps(eng))
+            used = len(stack_calls) - before
+        finally:
+            eng.shutdown()
+        assert (used >= 2) if flag == "1" else used == 0
+    (a, ka), (b, kb) = outs
+    for x, y in zip(a + ka, b + kb, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_generation_is_token_for_token_the_same(default_model_ext, monkeypatch, stack_calls):
     cfg = EngineConfig(kv_budget_bytes=32 << 20, prefix_cache=False)
     eng = Engine(default_model_ext, cfg)

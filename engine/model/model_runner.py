@@ -239,10 +239,10 @@ class PagedModel:
         stopped (`StepInterrupted`) when it says so.
 
         The graph of a layer group is built only after the previous group ran, so an
-        interrupted forward leaves no lazy K/V writes behind. Layers 1.. of an uninterrupted
-        step are one C++ call where `layer_stack.stacked` allows.
-        """
-        if interrupt is None and self.stack_layers and not isinstance(batch, PackedBatch):
+        interrupted forward leaves no lazy K/V writes behind. Layers 1.. of a step run whole
+        (no prefill segments packed) are one C++ call where `layer_stack.stacked` allows."""
+        if ((interrupt is None or group >= len(self.layers)) and self.stack_layers
+                and not getattr(batch, "prefills", None)):
             h, q = self._ext_block(0, h, batch, kv)
             out = layer_stack.stacked(self, h, q, batch, kv)
             return out if out is not None else self._layers_from(1, h, batch, kv)

@@ -113,9 +113,11 @@ def _kind(kv, slots, decode_rows: int) -> tuple[int, str, dict] | None:
 
 
 def stacked(runner, h: mx.array, q0: mx.array, batch, kv) -> mx.array | None:
-    """Layers 1.. of ``runner``'s step (`model_runner.StepBatch`) through its `LayerStack`,
-    given layer 0's output ``h`` and queries ``q0``; None where the stack does not apply
-    (the runner then builds them one by one)."""
+    """Layers 1.. of ``runner``'s step (a `model_runner.StepBatch`, or a `PackedBatch` of
+    decode rows: a verify step's) through its `LayerStack`, given layer 0's output ``h``
+    and queries ``q0``; None where the stack does not apply (the runner then builds them
+    one by one). A packed step's rows go through each layer as (tokens, 1, hidden), as the
+    runner's `_ext_block` gives them to its head and tail; each row's result is the same."""
     from engine.model.attention import validated_kernel
     from engine.model.attention.cpu import lens_array
     from engine.model.cpu_ext.norm_rope import offsets_array
@@ -126,9 +128,11 @@ def stacked(runner, h: mx.array, q0: mx.array, batch, kv) -> mx.array | None:
     if kind is None:
         return None
     kind, path, fields = kind
+    packed = hasattr(batch, "decode_tables")  # a `PackedBatch` of decode rows, one a token
+    tables, lens = ((batch.decode_tables, batch.decode_lens) if packed
+                    else (batch.block_tables, batch.context_lens))
     k_pool, v_pool = kv.block_view(0)
-    if validated_kernel(q0, k_pool, v_pool, batch.block_tables, batch.context_lens,
-                        runner.attention[0]) != path:
+    if validated_kernel(q0, k_pool, v_pool, tables, lens, runner.attention[0]) != path:
         return None  # the route, the guard or a failure says otherwise: the usual build
     block_size = kv.layout.block_size
     stack = runner.stacks.get(block_size)
@@ -136,9 +140,9 @@ def stacked(runner, h: mx.array, q0: mx.array, batch, kv) -> mx.array | None:
         stack = runner.stacks[block_size] = LayerStack(runner.ext, runner.attention, block_size)
     slots = kv._plan(batch.slots)[0] if kind == 2 else batch.slots  # residual slots
     keys, values = _sides(kv, 1, kind)
-    out, keys, values = stack.run(h, keys, values, 1, slots, batch.block_tables,
-                                  lens_array(batch.context_lens),
-                                  offsets_array(runner._offset(batch, h.shape[1])),
+    rows = h.reshape(h.shape[1], 1, -1) if packed else h  # the packed rows as the runner's
+    out, keys, values = stack.run(rows, keys, values, 1, slots, tables, lens_array(lens),
+                                  offsets_array(runner._offset(batch, rows.shape[1])),
                                   kind=kind, **fields)
     _put(kv, 1, kind, keys, values)
-    return out
+    return out.reshape(h.shape)

@@ -51,6 +51,7 @@ void attend_quant(const Problem& pb, int b, int h, int hc, int part, Partial st)
       for (int g = 0; g < G; ++g) st.l[g] = std::numeric_limits<float>::quiet_NaN();
       return;
     }
+    prefetch_next_block(pb, b, h, blk, t1);
     if (pb.k.bits) {
       score_block<D, G>(pb.k, row0, r0, r1, qq, p, padded_bs);
     } else {

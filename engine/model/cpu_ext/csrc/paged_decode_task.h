@@ -179,6 +179,7 @@ void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st)
       for (int g = 0; g < G; ++g) st.l[g] = std::numeric_limits<float>::quiet_NaN();
       return;
     }
+    prefetch_next_block(pb, b, h, blk, t1);
     for (int r = r0; r < r1; ++r) {
       vf k[NV];
       load_row<NV>(pb.k, row0 + r, k);
