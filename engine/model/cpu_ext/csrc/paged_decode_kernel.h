@@ -141,12 +141,17 @@ inline void prefetch_side(const Side& s, int64_t row, int rows) {
   }
 }
 
-inline void prefetch_next_block(const Problem& pb, int b, int h, int blk, int t1) {
-  static const bool on = [] {  // KVCHAT_KV_PREFETCH=0 turns it off, to measure
+// False when KVCHAT_KV_PREFETCH=0 (to measure without it).
+inline bool prefetch_kv() {
+  static const bool on = [] {
     const char* env = std::getenv("KVCHAT_KV_PREFETCH");
     return !(env && env[0] == '0');
   }();
-  if (!on || (blk + 1) * pb.BS >= t1) return;
+  return on;
+}
+
+inline void prefetch_next_block(const Problem& pb, int b, int h, int blk, int t1) {
+  if (!prefetch_kv() || (blk + 1) * pb.BS >= t1) return;
   const int64_t row = block_row0(pb, b, h, blk + 1);
   if (row < 0) return;
   prefetch_side(pb.k, row, pb.BS);

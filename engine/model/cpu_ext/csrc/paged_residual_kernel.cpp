@@ -103,6 +103,22 @@ const float* stored_space(const ResidualProblem& pb, const float* x, float* tmp,
   return out;
 }
 
+// The quantized block after `blk` (if it is in [.., blk1) and in the pool) fetched into the
+// cache ahead of use: its key codes, their channel scales and biases, and its value rows
+// (`decode_task::prefetch_side`; KVCHAT_KV_PREFETCH=0 turns it off).
+void prefetch_next(const ResidualProblem& pb, int b, int h, int blk, int blk1) {
+  if (!prefetch_kv() || blk + 1 >= blk1) return;
+  const int32_t phys = pb.tables[int64_t(b) * pb.table_width + blk + 1];
+  if (phys < 0 || phys >= pb.num_blocks) return;
+  const int64_t id = int64_t(h) * pb.num_blocks + phys, eb = pb.k_elem == Elem::f32 ? 4 : 2;
+  const char* codes = reinterpret_cast<const char*>(pb.k_codes) + id * pb.D * pb.k_width;
+  for (int64_t o = 0; o < int64_t(pb.D) * pb.k_width; o += 64) __builtin_prefetch(codes + o);
+  for (const void* base : {pb.k_scales, pb.k_biases})
+    for (int64_t o = 0; o < pb.D * eb; o += 64)
+      __builtin_prefetch(static_cast<const char*>(base) + id * pb.D * eb + o);
+  prefetch_side(pb.v, id * pb.BS, pb.BS);
+}
+
 // One task: G query heads of KV head h over partition `part` of sequence b's blocks, the
 // queries' channel products and the output accumulators in registers (D = NV * W).
 template <int NV, int G>
@@ -140,6 +156,7 @@ void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts
     // mapped was filled this step by this row's sequence (a verify step's drafts) and is
     // quantized by this step's write, as plain decoding reads it.
     const int32_t res = blk == (len - 1) / BS ? mapped : -1;
+    prefetch_next(pb, b, h, blk, blk1);
     const int r1 = std::min(BS, len - blk * BS);
     const int64_t blk_id = int64_t(h) * pb.num_blocks + phys;
     const int64_t res_row0 = (int64_t(h) * pb.nres + res) * BS;
