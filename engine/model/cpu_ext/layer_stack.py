@@ -35,6 +35,7 @@ class LayerStack:
                  block_size: int):
         first = layers[0]
         self.block_size = block_size
+        self.source = layers  # built from this list: another list means rebuild
         self._stack = build.require().LayerStack(first.heads, first.kv_heads, block_size)
         for layer, spec in zip(layers, specs, strict=True):
             (nw, neps), (pw, peps), r = layer.input_norm, layer.post_norm, layer.rope
@@ -136,7 +137,7 @@ def stacked(runner, h: mx.array, q0: mx.array, batch, kv) -> mx.array | None:
         return None  # the route, the guard or a failure says otherwise: the usual build
     block_size = kv.layout.block_size
     stack = runner.stacks.get(block_size)
-    if stack is None:
+    if stack is None or stack.source is not runner.ext:
         stack = runner.stacks[block_size] = LayerStack(runner.ext, runner.attention, block_size)
     slots = kv._plan(batch.slots)[0] if kind == 2 else batch.slots  # residual slots
     keys, values = _sides(kv, 1, kind)
