@@ -1,15 +1,15 @@
-"""The decode step's layers built in C++ (`cpu_ext.layer_stack`): the same logits and pools
-to the bit as the runner's layer-by-layer build, and used only where that build would
-launch the CPU attention kernel on plain float pools."""
+"""The step's layers built in C++ (`cpu_ext.layer_stack`): the same logits and pools to the
+bit as the runner's layer-by-layer build, for every KV format it builds, and used only
+where that build would launch the same attention kernel."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from test_cpu_ext_layer_ops import step as layer_ops_step
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.executor import build_batch
 from engine.model.attention.guard import GUARD
 from engine.model.cpu_ext import layer_stack
 
@@ -28,13 +28,37 @@ def stack_calls(monkeypatch):
     return calls
 
 
-def step(eng: Engine, sids: list[int], tokens: list[list[int]]) -> mx.array:
-    plans = [eng.blocks.append(s, len(t)) for s, t in zip(sids, tokens, strict=True)]
-    batch = build_batch(eng.blocks, sids, mx.array(tokens, dtype=mx.int32),
-                        [p.slots for p in plans])
-    logits = eng.runner(batch, eng.kv)
-    mx.eval(logits, eng.kv.keys, eng.kv.values)
-    return np.array(logits.astype(mx.float32))
+def step(eng: Engine, sids: list[int], tokens: list[list[int]]) -> np.ndarray:
+    """One `eng.runner` step of these sequences' tokens (`test_cpu_ext_layer_ops.step`)."""
+    return np.array(layer_ops_step(eng, sids, tokens).astype(mx.float32))
+
+
+def pool_arrays(eng: Engine) -> list[np.ndarray]:
+    """Every stored array of the pool (a quantized side's parts, residual rows too)."""
+    stores = eng.kv.keys + eng.kv.values + getattr(eng.kv, "res_keys", []) + getattr(
+        eng.kv, "res_values", [])
+    return [np.array(a.astype(mx.float32)) for x in stores
+            for a in (x if isinstance(x, tuple) else (x,))]
+
+
+def both_ways(model, monkeypatch, stack_calls, cfg: EngineConfig, steps, min_used: int):
+    """``steps(engine)`` with the stack and without, each on a fresh engine: the same bits,
+    and the stack used at least ``min_used`` times (never when it is off)."""
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("KVCHAT_LAYER_STACK", flag)
+        eng = Engine(model, cfg)
+        try:
+            assert eng.runner.stack_layers
+            before = len(stack_calls)
+            outs.append(steps(eng))
+            used = len(stack_calls) - before
+        finally:
+            eng.shutdown()
+        assert (used >= min_used) if flag == "1" else used == 0
+    (a, ka), (b, kb) = outs
+    for x, y in zip(a + ka, b + kb, strict=True):
+        np.testing.assert_array_equal(x, y)
 
 
 def run_steps(eng: Engine) -> tuple[list, list]:
@@ -46,10 +70,7 @@ def run_steps(eng: Engine) -> tuple[list, list]:
     got += [step(eng, [1], [[prompt[i]]]) for i in range(4)]  # decodes, one crossing a block
     got.append(step(eng, [2], [prompt[:5]]))
     got += [step(eng, [1, 2], [[5], [7]]) for _ in range(2)]  # a ragged batch (B 2, L 1)
-    stores = eng.kv.keys + eng.kv.values + getattr(eng.kv, "res_keys", []) + getattr(
-        eng.kv, "res_values", [])
-    pools = [np.array(a.astype(mx.float32)) for x in stores
-             for a in (x if isinstance(x, tuple) else (x,))]
+    pools = pool_arrays(eng)
     for sid in (1, 2):
         eng.blocks.free(sid)
     return got, pools
@@ -68,25 +89,11 @@ FORMATS = {
 @pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS.keys())
 def test_the_stack_gives_the_layer_by_layer_bits(default_model_ext, monkeypatch, stack_calls,
                                                  fmt):
+    # every step after the variant's first launch (already validated by other tests, or by
+    # this run's first step of each kind) goes through the stack; a residual pool's steps
+    # that fill a block (one here) and its prefills do not
     cfg = EngineConfig(kv_budget_bytes=32 << 20, prefix_cache=False, **fmt)
-    outs = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("KVCHAT_LAYER_STACK", flag)
-        eng = Engine(default_model_ext, cfg)
-        try:
-            assert eng.runner.stack_layers
-            before = len(stack_calls)
-            outs.append(run_steps(eng))
-            used = len(stack_calls) - before
-        finally:
-            eng.shutdown()
-        # every step after the variant's first launch (already validated by other tests,
-        # or by this run's first step of each kind) goes through the stack; a residual
-        # pool's steps that fill a block (one here) and its prefills do not
-        assert (used >= 5) if flag == "1" else used == 0
-    (a, ka), (b, kb) = outs
-    for x, y in zip(a + ka, b + kb, strict=True):
-        np.testing.assert_array_equal(x, y)
+    both_ways(default_model_ext, monkeypatch, stack_calls, cfg, run_steps, 5)
 
 
 def verify_steps(eng: Engine) -> tuple[list, list]:
@@ -109,8 +116,7 @@ def verify_steps(eng: Engine) -> tuple[list, list]:
         logits = eng.runner.forward_packed(pack([], rows), eng.kv)
         mx.eval(logits, eng.kv.keys, eng.kv.values)
         got.append(np.array(logits.astype(mx.float32)))
-    pools = [np.array(a.astype(mx.float32)) for x in eng.kv.keys + eng.kv.values
-             for a in (x if isinstance(x, tuple) else (x,))]
+    pools = pool_arrays(eng)
     for sid in (1, 2):
         eng.blocks.free(sid)
     return got, pools
@@ -120,20 +126,7 @@ def verify_steps(eng: Engine) -> tuple[list, list]:
 def test_a_packed_step_of_decode_rows_gives_the_same_bits(default_model_ext, monkeypatch,
                                                           stack_calls, fmt):
     cfg = EngineConfig(kv_budget_bytes=32 << 20, prefix_cache=False, **fmt)
-    outs = []
-    for flag in ("1", "0"):
-        monkeypatch.setenv("KVCHAT_LAYER_STACK", flag)
-        eng = Engine(default_model_ext, cfg)
-        try:
-            before = len(stack_calls)
-            outs.append(verify_steps(eng))
-            used = len(stack_calls) - before
-        finally:
-            eng.shutdown()
-        assert (used >= 2) if flag == "1" else used == 0
-    (a, ka), (b, kb) = outs
-    for x, y in zip(a + ka, b + kb, strict=True):
-        np.testing.assert_array_equal(x, y)
+    both_ways(default_model_ext, monkeypatch, stack_calls, cfg, verify_steps, 2)
 
 
 def test_generation_is_token_for_token_the_same(default_model_ext, monkeypatch, stack_calls):
