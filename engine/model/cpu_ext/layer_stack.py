@@ -1,14 +1,15 @@
-"""A decode step's extension layers as one C++ call (csrc/layer_stack.h).
+"""A step's extension layers as one C++ call (csrc/layer_stack.h).
 
 The runner builds each layer's four nodes (`ExtLayer.head`, the K/V writes, paged
 attention, `ExtLayer.tail`) in Python at ~50 us a layer: ~1.5 ms of a ~12 ms decode
 step of the default model, with both cores idle meanwhile. `LayerStack.run` builds the
 same nodes, by the same C++ functions with the same arguments, in one call, so the
 outputs are the same bits. It applies where that graph is the whole story: every layer
-an `ExtLayer` with plain attention (no window, no sinks), float pools (not quantized,
-not windowed) written by the extension, and the attention route's CPU kernel, already
-validated by the guard (`attention.validated_kernel`). ``KVCHAT_LAYER_STACK=0`` turns it
-off (to compare).
+an `ExtLayer` with plain attention (no window, no sinks); pools the extension writes,
+float, quantized per token or residual -kivi (a residual step that fills a block, and
+residual prefills, are built layer by layer); and the attention route's CPU kernel for
+the call, already validated by the guard (`attention.validated_kernel`).
+``KVCHAT_LAYER_STACK=0`` turns it off (to compare).
 """
 
 from __future__ import annotations

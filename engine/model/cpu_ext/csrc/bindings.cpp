@@ -130,7 +130,7 @@ NB_MODULE(_kvchat_cpu_ext, m) {
       "Gemma 3's layer after attention (o_proj, norms, float16 residual sums, the tanh\n"
       "GELU MLP) as one op; norms are the (1 + w) scales after o, before and after the MLP.");
   nb::class_<kvchat::LayerStack>(m, "LayerStack",
-                                 "A decode step's extension layers built in C++ (layer_stack.h).")
+                                 "A step's extension layers built in C++ (layer_stack.h).")
       .def(nb::init<int, int, int>(), "heads"_a, "kv_heads"_a, "block_size"_a)
       .def(
           "add",

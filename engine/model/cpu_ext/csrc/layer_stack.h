@@ -1,4 +1,4 @@
-// A decode step's run of llama-family layers built in C++ (layer_stack.cpp): the same
+// A step's run of llama-family layers built in C++ (layer_stack.cpp): the same
 // graph the runner builds layer by layer in Python (`layer_head`, the K/V writes,
 // `paged_attention`, `layer_tail`), node for node, without ~50 us of Python per layer.
 #pragma once
