@@ -86,10 +86,11 @@ def _put(kv, first: int, kind: int, keys: list, values: list) -> None:
         kv.res_values[first:] = [v[3] for v in values]
 
 
-def _kind(kv, slots, decode_rows: int) -> tuple[int, str, dict] | None:
-    """(kind, the attention path it needs, the C++ `StackKV` fields) of ``kv``'s layout;
-    None for a layout the stack does not build (windowed layers, a residual step that
-    fills a block and so quantizes it, writers other than the extension's)."""
+def _kind(kv, k_pool, slots, decode_rows: int) -> tuple[int, str, dict] | None:
+    """(kind, the attention path it needs, the C++ `StackKV` fields) of ``kv``'s layout
+    (``k_pool``: layer 0's K as `block_view` gives it); None for a layout the stack does not
+    build (windowed layers, a residual step that fills a block and so quantizes it, writers
+    other than the extension's)."""
     from engine.kvcache import rotation
     from engine.kvcache.residual import ResidualKVCache
     from engine.model.cpu_ext.ops import kv_write, kv_write_quant
@@ -108,7 +109,7 @@ def _kind(kv, slots, decode_rows: int) -> tuple[int, str, dict] | None:
     if isinstance(kv, ResidualKVCache):
         if decode_rows != 1 or not L.key_channel or kv._plan(slots)[1]:
             return None  # its prefill kernel is another path; a filled block is quantized
-        return 2, "cpu_residual", fields | {"res_map": kv._step_map}
+        return 2, "cpu_residual", fields | {"res_map": k_pool.res_map}
     if L.residual or L.key_channel or kv.quant_writer is not kv_write_quant:
         return None
     return 1, "cpu", fields | {"k_group": L.k_quant.group_size}
@@ -126,14 +127,14 @@ def stacked(runner, h: mx.array, q0: mx.array, batch, kv) -> mx.array | None:
 
     if len(runner.layers) < 2 or not runner.use_kernels or not enabled():
         return None
-    kind = _kind(kv, batch.slots, q0.shape[2])
+    k_pool, v_pool = kv.block_view(0)
+    kind = _kind(kv, k_pool, batch.slots, q0.shape[2])
     if kind is None:
         return None
     kind, path, fields = kind
     packed = hasattr(batch, "decode_tables")  # a `PackedBatch` of decode rows, one a token
     tables, lens = ((batch.decode_tables, batch.decode_lens) if packed
                     else (batch.block_tables, batch.context_lens))
-    k_pool, v_pool = kv.block_view(0)
     if validated_kernel(q0, k_pool, v_pool, tables, lens, runner.attention[0]) != path:
         return None  # the route, the guard or a failure says otherwise: the usual build
     block_size = kv.layout.block_size

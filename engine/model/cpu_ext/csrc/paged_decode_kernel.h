@@ -128,16 +128,22 @@ inline int64_t block_row0(const Problem& pb, int b, int h, int blk) {
 // before token t1: at a long context the pool streams from DRAM, and the quantized loops
 // (more work per byte) left too few loads in flight to hide its latency (in the engine at
 // 4k, ~2x their time over an L2-resident pool).
+inline int elem_bytes(Elem e) {
+  return e == Elem::f32 ? 4 : 2;
+}
+
+// `bytes` from p on, one cache line at a time (a prefetch never faults).
+inline void prefetch_range(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o);
+}
+
 inline void prefetch_side(const Side& s, int64_t row, int rows) {
-  const int64_t bytes = s.bits ? s.row_bytes : int64_t(s.D) * (s.elem == Elem::f32 ? 4 : 2);
-  const char* p = s.data + row * bytes;
-  for (int64_t o = 0; o < rows * bytes; o += 64) __builtin_prefetch(p + o);
+  const int64_t bytes = s.bits ? s.row_bytes : int64_t(s.D) * elem_bytes(s.elem);
+  prefetch_range(s.data + row * bytes, rows * bytes);
   if (s.bits) {  // the rows' scales and biases: contiguous, (row, group) ordered
-    const int64_t groups = s.D / s.group, eb = s.scale_elem == Elem::f32 ? 4 : 2;
-    for (const void* base : {s.scales, s.biases}) {
-      const char* q = static_cast<const char*>(base) + row * groups * eb;
-      for (int64_t o = 0; o < rows * groups * eb; o += 64) __builtin_prefetch(q + o);
-    }
+    const int64_t line = int64_t(s.D / s.group) * elem_bytes(s.scale_elem);
+    for (const void* base : {s.scales, s.biases})
+      prefetch_range(static_cast<const char*>(base) + row * line, rows * line);
   }
 }
 

@@ -110,12 +110,11 @@ void prefetch_next(const ResidualProblem& pb, int b, int h, int blk, int blk1) {
   if (!prefetch_kv() || blk + 1 >= blk1) return;
   const int32_t phys = pb.tables[int64_t(b) * pb.table_width + blk + 1];
   if (phys < 0 || phys >= pb.num_blocks) return;
-  const int64_t id = int64_t(h) * pb.num_blocks + phys, eb = pb.k_elem == Elem::f32 ? 4 : 2;
-  const char* codes = reinterpret_cast<const char*>(pb.k_codes) + id * pb.D * pb.k_width;
-  for (int64_t o = 0; o < int64_t(pb.D) * pb.k_width; o += 64) __builtin_prefetch(codes + o);
+  const int64_t id = int64_t(h) * pb.num_blocks + phys;
+  const int64_t codes = int64_t(pb.D) * pb.k_width, line = int64_t(pb.D) * elem_bytes(pb.k_elem);
+  prefetch_range(pb.k_codes + id * codes, codes);
   for (const void* base : {pb.k_scales, pb.k_biases})
-    for (int64_t o = 0; o < pb.D * eb; o += 64)
-      __builtin_prefetch(static_cast<const char*>(base) + id * pb.D * eb + o);
+    prefetch_range(static_cast<const char*>(base) + id * line, line);
   prefetch_side(pb.v, id * pb.BS, pb.BS);
 }
 
