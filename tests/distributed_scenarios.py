@@ -4,6 +4,7 @@
     python tests/distributed_scenarios.py SCENARIO --model DIR [--mode MODE[:SPLIT],...]
 
 MODE is pipeline or tensor, SPLIT layers per rank as 1/2; one run per item, over the same ranks.
+An item may end in @q4-kivi: that run's pool is the residual 4-bit format (per-channel keys).
 
 - parity: greedy tokens of a few prompts (one decoding alone, then a batch of them) on the
   ranks vs one process over the same weights (rank 0 runs both); then a long generation
@@ -18,6 +19,7 @@ MODE is pipeline or tensor, SPLIT layers per rank as 1/2; one run per item, over
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -95,10 +97,20 @@ def distributed(args, group, parallel, config, ref) -> dict:
                 final=[r.to_dict() for r in eng.final_reports])
 
 
+KV_FORMATS = {"": {}, "q4-kivi": dict(k_bits=4, v_bits=4, kv_group_size=32, kv_residual=True,
+                                        kv_key_channel=True)}
+
+
 def parity(args, group, parallels, config) -> dict:
-    """One reference, then each parallel mode in turn over the same ranks."""
-    ref = reference(args, config)
-    return {p.mode: distributed(args, group, p, config, ref) for p in parallels}
+    """One reference per KV format, then each --mode item in turn over the same ranks."""
+    out, refs = {}, {}
+    for item, p in zip(args.mode.split(","), parallels, strict=True):
+        fmt = item.partition("@")[2]
+        cfg = dataclasses.replace(config, **KV_FORMATS[fmt])
+        if fmt not in refs:
+            refs[fmt] = reference(args, cfg)
+        out[p.mode + (f"@{fmt}" if fmt else "")] = distributed(args, group, p, cfg, refs[fmt])
+    return out
 
 
 def disk(args, group, parallels, config) -> dict:
@@ -157,7 +169,7 @@ def main() -> int:
     args = p.parse_args()
     parallels = []
     for item in args.mode.split(","):
-        mode, _, split = item.partition(":")
+        mode, _, split = item.partition("@")[0].partition(":")
         parallels.append(ParallelConfig(
             mode=mode, split=tuple(int(n) for n in split.split("/")) if split else None,
             timeout_s=args.timeout, init_timeout_s=120))

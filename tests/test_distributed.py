@@ -128,6 +128,12 @@ def test_handshake_round_trip_and_refusals():
                            head_dim=64) == ""
     why = handshake.check(got, world=2, mode="pipeline", fingerprint="fp-xyz", head_dim=64)
     assert "another model" in why
+    # the residual formats' flags travel too (a rank builds the pool rank 0 runs)
+    kivi = KVLayout(15, 3, 64, 16, mx.float16, QuantSpec(4, 64, 1), QuantSpec(4, 64, 1),
+                    residual=True, key_channel=True)
+    got_kivi, _ = handshake.decode_hello(handshake.encode_hello(
+        handshake.Hello("tensor", 2, 9, kivi, True, "fp")))
+    assert got_kivi.layout.kv_format == kivi.kv_format and got_kivi.layout.key_channel
     answered = handshake.answer(handshake.encode_hello(hello), 1, why)
     with pytest.raises(KVChatError, match="rank 1: another model"):
         handshake.raise_refusals(answered, end)
@@ -198,6 +204,40 @@ def test_two_ranks_match_one_process_and_release_together(tiny_dir, tmp_path):
                 k: reports[1][k] for k in keys}, (mode, reports)
             assert all(r["writes_outside"] == 0 for r in reports)
         assert [r["blocks_used"] for r in after] == [0, 0]  # freed on both ranks
+
+
+@pytest.fixture(scope="module")
+def tiny_dir32(tiny_dir, tmp_path_factory, default_model):
+    """The tiny qwen3 with head dim 32, which 4-bit groups of 32 quantize."""
+    from arch_zoo import save_random_model
+    from conftest import TINY
+
+    config = dict(TINY["qwen3"], head_dim=32, vocab_size=default_model.config["vocab_size"],
+                  eos_token_id=default_model.config["eos_token_id"])
+    return save_random_model(tmp_path_factory.mktemp("dist32") / "qwen3", config,
+                             default_model.path, seed=32, scale=4)
+
+
+@pytest.mark.subprocess
+def test_two_ranks_on_the_residual_4bit_pool(tiny_dir32, tmp_path):
+    """q4-kivi (per-channel 4-bit keys, float filling blocks) across ranks: the hello carries
+    the format, every rank builds the residual pool, and the tokens are one process's."""
+    procs = spawn(tmp_path, "parity", "--model", str(tiny_dir32), "--mode",
+                  "pipeline@q4-kivi,tensor@q4-kivi", "--max-tokens", "8")
+    (out, err), (_, err1) = finish(procs)
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, err + err1
+    runs = json.loads(out.strip().splitlines()[-1])
+    assert set(runs) == {"pipeline@q4-kivi", "tensor@q4-kivi"}
+    float16_bytes = 2 * 2 * 32 * 2 * 2  # layers x KV heads x head dim x (K, V) x 2 bytes
+    for mode, run in runs.items():
+        assert run["ref_bytes_per_token"] < float16_bytes / 2, mode  # quantized, 4-bit
+        assert run["got_one"] == run["want_one"], mode
+        assert run["got_batch"] == run["want_batch"], mode
+        final = run["final"]
+        assert [r["bytes_per_token"] * 2 for r in final] == [run["ref_bytes_per_token"]] * 2
+        assert run["cancel"]["finish"] == "cancelled"
+        assert [r["blocks_used"] for r in run["cancel"]["after"]] == [0, 0]
+        assert all(r["writes_outside"] == 0 for r in final)
 
 
 @pytest.mark.subprocess

@@ -28,9 +28,8 @@ from engine.distributed.plan_wire import Op
 from engine.distributed.prefix import LeaderPrefixCache
 from engine.distributed.stage import layer_split, prepare_rank
 from engine.engine import Engine
-from engine.errors import KVChatError
 from engine.model.loader import LoadedModel
-from engine.wiring import RESIDUAL_OFF, build_kv
+from engine.wiring import build_kv
 
 
 def rank_config(config: EngineConfig, *, part_layers: int, max_layers: int,
@@ -62,8 +61,6 @@ class DistributedEngine(Engine):
         config = config or EngineConfig()
         if group.rank() != 0:
             raise ValueError("DistributedEngine runs on rank 0; other ranks run a Worker")
-        if config.kv_residual:  # the hello carries per-token formats only
-            raise KVChatError(RESIDUAL_OFF.format("distributed ranks (--distributed)"))
         full_fingerprint = loaded.fingerprint
         num_layers = len(loaded.model.model.layers)
         stage, part = prepare_rank(loaded, group, parallel)

@@ -32,6 +32,9 @@ class Hello:
     disk: bool = False  # rank 0 has a disk prefix store: every rank opens its own
 
 
+HEAD = 16  # int32 fields before the fingerprint
+
+
 def _quant(q: QuantSpec | None) -> tuple[int, int]:
     return (q.bits, q.group_size) if q else (0, 0)
 
@@ -41,17 +44,19 @@ def encode_hello(h: Hello) -> np.ndarray:
     head = [MODES.index(h.mode), h.world, h.num_blocks, L.block_size,
             wire.DTYPES.index(L.dtype), *_quant(L.k_quant), *_quant(L.v_quant), L.head_dim,
             int(h.use_kernels), int(h.disk),
-            *(q.rotation if q else 0 for q in (L.k_quant, L.v_quant))]
+            *(q.rotation if q else 0 for q in (L.k_quant, L.v_quant)),
+            int(L.residual), int(L.key_channel)]
     return np.concatenate([np.asarray(head, np.int32), wire.encode_text(h.model_fingerprint)])
 
 
 def decode_hello(payload: np.ndarray) -> tuple[Hello, int]:
     """(the hello, where the ranks' answers start in the payload)."""
-    v = [int(x) for x in payload[:14]]
-    fingerprint, end = wire.decode_text(payload, 14)
+    v = [int(x) for x in payload[:HEAD]]
+    fingerprint, end = wire.decode_text(payload, HEAD)
     k = QuantSpec(v[5], v[6], v[12]) if v[5] else None
     vq = QuantSpec(v[7], v[8], v[13]) if v[7] else None
-    layout = KVLayout(0, 0, v[9], v[3], wire.DTYPES[v[4]], k, vq)
+    layout = KVLayout(0, 0, v[9], v[3], wire.DTYPES[v[4]], k, vq, residual=bool(v[14]),
+                      key_channel=bool(v[15]))
     return Hello(MODES[v[0]], v[1], v[2], layout, bool(v[10]), fingerprint, bool(v[11])), end
 
 

@@ -83,6 +83,10 @@ class BlockLedger:
         self.steps += 1
         self.tokens_written += len(blocks)
 
+    def free_ids(self) -> list[int]:
+        """Blocks neither in use nor cached (a residual pool takes back their rows)."""
+        return np.flatnonzero((self.refs <= 0) & ~self.cached).tolist()
+
     def counts(self) -> tuple[int, int, int]:
         """(used, cached, free) blocks."""
         used = int(np.count_nonzero(self.refs > 0))

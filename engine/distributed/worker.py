@@ -29,6 +29,7 @@ from engine.distributed.stage import StageModel, prepare_rank
 from engine.kvcache.disk.store import DiskPrefixStore
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.kvcache.prefix_key import salt_base
+from engine.kvcache.residual import ResidualKVCache
 from engine.model.loader import LoadedModel
 from engine.model.model_runner import PagedModel
 from engine.wiring import check_kv_budget, kv_writers
@@ -78,8 +79,13 @@ class Worker:
         layout = dataclasses.replace(hello.layout, num_layers=len(self.paged.layers),
                                      num_kv_heads=self.paged.num_kv_heads)
         check_kv_budget(hello.num_blocks * layout.bytes_per_block, self.weight_bytes)
-        self.kv = PagedKVCache(layout, hello.num_blocks, **kv_writers(self.loaded))
         self.ledger = BlockLedger(hello.num_blocks, layout.block_size)
+        if layout.residual:  # as rank 0's, its filling blocks' rows freed by the ledger
+            self.kv = ResidualKVCache(layout, hello.num_blocks,
+                                      kv_writers(self.loaded)["row_writer"],
+                                      free_ids=self.ledger.free_ids)
+        else:
+            self.kv = PagedKVCache(layout, hello.num_blocks, **kv_writers(self.loaded))
         self.paged.use_kernels = hello.use_kernels
         if hello.disk:
             c, m = self.config, self.loaded
