@@ -118,8 +118,9 @@ def disk(args, group, parallels, config) -> dict:
     from engine.distributed.engine import DistributedEngine
 
     phases = []  # rank 1 drops its own store before run --forget-rank1-at (see main)
-    for parallel in parallels:
-        eng = DistributedEngine(load_model(args.model, weights=args.weights), config, group,
+    for item, parallel in zip(args.mode.split(","), parallels, strict=True):
+        cfg = dataclasses.replace(config, **KV_FORMATS[item.partition("@")[2]])
+        eng = DistributedEngine(load_model(args.model, weights=args.weights), cfg, group,
                                 parallel)
         ids = eng.encode_prompt(PROMPTS[2] + " Then explain why each one is prime.")
         r = eng.generate_text(ids, SamplingParams(max_tokens=args.max_tokens))

@@ -238,6 +238,16 @@ def test_two_ranks_on_the_residual_4bit_pool(tiny_dir32, tmp_path):
         assert run["cancel"]["finish"] == "cancelled"
         assert [r["blocks_used"] for r in run["cancel"]["after"]] == [0, 0]
         assert all(r["writes_outside"] == 0 for r in final)
+    # the disk prefix store on every rank: a fresh engine restores the residual pool's full
+    # blocks from disk and answers the same
+    disk = tmp_path / "prefix"
+    procs = spawn(tmp_path, "disk", "--model", str(tiny_dir32), "--disk-dir", str(disk),
+                  "--max-tokens", "6", "--mode", "tensor@q4-kivi,tensor@q4-kivi")
+    (out, err), (_, err1) = finish(procs)
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, err + err1
+    first, again = json.loads(out.strip().splitlines()[-1])["phases"]
+    assert (first["source"], again["source"]) == ("none", "disk") and again["cached"] > 0
+    assert first["tokens"] == again["tokens"]
 
 
 @pytest.mark.subprocess
