@@ -210,6 +210,4 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     )
     shifter = ContextShifter(runner, kv, blocks, max_context, default=config.context_shift,
                              sink_tokens=config.shift_sinks)
-    if layout.residual:
-        shifter.refuse(RESIDUAL_OFF.format("context shift"))
     return EngineParts(runner, layout, kv, blocks, prefix, swap, sched, notices, shifter)

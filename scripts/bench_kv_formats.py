@@ -126,7 +126,7 @@ def engines(names: list[str], ctx: int) -> dict[str, Engine]:
 def bench_step(engs: dict[str, Engine], ctx: int, rounds: int) -> None:
 
     print(f"== decode step at {ctx} tokens of context: graph nodes, ms per step "
-          f"(best of {rounds} interleaved rounds of 8 steps; {load()})")
+          f"(best and median of {rounds} interleaved rounds of 8 steps; {load()})")
     ids = next(iter(engs.values())).loaded.tokenizer.encode(TEXT)[:ctx]
     state = {}
     for name, eng in engs.items():
@@ -138,7 +138,7 @@ def bench_step(engs: dict[str, Engine], ctx: int, rounds: int) -> None:
             eng.runner(build_batch(eng.blocks, [sid], mx.array([chunk], dtype=mx.int32),
                                    [plan.slots]), eng.kv, logits=False)
             mx.eval(eng.kv.keys, eng.kv.values)
-        state[name] = [sid, 5, 0, float("inf")]
+        state[name] = [sid, 5, 0, []]
 
     def step(name: str, eng: Engine, count: bool) -> float:
         sid, nxt = state[name][:2]
@@ -160,12 +160,15 @@ def bench_step(engs: dict[str, Engine], ctx: int, rounds: int) -> None:
     for _ in range(rounds):
         for name, eng in engs.items():
             step(name, eng, False)
-            state[name][3] = min(state[name][3], min(step(name, eng, False) for _ in range(8)))
-    base = state[next(iter(engs))][3]
-    for name, (sid, _, nodes, best) in state.items():
+            state[name][3] += [step(name, eng, False) for _ in range(8)]
+    best = {name: min(st[3]) for name, st in state.items()}
+    med = {name: statistics.median(st[3]) for name, st in state.items()}
+    first = next(iter(engs))
+    for name, (sid, _, nodes, _) in state.items():
         engs[name].blocks.free(sid)
-        print(f"{name:9s}: {nodes:5d} graph nodes, {best * 1e3:6.2f} ms per step "
-              f"({base / best:.2f}x the first)", flush=True)
+        print(f"{name:9s}: {nodes:5d} graph nodes, best {best[name] * 1e3:6.2f} ms per step "
+              f"({best[first] / best[name]:.2f}x the first), median {med[name] * 1e3:6.2f} "
+              f"({med[first] / med[name]:.2f}x)", flush=True)
 
 
 def bench_decode(engs: dict[str, Engine], ctx: int, gen: int, rounds: int) -> None:

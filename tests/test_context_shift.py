@@ -167,6 +167,24 @@ def test_a_quantized_pool_shifts_too(quick_model):
     _idle(e)
 
 
+def test_a_residual_pool_shifts_too(quick_model):
+    # q4-kivi: full blocks (per-channel 4-bit keys) move re-quantized, the filling block's
+    # exact rows move in place; the same tokens until the context is full, 0 leaks
+    e = Engine(quick_model, EngineConfig(kv_budget_bytes=32 << 20, block_size=BS,
+                                         max_context=CONTEXT, kv_bits=4, kv_residual=True,
+                                         kv_key_channel=True))
+    assert e.layout.residual and e.layout.key_channel
+    ids = e.tokenizer.encode("Tell me a long story about a lighthouse keeper.")
+    r = e.generate_text(ids, _params(2 * CONTEXT))
+    assert r.finish_reason == "length" and len(r.tokens) == 2 * CONTEXT
+    assert r.stats.context_shifts >= 2 and r.stats.blocks_used <= CONTEXT // BS
+    plain = e.generate_text(ids, _params(CONTEXT - len(ids), shift=False)).tokens
+    assert r.tokens[:len(plain)] == plain
+    _idle(e)
+    e.kv.reclaim()
+    assert e.kv.num_residual_blocks == 0
+
+
 def test_a_refused_setup_refuses_at_start_when_shifting_is_the_default(tiny):
     from engine.shifting import ContextShifter
 

@@ -15,7 +15,6 @@ import pytest
 from test_kv_quant import PROMPT_TEXTS
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.errors import KVChatError
 from engine.kvcache import channel_quant
 from engine.kvcache.kv_cache import KVLayout
 from engine.kvcache.quant import QuantSpec
@@ -210,8 +209,8 @@ def test_engine_runs_are_stable_and_give_every_block_back(default_model_ext, pro
 
 
 def test_engine_refuses_what_the_residual_formats_do_not_carry(default_model_ext):
-    with pytest.raises(KVChatError, match="context shift"):
-        Engine(default_model_ext, EngineConfig(**KIVI, context_shift=True))
+    shifting = Engine(default_model_ext, EngineConfig(**KIVI, context_shift=True))
+    assert shifting.scheduler.shifter.refusal is None  # carried (`kvcache.residual_shift`)
     with pytest.raises(ValueError, match="kv_residual"):
         EngineConfig(kv_bits=4, kv_key_channel=True)
 

@@ -161,3 +161,31 @@ def test_embedded_model_shifted_cache_is_mlx_lms_cache_at_the_new_positions(defa
     assert caches[0].offset == n + 1 and len(table) == -(-(n + 1) // 16)
     assert mx.abs(logits - want).max().item() < 1e-3 * max(1.0, mx.abs(want).max().item())
     assert int(mx.argmax(logits)) == int(mx.argmax(want))
+
+
+def test_residual_pools_shift_full_blocks_requantized_and_filling_rows_exactly():
+    """-kivi pools: two full blocks (per-channel 4-bit keys, rotated or not; or per-token
+    8-bit) move within their quantization error, the filling block's exact rows exactly."""
+    from engine.kvcache.residual import ResidualKVCache
+
+    rope = nn.RoPE(D, traditional=True, base=1e5)
+    n = 2 * BS + 5  # the third block still filling
+    k = mx.random.normal((H, n, D), key=mx.random.key(3))
+    slots = mx.arange(n, dtype=mx.int32)
+    for quant, channel in ((QuantSpec(4, 64, 1), True), (QuantSpec(4, 64, 0), True),
+                           (QuantSpec(8, 64, 1), False)):
+        layout = KVLayout(1, H, D, BS, mx.float32, quant, QuantSpec(8, 64), residual=True,
+                          key_channel=channel)
+        kv, fresh = ResidualKVCache(layout, 8), ResidualKVCache(layout, 8)
+        kv.write(0, slots, _fresh_keys(rope, k, 100), mx.zeros((H, n, D)))
+        fresh.write(0, slots, _fresh_keys(rope, k, 60), mx.zeros((H, n, D)))
+        KeyShifter(_runner([rope]), kv).shift([0, 1, 2], 40)
+        want = _fresh_keys(rope, k, 60)
+        table = mx.array([0, 1], dtype=mx.int32)
+        got = kv.block_view(0)[0].quantized_rows(table).reshape(H, -1, D)
+        base = fresh.block_view(0)[0].quantized_rows(table).reshape(H, -1, D)
+        err = mx.abs(got - want[:, :2 * BS]).max().item()
+        ref = mx.abs(base - want[:, :2 * BS]).max().item()
+        assert ref > 0 and err < 3 * ref, (quant, channel)  # a second rounding, not wrong
+        exact = kv.block_view(0)[0].exact_rows(mx.array([2], dtype=mx.int32))
+        assert mx.allclose(exact.reshape(H, -1, D)[:, :5], want[:, 2 * BS:], atol=1e-4)

@@ -263,6 +263,7 @@ def test_a_kivi_format_builds_the_residual_per_channel_pool():
     plain, _ = with_kv_cache(EngineConfig(), "q4")
     assert not (plain.kv_residual or plain.kv_key_channel)
     assert "K per channel" in describe("q4-kivi") and "costly" not in describe("q4-kivi")
-    assert "no context shift" in describe("q8-kivi") and "context shift" not in describe("q8")
+    # they carry context shift and speculation now: nothing to warn of before Apply
+    assert "context shift" not in describe("q8-kivi") and "speculation" not in describe("q8-kivi")
     assert short_format("k=q4c16r1,v=q4g64r1,res=float16") == \
         "K q4c16r1 V q4g64r1, newest block float16"

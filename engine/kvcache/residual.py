@@ -21,7 +21,7 @@ sequence's full blocks the same way and its newest, filling block's exact rows a
 
 A verify step may fill (and quantize) a block with drafts that are then rejected:
 `reopen` gives it its exact rows back, to be quantized again when accepted tokens fill it.
-Not carried yet (refused, `engine.wiring`): sliding-window layers, context shift.
+Context shift: `kvcache.residual_shift`. Refused (`engine.wiring`): sliding windows.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ subclasses of them: a rotation by fixed frequencies); scaled variants that also 
 the key (Su/Yarn's mscale) or rotate part-way by position-dependent rules, windowed layers
 and layers without RoPE are refused with one line (`refusal`). A quantized K side is
 dequantized, its Hadamard rotation (`kvcache.rotation`) undone, shifted, and quantized
-again (one more rounding).
+again (one more rounding); a residual pool's full blocks likewise, per block, and its
+filling blocks' exact rows in place (`kvcache.residual_shift`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from mlx_lm.models.rope_utils import Llama3RoPE
 
 from engine.kvcache import rotation
 from engine.kvcache.kv_cache import PagedKVCache, _quantize
+from engine.kvcache.residual import ResidualKVCache
+from engine.kvcache.residual_shift import move_keys
 
 SHIFTABLE_ROPES = (nn.RoPE, Llama3RoPE)
 
@@ -54,6 +57,10 @@ class KeyShifter:
     def shift(self, block_ids: Sequence[int], delta: int) -> None:
         """Keys of every row of ``block_ids`` (all layers) move back by ``delta`` positions."""
         if not block_ids or delta == 0:
+            return
+        if isinstance(self.kv, ResidualKVCache):  # full blocks and filling ones apart
+            move_keys(self.kv, block_ids, lambda layer, rows: self._rotate(
+                self.ropes[layer], rows, delta))
             return
         L = self.kv.layout
         bs = L.block_size

@@ -65,8 +65,6 @@ def describe(name: str) -> str:
     cost = KV_MEASURED_COST.get(name)
     if cost is not None:
         label += f" · {cost:+.1f}% perplexity" + (": costly" if cost > KV_COSTLY_PCT else "")
-    if kivi:  # what the residual formats refuse (`engine.wiring`), said before Apply
-        label += " · no context shift or speculation"
     return label
 
 
