@@ -58,3 +58,10 @@ def test_cli_writes_the_table_and_json(tmp_path, kvchat_cli):
     assert "| seed 41 | 193 | 8 |" in stdout and (out / "shift_eval.md").exists()
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["context"] == 64 and len(result["streams"]) == 1
+
+
+def test_kivi_needs_bits(capsys):
+    from app.cli import main
+
+    with pytest.raises(SystemExit, match="--kv-kivi needs --kv-bits"):
+        main(["eval", "shift", "--kv-kivi"])

@@ -130,17 +130,20 @@ def markdown(result: dict) -> str:
         lines.append(f"| seed {r['seed']} | {r['tokens']} | {r['shifts']} | {p['shift']:.2f} | "
                      f"{p['fresh']:.2f} | {p['full']:.2f} | "
                      f"{report.pct(r['top1_agreement_shift_vs_fresh'])} |")
-    return "\n".join(lines)
+    return "\n".join([f"KV pool: {result.get('kv_format', 'float')}", ""] + lines)
 
 
 def run(args) -> int:
     from app.eval.docs import document
     from engine import Engine, EngineConfig, load_model
 
+    if args.kv_kivi and not args.kv_bits:
+        raise SystemExit("kvchat: error: --kv-kivi needs --kv-bits 8 or 4")
     started = time.perf_counter()
     loaded = load_model(args.model, weights=args.weights)
     eng = Engine(loaded, EngineConfig(kv_budget_bytes=512 << 20, disk_cache=False,
-                                      prefix_cache=False, kv_bits=args.kv_bits))
+                                      prefix_cache=False, kv_bits=args.kv_bits,
+                                      kv_residual=args.kv_kivi, kv_key_channel=args.kv_kivi))
     from engine.model.rope_shift import refusal
 
     if refusal(eng.runner):
@@ -161,6 +164,7 @@ def run(args) -> int:
         eng.shutdown()
     result = {"model": loaded.name or "default", "context": args.context,
               "factor": args.factor, "sink_tokens": args.sinks, "kv_bits": args.kv_bits,
+              "kv_format": eng.layout.kv_format,
               "block_size": eng.layout.block_size, "streams": streams,
               "seconds": round(time.perf_counter() - started, 1)}
     report.publish(markdown(result), result, args.out, "shift_eval", args.json)
@@ -186,6 +190,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="first text's seed (41)")
     p.add_argument("--kv-bits", type=int, choices=[8, 4], default=None,
                    help="a quantized K/V pool (the shift re-quantizes the moved keys)")
+    p.add_argument("--kv-kivi", action="store_true",
+                   help="with --kv-bits: the residual format, keys per channel (the shift "
+                        "re-quantizes moved full blocks, moves the filling one's rows exactly)")
     p.add_argument("--weights", choices=["auto", "float32"], default="auto",
                    help="weight format (auto)")
     p.add_argument("--json", default=None, metavar="FILE", help="write every figure as JSON")
