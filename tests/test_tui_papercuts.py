@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from test_tui_app import SIZE, boxes, make_app, wait_for
 from test_tui_fakes import FakeEngine, long_reply
@@ -174,6 +176,11 @@ async def test_screenshot_without_a_downloads_folder(store, tmp_path, monkeypatc
         await wait_for(pilot, lambda: app.engine is not None)
         app.deliver_screenshot()
         await wait_for(pilot, lambda: list(home.glob("*.svg")), timeout=10)
+        # Textual's save thread (not a daemon) then hands DeliveryComplete to the app's
+        # loop and waits for it: leaving the app first left it waiting for ever, and the
+        # test process hung at exit (seen once in a full run)
+        await wait_for(pilot, lambda: not any("save_file_thread" in t.name
+                                              for t in threading.enumerate()), timeout=10)
 
 
 async def test_an_answer_that_loops_is_stopped_and_cut(store):
