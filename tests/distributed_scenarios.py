@@ -101,12 +101,17 @@ KV_FORMATS = {"": {}, "q4-kivi": dict(k_bits=4, v_bits=4, kv_group_size=32, kv_r
                                         kv_key_channel=True)}
 
 
+def item_config(config, item: str) -> tuple[str, EngineConfig]:
+    """(a --mode item's KV format after its @, ``config`` with that format)."""
+    fmt = item.partition("@")[2]
+    return fmt, dataclasses.replace(config, **KV_FORMATS[fmt])
+
+
 def parity(args, group, parallels, config) -> dict:
     """One reference per KV format, then each --mode item in turn over the same ranks."""
     out, refs = {}, {}
     for item, p in zip(args.mode.split(","), parallels, strict=True):
-        fmt = item.partition("@")[2]
-        cfg = dataclasses.replace(config, **KV_FORMATS[fmt])
+        fmt, cfg = item_config(config, item)
         if fmt not in refs:
             refs[fmt] = reference(args, cfg)
         out[p.mode + (f"@{fmt}" if fmt else "")] = distributed(args, group, p, cfg, refs[fmt])
@@ -119,7 +124,7 @@ def disk(args, group, parallels, config) -> dict:
 
     phases = []  # rank 1 drops its own store before run --forget-rank1-at (see main)
     for item, parallel in zip(args.mode.split(","), parallels, strict=True):
-        cfg = dataclasses.replace(config, **KV_FORMATS[item.partition("@")[2]])
+        _, cfg = item_config(config, item)
         eng = DistributedEngine(load_model(args.model, weights=args.weights), cfg, group,
                                 parallel)
         ids = eng.encode_prompt(PROMPTS[2] + " Then explain why each one is prime.")

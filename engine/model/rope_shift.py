@@ -58,10 +58,11 @@ class KeyShifter:
         """Keys of every row of ``block_ids`` (all layers) move back by ``delta`` positions."""
         if not block_ids or delta == 0:
             return
-        if isinstance(self.kv, ResidualKVCache):  # full blocks and filling ones apart
-            move_keys(self.kv, block_ids, lambda layer, rows: self._rotate(
+        if isinstance(self.kv, ResidualKVCache):  # its side store and per-channel keys
+            block_ids = move_keys(self.kv, block_ids, lambda layer, rows: self._rotate(
                 self.ropes[layer], rows, delta))
-            return
+            if not block_ids:
+                return
         L = self.kv.layout
         bs = L.block_size
         slots = mx.array([b * bs + r for b in block_ids for r in range(bs)], dtype=mx.int32)
