@@ -223,3 +223,34 @@ async def test_deleting_the_last_turn_goes_back_to_the_newest_message(store):
         await wait_for(pilot, lambda: transcript.max_scroll_y > 0
                        and transcript.scroll_y == transcript.max_scroll_y)
         assert transcript.scroll_y == transcript.max_scroll_y  # and it stays there
+
+
+async def test_a_quit_waits_for_a_screenshot_being_written(store, tmp_path, monkeypatch):
+    """A screenshot taken just before a quit: the quit waits until it is on disk, so the
+    file is whole and Textual's save thread (not a daemon) does not outlive the app."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("XDG_DOWNLOAD_DIR", raising=False)
+    app = make_app(store)
+    release = threading.Event()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None)
+        handed_over = app._driver._delivery_complete
+
+        def slow_disk(*args, **kwargs):  # the file is written; its hand-over is held
+            release.wait(10)
+            handed_over(*args, **kwargs)
+
+        monkeypatch.setattr(app._driver, "_delivery_complete", slow_disk)
+        app.deliver_screenshot()
+        await app.action_quit()
+        await pilot.pause(0.4)
+        assert app.deliveries and app.is_running  # the quit is waiting for it
+        release.set()
+        await wait_for(pilot, lambda: not app.is_running, timeout=10)
+    assert [p.stat().st_size > 1000 for p in home.glob("*.svg")] == [True]
+    for thread in threading.enumerate():
+        if "save_file_thread" in thread.name:
+            thread.join(5)
+            assert not thread.is_alive()

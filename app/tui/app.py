@@ -7,6 +7,7 @@ chats through `ChatsHost` (open, new, rename, export, reopen the last one); F6 t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from platformdirs import user_downloads_path
+from textual import events, on
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
@@ -36,6 +38,7 @@ from app.tui.widgets.transcript import MessageBox
 
 DROPPED_SYSTEM_COMMANDS = frozenset({"Quit", "Keys"})
 SETTLE_S = 30.0  # the longest quit waits for the chat to take in a turn's end
+DELIVERY_S = 10.0  # the longest quit waits for a screenshot being written
 
 __all__ = ["ChatApp", "EngineFactory", "default_engine_factory", "run"]
 
@@ -91,6 +94,7 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
         self.load_threads = LoadThreads()
         self.double_ctrl_c_s = 1.0  # a second Ctrl+C within this always quits
         self._last_ctrl_c = float("-inf")
+        self.deliveries: set[str] = set()  # screenshots being written by Textual's threads
 
     def on_mount(self) -> None:
         saved = settings.load_settings() if self.remember else settings.AppSettings()
@@ -113,7 +117,26 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
         if path is None:
             downloads = user_downloads_path()
             path = str(downloads if downloads.is_dir() else Path.home())
-        return super().deliver_screenshot(filename, path, time_format)
+        key = super().deliver_screenshot(filename, path, time_format)
+        if key is not None:
+            self.deliveries.add(key)
+        return key
+
+    @on(events.DeliveryComplete)
+    @on(events.DeliveryFailed)
+    def delivery_ended(self, event: events.DeliveryComplete | events.DeliveryFailed) -> None:
+        self.deliveries.discard(event.key)
+
+    async def finish_deliveries(self, timeout: float = DELIVERY_S) -> None:
+        """Wait until the screenshots being written are on disk (or failed).
+
+        Textual's save thread is not a daemon and hands its result to the app's loop,
+        waiting for it: a screenshot taken just before a quit was cut short by the
+        process's end, or, with the loop gone, left that thread (and the process) waiting.
+        """
+        deadline = time.monotonic() + timeout
+        while self.deliveries and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         # Textual's "Quit" exits at once (no save, no engine stop) and its "Keys" panel
@@ -173,6 +196,7 @@ class ChatApp(SettingsHost, ModelHost, ChatsHost):
             await self.finish_work()
             if self.is_screen_installed("chat"):
                 await self.chat.settle(SETTLE_S)
+            await self.finish_deliveries()
         finally:
             self.exit()
 
