@@ -51,8 +51,8 @@ def make_pool(lens, k_bits, v_bits, rot, *, Hkv=3, D=64, v_group=64, seed=0):
     return kv, mx.array(tables, dtype=mx.int32)
 
 
-def oracle(q, kv: ResidualKVCache, table, lens, scale, sinks=None) -> np.ndarray:
-    """The rule in float64 from the stored bytes."""
+def oracle(q, kv: ResidualKVCache, table, lens, scale, sinks=None, window=None) -> np.ndarray:
+    """The rule in float64 from the stored bytes (a window: the last ``window`` keys)."""
     L = kv.layout
     H, D = L.num_kv_heads, L.head_dim
     kp, vp = kv.block_view(0)
@@ -82,6 +82,8 @@ def oracle(q, kv: ResidualKVCache, table, lens, scale, sinks=None) -> np.ndarray
                                else kq[:, i] for j, i in enumerate(blocks)], axis=1)[:, :n]
         values = np.concatenate([res_v[:, res_map[i]] if res_map[i] >= 0 and j == own
                                  else vq[:, i] for j, i in enumerate(blocks)], axis=1)[:, :n]
+        if window is not None:
+            keys, values = keys[:, max(0, n - window):], values[:, max(0, n - window):]
         for hq in range(qn.shape[1]):
             s = keys[hq // group] @ qn[b, hq, 0] * scale
             m = s.max() if sinks is None else max(s.max(), float(sinks[hq]))
@@ -91,9 +93,10 @@ def oracle(q, kv: ResidualKVCache, table, lens, scale, sinks=None) -> np.ndarray
     return out
 
 
-def run(q, kv, table, lens, scale, sinks=None):
+def run(q, kv, table, lens, scale, sinks=None, window=None):
     kp, vp = kv.block_view(0)
-    return cpu_residual.paged_decode(q, kp, vp, table, lens, AttentionSpec(scale, sinks=sinks))
+    return cpu_residual.paged_decode(q, kp, vp, table, lens,
+                                     AttentionSpec(scale, window, sinks=sinks))
 
 
 def check(out: mx.array, want: np.ndarray, tol: float) -> None:
@@ -130,6 +133,20 @@ def test_sinks_join_the_softmax():
     q = mx.random.normal((len(LENS), 9, 1, 64), key=mx.random.key(3))
     sinks = mx.array(np.linspace(-2.0, 6.0, 9).astype(np.float32))
     check(run(q, kv, table, LENS, 0.125, sinks), oracle(q, kv, table, LENS, 0.125, sinks), 5e-5)
+
+
+@pytest.mark.parametrize("window", [1, 16, 20, 37, 100, 700])
+def test_sliding_windows_read_only_their_last_positions(window):
+    """Windows inside a block, on a block's edge, longer than some contexts, and across
+    the partitions of the long one; with sinks, as gpt-oss's windowed layers have them."""
+    kv, table = make_pool(LENS, 4, 8, 1, seed=window)
+    q = mx.random.normal((len(LENS), 9, 1, 64), key=mx.random.key(window))
+    want = oracle(q, kv, table, LENS, 0.125, window=window)
+    check(run(q, kv, table, LENS, 0.125, window=window), want, 5e-5)
+    assert not np.allclose(want, oracle(q, kv, table, LENS, 0.125), atol=1e-3)  # it matters
+    sinks = mx.array(np.linspace(-2.0, 6.0, 9).astype(np.float32))
+    check(run(q, kv, table, LENS, 0.125, sinks, window),
+          oracle(q, kv, table, LENS, 0.125, sinks, window), 5e-5)
 
 
 def test_a_row_computes_alike_alone_and_in_any_batch():
@@ -197,8 +214,9 @@ def test_decode_routes_to_the_op_and_the_dispatcher_runs_it():
     assert mx.array_equal(out, run(q, kv, table, LENS, 0.125)).item()
 
 
-@pytest.mark.parametrize("k_bits,v_bits", [(4, 4), (8, 4)])
-def test_prefill_chunks_match_the_reference_however_cut(k_bits, v_bits):
+@pytest.mark.parametrize("k_bits,v_bits,window", [(4, 4, None), (8, 4, None), (4, 4, 24),
+                                                  (8, 4, 70)])
+def test_prefill_chunks_match_the_reference_however_cut(k_bits, v_bits, window):
     """Chunks starting and ending inside blocks, across many blocks, and one inside a block:
     each query reads the blocks before its own quantized and its own exact."""
     layout = KVLayout(1, 3, 64, BS, mx.float16, QuantSpec(k_bits, 64, 1),
@@ -218,7 +236,8 @@ def test_prefill_chunks_match_the_reference_however_cut(k_bits, v_bits):
         kv.write(0, slots, mx.array(k[:, done:cut].astype(np.float16)),
                  mx.array(v[:, done:cut].astype(np.float16)))
         call = PagedCall(q[:, :, done:cut], *kv.block_view(0), table, (cut,),
-                         AttentionSpec(0.125))
+                         AttentionSpec(0.125, window))
+        assert cpu_residual.supports(call)
         out = cpu_residual.paged_prefill(*call.args())
         assert out.shape == (1, 9, cut - done, 64)
         assert mx.allclose(out, residual.residual_attention(call), atol=1e-4).item()

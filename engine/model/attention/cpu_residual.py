@@ -33,8 +33,8 @@ from engine.model.cpu_ext import build
 
 def supports(call: PagedCall) -> bool:
     """Whether this module takes the call: over a residual pool whose keys are per channel
-    (the -kivi formats), 4/8 bits, head dim 64 or 128, blocks a multiple of 16, no sliding
-    window (the residual formats refuse windowed layers anyway)."""
+    (the -kivi formats), 4/8 bits, head dim 64 or 128, blocks a multiple of 16; sliding
+    windows and sinks as the layer has them."""
     k, v = call.k_pool, call.v_pool
     if not (isinstance(k, ResidualBlocks) and isinstance(v, ResidualBlocks)):
         return False
@@ -45,7 +45,7 @@ def supports(call: PagedCall) -> bool:
             and kq.bits in cpu.QUANT_BITS and vq.quant.bits in cpu.QUANT_BITS
             and vq.quant.group_size % 32 == 0 and D % vq.quant.group_size == 0
             and D in (64, 128) and bs % 16 == 0
-            and call.queries.shape[1] % H == 0 and call.spec.window is None
+            and call.queries.shape[1] % H == 0
             and call.queries.dtype in floats and k.residual.dtype in floats
             and kq.scales.dtype in floats and vq.scales.dtype in floats)
 
@@ -65,7 +65,7 @@ def paged_decode(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBloc
         scale=float(spec.scale), k_bits=kq.bits, v_bits=vq.quant.bits,
         v_group=vq.quant.group_size, sinks=spec.sinks,
         rotation=rotation.signs(queries.shape[-1]) if rotated else None,
-        rotate_k=k_pool.rotated, rotate_v=v_pool.rotated)
+        rotate_k=k_pool.rotated, rotate_v=v_pool.rotated, window=spec.window or 0)
 
 
 def _chunk(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks,
@@ -76,15 +76,20 @@ def _chunk(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks,
     first, last = (n - L) // bs, (n - 1) // bs
     span = last - first + 1  # the chunk's blocks: one batch row each
 
+    # a window's first block for the chunk's first query: no query reads the blocks before
+    # it, so they are not dequantized (their table entries name block 0, never read)
+    w0 = 0 if spec.window is None else max(0, n - L - spec.window + 1) // bs
+
     def pool(side: ResidualBlocks) -> mx.array:
         exact = side.exact_rows(table[first:last + 1])
-        if last == 0:
+        if last == w0:
             return exact
-        return mx.concatenate([side.quantized_rows(table[:last]).astype(exact.dtype), exact],
+        return mx.concatenate([side.quantized_rows(table[w0:last]).astype(exact.dtype), exact],
                               axis=1)
 
-    # row j: blocks 0 .. first + j - 1 quantized (pool ids as is), its own block exact
-    rows = [list(range(first + j)) + [last + j] + [0] * (span - 1 - j) for j in range(span)]
+    # row j: blocks w0 .. first + j - 1 quantized (pool ids from 0), its own block exact
+    rows = [[0] * w0 + list(range(first + j - w0)) + [last - w0 + j] + [0] * (span - 1 - j)
+            for j in range(span)]
     lens = [(first + j + 1) * bs for j in range(span)]
     front, back = n - L - first * bs, (last + 1) * bs - n
     q = mx.pad(queries, [(0, 0), (0, 0), (front, back), (0, 0)])

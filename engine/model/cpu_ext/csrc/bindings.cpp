@@ -68,7 +68,7 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "k_scales"_a, "k_biases"_a, "v_rows"_a, "v_scales"_a, "v_biases"_a, "res_k"_a,
         "res_v"_a, "res_map"_a, "block_tables"_a, "context_lens"_a, nb::kw_only(), "scale"_a,
         "k_bits"_a, "v_bits"_a, "v_group"_a, "sinks"_a = nb::none(), "rotation"_a = nb::none(),
-        "rotate_k"_a = false, "rotate_v"_a = false, "stream"_a = nb::none(),
+        "rotate_k"_a = false, "rotate_v"_a = false, "window"_a = 0, "stream"_a = nb::none(),
         "Decode attention over a residual-format pool (engine/kvcache/residual.py): full\n"
         "blocks quantized (keys per channel, values per token), residual blocks exact.");
   m.def("rms_norm", &kvchat::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,

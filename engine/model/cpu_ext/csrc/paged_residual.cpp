@@ -20,7 +20,7 @@ namespace {
 
 struct Flags {
   float scale;
-  int k_bits, v_bits, v_group;
+  int k_bits, v_bits, v_group, window;
   bool sinks, rotate_k, rotate_v;
 };
 
@@ -68,6 +68,7 @@ void run(const std::vector<mx::array>& in, mx::array& out, const Flags& f) {
   pb.table_width = in[10].shape(1);
   pb.lens = static_cast<const int32_t*>(row_major(in[11], bufs[11]));
   pb.rotate_v = f.rotate_v;
+  pb.window = f.window;
   const int group = pb.Hq / pb.Hkv;
   pb.heads_per_task = std::min(group, kResidualMaxHeads);
   pb.head_chunks = (group + pb.heads_per_task - 1) / pb.heads_per_task;
@@ -93,7 +94,7 @@ void PagedResidualDecode::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
-  const Flags f{scale_, k_bits_, v_bits_, v_group_, sinks_, rotate_k_, rotate_v_};
+  const Flags f{scale_, k_bits_, v_bits_, v_group_, window_, sinks_, rotate_k_, rotate_v_};
   encoder.dispatch([inputs, out, f]() mutable { guarded(out, [&] { run(inputs, out, f); }); });
 }
 
@@ -105,7 +106,7 @@ bool PagedResidualDecode::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const PagedResidualDecode&>(other);
   return scale_ == o.scale_ && k_bits_ == o.k_bits_ && v_bits_ == o.v_bits_ &&
          v_group_ == o.v_group_ && sinks_ == o.sinks_ && rotate_k_ == o.rotate_k_ &&
-         rotate_v_ == o.rotate_v_;
+         rotate_v_ == o.rotate_v_ && window_ == o.window_;
 }
 
 mx::array paged_residual_decode(
@@ -114,7 +115,7 @@ mx::array paged_residual_decode(
     const mx::array& v_biases, const mx::array& res_k, const mx::array& res_v,
     const mx::array& res_map, const mx::array& block_tables, const mx::array& context_lens,
     float scale, int k_bits, int v_bits, int v_group, const std::optional<mx::array>& sinks,
-    const std::optional<mx::array>& rotation, bool rotate_k, bool rotate_v,
+    const std::optional<mx::array>& rotation, bool rotate_k, bool rotate_v, int window,
     mx::StreamOrDevice s) {
   check(queries.ndim() == 4 && queries.shape(2) == 1 && is_float_dtype(queries.dtype()),
         "queries must be float (B, Hq, 1, D)");
@@ -151,6 +152,7 @@ mx::array paged_residual_decode(
             context_lens.dtype() == mx::int32,
         "context_lens must be int32 (B,)");
   check(!sinks || (sinks->ndim() == 1 && sinks->shape(0) == Hq), "sinks must be (Hq,)");
+  check(window >= 0, "window must be >= 0");
   check(!(rotate_k || rotate_v) || (rotation && rotation->ndim() == 1 &&
                                     rotation->shape(0) == D && rotation->dtype() == mx::float32 &&
                                     (D & -D) >= 16),
@@ -162,7 +164,8 @@ mx::array paged_residual_decode(
   if (sinks) inputs.push_back(mx::astype(*sinks, mx::float32, stream));
   return mx::array(queries.shape(), queries.dtype(),
                    std::make_shared<PagedResidualDecode>(stream, scale, k_bits, v_bits, v_group,
-                                                         bool(sinks), rotate_k, rotate_v),
+                                                         window, bool(sinks), rotate_k,
+                                                         rotate_v),
                    std::move(inputs));
 }
 

@@ -19,7 +19,8 @@ namespace mx = mlx::core;
 // v_biases (Hkv, nb, BS, D / v_group); res_k / res_v (Hkv, nres, BS, D) float; res_map
 // (nb,) int32: a block's residual row or -1; block_tables (B, ·), context_lens (B,) int32.
 // A row's own (newest) block is read exact where res_map maps it, every other block
-// quantized (the rule is by position). rotate_k / rotate_v: the quantized side is stored
+// quantized (the rule is by position); window > 0: a row sees its last `window` positions
+// only. rotate_k / rotate_v: the quantized side is stored
 // times R (`rotation`: R's (D,) signs); the residual rows never are.
 mx::array paged_residual_decode(
     const mx::array& queries, const mx::array& k_codes, const mx::array& k_scales,
@@ -29,14 +30,15 @@ mx::array paged_residual_decode(
     float scale, int k_bits, int v_bits, int v_group,
     const std::optional<mx::array>& sinks = std::nullopt,
     const std::optional<mx::array>& rotation = std::nullopt, bool rotate_k = false,
-    bool rotate_v = false, mx::StreamOrDevice s = {});
+    bool rotate_v = false, int window = 0, mx::StreamOrDevice s = {});
 
 class PagedResidualDecode : public mx::UnaryPrimitive {
  public:
   PagedResidualDecode(mx::Stream stream, float scale, int k_bits, int v_bits, int v_group,
-                      bool sinks, bool rotate_k, bool rotate_v)
+                      int window, bool sinks, bool rotate_k, bool rotate_v)
       : mx::UnaryPrimitive(stream), scale_(scale), k_bits_(k_bits), v_bits_(v_bits),
-        v_group_(v_group), sinks_(sinks), rotate_k_(rotate_k), rotate_v_(rotate_v) {}
+        v_group_(v_group), window_(window), sinks_(sinks), rotate_k_(rotate_k),
+        rotate_v_(rotate_v) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -46,7 +48,7 @@ class PagedResidualDecode : public mx::UnaryPrimitive {
 
  private:
   float scale_;
-  int k_bits_, v_bits_, v_group_;
+  int k_bits_, v_bits_, v_group_, window_;
   bool sinks_, rotate_k_, rotate_v_;
 };
 

@@ -38,8 +38,14 @@ float nan() {
   return std::numeric_limits<float>::quiet_NaN();
 }
 
+// The first position sequence b's decode row sees: 0, or where its window starts.
+int first_seen(const ResidualProblem& pb, int b) {
+  return pb.window > 0 ? std::max(0, pb.lens[b] - pb.window) : 0;
+}
+
+// Partitions of the blocks a row reads (from its window's first block on).
 int parts_of(const ResidualProblem& pb, int b) {
-  const int blocks = (pb.lens[b] + pb.BS - 1) / pb.BS;
+  const int blocks = (pb.lens[b] + pb.BS - 1) / pb.BS - first_seen(pb, b) / pb.BS;
   return std::clamp((blocks + kPartitionBlocks - 1) / kPartitionBlocks, 1, kMaxParts);
 }
 
@@ -126,8 +132,10 @@ void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts
   const int BS = pb.BS, group = pb.Hq / pb.Hkv;
   const int q_head0 = h * group + hc * pb.heads_per_task;
   const int len = pb.lens[b], blocks = (len + BS - 1) / BS;
-  const int per_part = (blocks + parts - 1) / parts;
-  const int blk0 = std::min(blocks, part * per_part), blk1 = std::min(blocks, blk0 + per_part);
+  const int seen = first_seen(pb, b), first = seen / BS;  // a window skips the blocks before
+  const int per_part = (blocks - first + parts - 1) / parts;
+  const int blk0 = std::min(blocks, first + part * per_part);
+  const int blk1 = std::min(blocks, blk0 + per_part);
   const float* qp = pb.q + (int64_t(b) * pb.Hq + q_head0) * D;
   const float* qk = pb.qk + (int64_t(b) * pb.Hq + q_head0) * D;
   thread_local std::vector<float> scratch;
@@ -156,11 +164,11 @@ void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts
     // quantized by this step's write, as plain decoding reads it.
     const int32_t res = blk == (len - 1) / BS ? mapped : -1;
     prefetch_next(pb, b, h, blk, blk1);
-    const int r1 = std::min(BS, len - blk * BS);
+    const int r0 = std::max(0, seen - blk * BS), r1 = std::min(BS, len - blk * BS);
     const int64_t blk_id = int64_t(h) * pb.num_blocks + phys;
     const int64_t res_row0 = (int64_t(h) * pb.nres + res) * BS;
     if (res >= 0) {
-      for (int r = 0; r < r1; ++r) {
+      for (int r = r0; r < r1; ++r) {
         vf k[NV];
         for (int j = 0; j < NV; ++j) k[j] = load_any(pb.res_k, pb.res_elem, (res_row0 + r) * D + j * W);
         for (int g = 0; g < G; ++g) {
@@ -173,7 +181,7 @@ void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts
       channel_scores<G>(pb, blk_id, qk, qs, p, BS);
     }
     for (int g = 0; g < G; ++g) {
-      const float alpha = softmax_block(p + size_t(g) * BS, 0, r1, m[g], l[g]);
+      const float alpha = softmax_block(p + size_t(g) * BS, r0, r1, m[g], l[g]);
       if (alpha != 1.0f) {
         for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] * alpha;
         for (float& x : bias[g]) x *= alpha;
@@ -181,7 +189,7 @@ void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts
     }
     if (res >= 0) {  // sum p v over the exact rows, then into the stored space once a head
       vf sum[G][NV] = {};
-      for (int r = 0; r < r1; ++r) {
+      for (int r = r0; r < r1; ++r) {
         vf v[NV];
         for (int j = 0; j < NV; ++j) v[j] = load_any(pb.res_v, pb.res_elem, (res_row0 + r) * D + j * W);
         for (int g = 0; g < G; ++g) {
@@ -197,10 +205,10 @@ void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts
       continue;
     }
     if constexpr (decode_task::kIntKeys) {  // (p s) v_int, the biases summed apart
-      decode_task::value_block<NV, G>(pb.v, blk_id * BS, 0, r1, p, BS, acc, bias);
+      decode_task::value_block<NV, G>(pb.v, blk_id * BS, r0, r1, p, BS, acc, bias);
       continue;
     }
-    for (int r = 0; r < r1; ++r) {
+    for (int r = r0; r < r1; ++r) {
       vf v[NV];
       decode_task::load_row<NV>(pb.v, blk_id * BS + r, v);
       for (int g = 0; g < G; ++g) {

@@ -30,6 +30,7 @@ struct ResidualProblem {
   const int32_t* lens;
   int B, Hq, Hkv, D, BS, num_blocks;
   int heads_per_task, head_chunks;
+  int window;  // > 0: a row sees its last `window` positions only (sliding-window layers)
   const float* sinks;  // (Hq,) or null
   const float* signs;  // R's (D,) signs, or null
   bool rotate_v;
