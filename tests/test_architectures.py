@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_engine_parity import mlx_lm_greedy
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
-from engine.errors import ModelLoadError, RequestError
+from engine.errors import KVChatError, ModelLoadError, RequestError
 from engine.model import architectures
 
 NEW_TOKENS = 64
@@ -178,6 +178,59 @@ def test_preemption_resumes_exactly(zoo, name, mode):
     assert got == want
     tight.blocks.check_invariants()
     assert m.blocks_free == m.blocks_total
+
+
+KIVI = dict(kv_bits=4, kv_residual=True, kv_key_channel=True)  # the q4-kivi format
+
+
+@pytest.fixture(scope="module")
+def sliding64(tmp_path_factory, default_model):
+    """llama_sliding at head dim 64: kvchat's own layers on the extension's residual op."""
+    path = tmp_path_factory.mktemp("zoo") / "llama_sliding64"
+    build(path, "llama_sliding", default_model.path, eos=EOS, seed=7,
+          overrides={"head_dim": 64})
+    return load_model(str(path), weights="float32")
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "llama_sliding64"])
+def test_a_residual_pool_runs_windowed_layers(zoo, sliding64, name, tmp_path):
+    """q4-kivi on windowed models (gpt-oss: mlx-lm's modules, windows and sinks; a Llama
+    with sliding layers: kvchat's own), both on the extension's residual op: no window
+    store, every layer keeps every block and reads its window. Alone == batched, cold ==
+    warm from RAM and from disk, every block and residual row given back. Prompts are
+    prefilled whole: a prompt's last tokens fed as decode rows round otherwise on a
+    quantized pool (the decode op meets quantized keys with int16 queries)."""
+    loaded = sliding64 if name == "llama_sliding64" else zoo(name)
+    alone = Engine(loaded, config(prefix_cache=False, step_target_s=None, **KIVI))
+    assert alone.layout.residual and alone.kv.window is None and any(alone.runner.windows)
+    want = [greedy(alone, ids, 24)[0] for ids in prompts()]
+    together = Engine(loaded, config(prefix_cache=False, step_target_s=None, **KIVI))
+    p = SamplingParams(max_tokens=24, ignore_eos=True)
+    handles = [together.submit(ids, p) for ids in prompts()]
+    assert [[e.token for e in h if e.token is not None] for h in handles] == want
+    ids = prompts(1, 70)[0]  # four whole blocks cached, each past the window
+    cold = greedy(alone, ids, 24)[0]
+
+    def disk_engine():
+        return Engine(loaded, config(disk_cache=True, disk_cache_dir=str(tmp_path / "prefix"),
+                                     step_target_s=None, **KIVI))
+
+    engine = disk_engine()
+    (first, s1), (ram, s2) = greedy(engine, ids, 24), greedy(engine, ids, 24)
+    engine.blocks.check_invariants()
+    engine.kv.reclaim()
+    assert engine.kv.num_residual_blocks == 0
+    assert engine.metrics().blocks_free == engine.metrics().blocks_total
+    engine.shutdown()
+    disk, s3 = greedy(disk_engine(), ids, 24)
+    assert first == ram == disk == cold
+    assert (s1.cache_source, s2.cache_source, s3.cache_source) == ("none", "memory", "disk")
+    assert s2.cached_tokens == s3.cached_tokens == 64
+
+
+def test_a_residual_pool_refuses_windows_off_the_extension_op(zoo):
+    with pytest.raises(KVChatError, match="head dim 64 or 128 only .this model's is 256"):
+        Engine(zoo("gemma3_text"), config(**KIVI))
 
 
 @pytest.mark.parametrize("model_type,why", [

@@ -21,12 +21,13 @@ sequence's full blocks the same way and its newest, filling block's exact rows a
 
 A verify step may fill (and quantize) a block with drafts that are then rejected:
 `reopen` gives it its exact rows back, to be quantized again when accepted tokens fill it.
-Context shift: `kvcache.residual_shift`. Refused (`engine.wiring`): sliding windows.
+Context shift: `kvcache.residual_shift`. Sliding-window layers keep every block here (no
+window store: `engine.wiring`) and read only their window.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
 import mlx.core as mx
 import numpy as np
@@ -43,12 +44,9 @@ class ResidualKVCache(PagedKVCache):
     """A `PagedKVCache` whose blocks are quantized when they fill (see the module)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, row_writer=None, *,
-                 windowed: Sequence[bool] = (),
                  free_ids: Callable[[], Iterable[int]] | None = None):
         if not (layout.residual and layout.k_quant and layout.v_quant):
             raise ValueError("a residual pool needs a residual layout quantizing K and V")
-        if any(windowed):
-            raise ValueError("the residual KV formats do not run sliding-window layers yet")
         # row_writer (the extension's one-op `kv_write`) writes the side store's rows
         super().__init__(layout, num_blocks, row_writer)
         self.free_ids = free_ids  # the block manager's free blocks (wiring sets it)
