@@ -78,7 +78,10 @@ class SpecState:
     """One sequence's speculation: its lookup index and its measured acceptance."""
 
     index: LookupIndex | None
-    accept_rate: float  # EMA of the share of tried drafts accepted
+    accept_rate: float  # EMA of how often a step's first draft held
+    # EMA of how often a draft held once the one before it had: a copied span goes on, so
+    # later drafts hold far more often than first ones (not the first rate's powers)
+    follow_rate: float = 0.5
 
 
 @dataclass(slots=True)
@@ -123,7 +126,8 @@ class Speculator:
     draft: DraftModel | None = None  # mode "draft": who proposes
     idle_steps: int = 0  # steps since drafts were last verified
     states: dict[int, SpecState] = field(default_factory=dict)
-    prior: float = 0.5  # acceptance of a sequence not yet measured: the engine-wide EMA
+    prior: float = 0.5  # first-draft acceptance of a sequence not yet measured (engine-wide)
+    prior_follow: float = 0.5  # the same for the drafts after a held one
     # the first draft of a sequence that verifies none this step: checked against the
     # token it gets, so a sequence's rate keeps being measured while it does not speculate
     shadow: dict[int, int] = field(default_factory=dict)
@@ -143,7 +147,7 @@ class Speculator:
             if seq not in self.states:
                 self.states[seq] = SpecState(
                     LookupIndex(c.min_ngram, c.max_ngram) if self.draft is None else None,
-                    self.prior)
+                    self.prior, self.prior_follow)
         if self.draft is not None:
             return self._plan_draft(decoding)
         cands: dict[int, list[int]] = {}
@@ -159,10 +163,11 @@ class Speculator:
     def _allot(self, cands: dict[int, list[int]], rows: int) -> dict[int, list[int]]:
         """Keep the draft tokens whose expected yield per second beats the step's.
 
-        Draft i of a sequence is accepted with probability ~ rate^i (all before it must be);
-        a step's yield is its rows plus the accepted drafts, its cost fixed + per-token x
-        tokens. Greedily add the draft with the highest acceptance while that raises the
-        step's expected tokens per second."""
+        Draft i of a sequence is accepted with probability ~ first x follow^(i - 1) (all
+        before it must be, and a span once matched tends to go on); a step's yield is its
+        rows plus the accepted drafts, its cost fixed + per-token x tokens. Greedily add the
+        draft with the highest acceptance while that raises the step's expected tokens per
+        second."""
         fit = self.cost.fit(rows)
         if not cands or fit is None:  # unmeasured: a plain step measures what it costs
             return {}
@@ -179,7 +184,7 @@ class Speculator:
             tokens, seconds = tokens + p, seconds + per
             taken[s] = i
             if i < len(cands[s]):
-                heapq.heappush(heap, (-(p * self.states[s].accept_rate), s, i + 1))
+                heapq.heappush(heap, (-(p * self.states[s].follow_rate), s, i + 1))
         self.idle_steps = 0 if taken else self.idle_steps + 1
         if not taken and self.idle_steps % PROBE_EVERY == 0:  # keep the cost measured
             s = max(cands, key=lambda s: self.states[s].accept_rate)
@@ -195,11 +200,13 @@ class Speculator:
             return {}
         best = self.config.fixed or 1  # unmeasured: one draft each measures both costs
         if fit is not None and ds is not None and not self.config.fixed:
-            rates = [self.states[s].accept_rate for s, _, _ in ready]
+            rates = [(self.states[s].accept_rate, self.states[s].follow_rate)
+                     for s, _, _ in ready]
             fixed, per = fit
 
             def rate(k: int) -> float:
-                tokens = len(decoding) + sum(sum(r ** i for i in range(1, k + 1)) for r in rates)
+                tokens = len(decoding) + sum(sum(r * f ** (i - 1) for i in range(1, k + 1))
+                                             for r, f in rates)
                 return tokens / (fixed + k * (per * len(ready) + ds))
 
             best = max(range(self.config.max_draft + 1), key=rate)
@@ -211,12 +218,18 @@ class Speculator:
         return {s: d[:rooms[s]] for s, d in drafts.items() if d}
 
     def observe(self, seq: int, tried: int, accepted: int) -> None:
-        """``accepted`` of ``tried`` drafts of ``seq`` held (or would have)."""
+        """``accepted`` of ``tried`` drafts of ``seq`` held (or would have); drafts are
+        tried in order up to the first that fails."""
         st = self.states.get(seq)
         if st is None or tried == 0:
             return
-        st.accept_rate = ema(st.accept_rate, accepted / tried)
-        self.prior = ema(self.prior, accepted / tried)
+        first = min(accepted, 1)
+        st.accept_rate = ema(st.accept_rate, first)
+        self.prior = ema(self.prior, first)
+        if tried > 1:  # the drafts after a held first one
+            follow = (accepted - first) / (tried - 1)
+            st.follow_rate = ema(st.follow_rate, follow)
+            self.prior_follow = ema(self.prior_follow, follow)
 
     def forget(self, seq: int) -> SpecState | None:
         """Drop a finished sequence's state (and its draft-model blocks); returns it."""

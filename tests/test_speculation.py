@@ -61,16 +61,16 @@ def copying(n=3):
 
 def test_allotment_follows_measured_cost_and_acceptance():
     sp = speculator(0.020, 0.002)
-    sp.prior = 0.9
+    sp.prior = sp.prior_follow = 0.9
     assert sp.plan([(0, copying(), 10)]) == {0: [3, 4, 5, 6]}  # cheap and likely: all 4
     dear = speculator(0.020, 0.3)  # a token costs 15 steps' fixed part
-    dear.prior = 0.9
+    dear.prior = dear.prior_follow = 0.9
     assert dear.plan([(0, copying(), 10)]) == {}
     assert dear.shadow == {0: 3}  # still measured against the token the step gives
     # at batch 16 the step's own tokens are worth more than a 60 % guess
     big = speculator(0.040, 0.004)
     assert big.cost.fit(16) == pytest.approx((0.040 + 16 * 0.004, 0.004))
-    big.prior = 0.6
+    big.prior = big.prior_follow = 0.6
     assert big.plan([(s, copying(), 10) for s in range(16)]) == {}
     assert big.plan([(0, copying(), 10)])[0][:1] == [3]
     # room left caps the drafts; unmeasured cost proposes nothing
@@ -98,7 +98,7 @@ def test_one_token_lookup_and_end_tokens():
     assert SpecConfig().min_ngram == 1
     assert LookupIndex(SpecConfig().min_ngram, 4).propose([7, 8, 9, 6, 7], 3) == [8, 9, 6]
     sp = speculator(0.020, 0.002)
-    sp.prior = 0.9
+    sp.prior = sp.prior_follow = 0.9
     req = SimpleNamespace(request_id=0, in_prefill=False, num_dropped=0, all_ids=copying(),
                           max_new=20, stats=SimpleNamespace(generation_tokens=1), draft=[],
                           decoder=SimpleNamespace(speculable=True, grammar=None, eos={4}))
@@ -190,3 +190,21 @@ def test_speculative_sampling_keeps_the_distribution(draft):
     counts = [firsts.count(t) for t in range(LOGITS.shape[1])]
     assert chi_square(counts, probs) < 24.3
     assert abs(seconds / 3000 - probs[draft]) < 0.04
+
+
+def test_first_drafts_and_the_drafts_after_a_held_one_are_measured_apart():
+    """A copied span goes on once it starts: a step's first draft holds less often than the
+    drafts after a held one, and the allotment weighs draft i by first x follow^(i - 1)."""
+    sp = speculator(0.020, 0.002)
+    sp.plan([(0, copying(), 10)])
+    st = sp.states[0]
+    st.accept_rate, st.follow_rate = 0.5, 0.5
+    sp.observe(0, 4, 3)  # the first held, then 2 of the 3 tried after it
+    assert st.accept_rate == pytest.approx(0.65) and st.follow_rate == pytest.approx(0.55)
+    sp.observe(0, 1, 0)  # the first failed: nothing after it was tried
+    assert st.accept_rate == pytest.approx(0.455) and st.follow_rate == pytest.approx(0.55)
+    # a 30 % first draft whose spans run on: worth four drafts where 0.3^i gave up after one
+    st.accept_rate, st.follow_rate = 0.3, 0.95
+    assert sp.plan([(0, copying(), 10)]) == {0: [3, 4, 5, 6]}
+    st.follow_rate = 0.3
+    assert sp.plan([(0, copying(), 10)]) == {0: [3]}
