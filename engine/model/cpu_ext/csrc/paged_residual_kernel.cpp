@@ -43,8 +43,7 @@ int first_seen(const ResidualProblem& pb, int b) {
   return pb.window > 0 ? std::max(0, pb.lens[b] - pb.window) : 0;
 }
 
-// Partitions of the blocks a row reads (from its window's first block on).
-int parts_of(const ResidualProblem& pb, int b) {
+int parts_of(const ResidualProblem& pb, int b) {  // over the blocks from its window's first
   const int blocks = (pb.lens[b] + pb.BS - 1) / pb.BS - first_seen(pb, b) / pb.BS;
   return std::clamp((blocks + kPartitionBlocks - 1) / kPartitionBlocks, 1, kMaxParts);
 }
@@ -134,8 +133,7 @@ void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts
   const int len = pb.lens[b], blocks = (len + BS - 1) / BS;
   const int seen = first_seen(pb, b), first = seen / BS;  // a window skips the blocks before
   const int per_part = (blocks - first + parts - 1) / parts;
-  const int blk0 = std::min(blocks, first + part * per_part);
-  const int blk1 = std::min(blocks, blk0 + per_part);
+  const int blk0 = std::min(blocks, first + part * per_part), blk1 = std::min(blocks, blk0 + per_part);
   const float* qp = pb.q + (int64_t(b) * pb.Hq + q_head0) * D;
   const float* qk = pb.qk + (int64_t(b) * pb.Hq + q_head0) * D;
   thread_local std::vector<float> scratch;
