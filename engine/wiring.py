@@ -25,6 +25,7 @@ from engine.kvcache.residual import ResidualKVCache
 from engine.kvcache.swap import HostSwap
 from engine.kvcache.window_blocks import WindowBlocks, pool_bytes
 from engine.model import memory
+from engine.model.attention import cpu_residual
 from engine.model.loader import LoadedModel
 from engine.model.model_runner import PagedModel
 from engine.scheduler import SchedulerConfig
@@ -173,7 +174,7 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     window, num_blocks = (None, num_blocks) if layout.residual else \
         window_pool(runner, layout, config, num_blocks, max_context)
     windowed = [w is not None for w in runner.windows]
-    if layout.residual and any(windowed) and layout.head_dim not in (64, 128):
+    if layout.residual and any(windowed) and layout.head_dim not in cpu_residual.HEAD_DIMS:
         # other head dims run the reference residual path, whose rows round differently by
         # how a step is cut (measured on Gemma 3's 256: batched log-probs up to 0.1 apart)
         raise KVChatError(f"the residual KV formats run sliding-window layers at head dim 64 "

@@ -131,6 +131,27 @@ def test_batched_equals_alone(zoo, name):
     assert m.blocks_free == m.blocks_total
 
 
+def warm_runs(loaded, ids: list[int], tmp_path, check=None, **kw) -> tuple[list, list, list]:
+    """Greedy tokens of ``ids`` twice on an engine with a disk prefix store (cold, then
+    from memory), then on a fresh engine over the same store (from disk); ``check`` sees
+    the first engine before it shuts down. Asserts where each run's prefix came from."""
+
+    def disk_engine():
+        return Engine(loaded, config(disk_cache=True, disk_cache_dir=str(tmp_path / "prefix"),
+                                     **kw))
+
+    engine = disk_engine()
+    (first, s1), (ram, s2) = greedy(engine, ids, 24), greedy(engine, ids, 24)
+    engine.blocks.check_invariants()
+    if check is not None:
+        check(engine)
+    engine.shutdown()
+    disk, s3 = greedy(disk_engine(), ids, 24)
+    assert (s1.cache_source, s2.cache_source, s3.cache_source) == ("none", "memory", "disk")
+    assert s2.cached_tokens == s3.cached_tokens == 64
+    return first, ram, disk
+
+
 @pytest.mark.parametrize("name", PATHS)
 def test_prefix_cache_cold_warm_ram_warm_disk(zoo, name, tmp_path):
     loaded = zoo(name)
@@ -138,20 +159,11 @@ def test_prefix_cache_cold_warm_ram_warm_disk(zoo, name, tmp_path):
     cold, s0 = greedy(Engine(loaded, config(prefix_cache=False, window_pool=False)), ids, 24)
     assert s0.cached_tokens == 0
 
-    def disk_engine():
-        return Engine(loaded, config(prefill_chunk=16, disk_cache=True,
-                                     disk_cache_dir=str(tmp_path / "prefix")))
+    def stored_apart(engine):
+        assert windows_stored_apart(engine) == any(engine.runner.windows)
 
-    engine = disk_engine()
-    assert windows_stored_apart(engine) == any(engine.runner.windows)
-    first, s1 = greedy(engine, ids, 24)
-    ram, s2 = greedy(engine, ids, 24)
-    engine.blocks.check_invariants()
-    engine.shutdown()
-    disk, s3 = greedy(disk_engine(), ids, 24)
+    first, ram, disk = warm_runs(loaded, ids, tmp_path, stored_apart, prefill_chunk=16)
     assert first == ram == disk == cold
-    assert s1.cache_source == "none" and s2.cache_source == "memory" and s3.cache_source == "disk"
-    assert s2.cached_tokens == s3.cached_tokens == 64
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -211,21 +223,14 @@ def test_a_residual_pool_runs_windowed_layers(zoo, sliding64, name, tmp_path):
     ids = prompts(1, 70)[0]  # four whole blocks cached, each past the window
     cold = greedy(alone, ids, 24)[0]
 
-    def disk_engine():
-        return Engine(loaded, config(disk_cache=True, disk_cache_dir=str(tmp_path / "prefix"),
-                                     step_target_s=None, **KIVI))
+    def nothing_held(engine):
+        engine.kv.reclaim()
+        assert engine.kv.num_residual_blocks == 0
+        assert engine.metrics().blocks_free == engine.metrics().blocks_total
 
-    engine = disk_engine()
-    (first, s1), (ram, s2) = greedy(engine, ids, 24), greedy(engine, ids, 24)
-    engine.blocks.check_invariants()
-    engine.kv.reclaim()
-    assert engine.kv.num_residual_blocks == 0
-    assert engine.metrics().blocks_free == engine.metrics().blocks_total
-    engine.shutdown()
-    disk, s3 = greedy(disk_engine(), ids, 24)
+    first, ram, disk = warm_runs(loaded, ids, tmp_path, nothing_held, step_target_s=None,
+                                 **KIVI)
     assert first == ram == disk == cold
-    assert (s1.cache_source, s2.cache_source, s3.cache_source) == ("none", "memory", "disk")
-    assert s2.cached_tokens == s3.cached_tokens == 64
 
 
 def test_a_residual_pool_refuses_windows_off_the_extension_op(zoo):

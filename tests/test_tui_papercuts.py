@@ -166,11 +166,17 @@ async def test_prompt_history_and_clear(store):
         assert prompt.text == ""
 
 
-async def test_screenshot_without_a_downloads_folder(store, tmp_path, monkeypatch):
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A home folder with no downloads folder: screenshots land in it."""
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv("XDG_DOWNLOAD_DIR", raising=False)
+    return home
+
+
+async def test_screenshot_without_a_downloads_folder(store, home):
     app = make_app(store)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.engine is not None)
@@ -225,13 +231,9 @@ async def test_deleting_the_last_turn_goes_back_to_the_newest_message(store):
         assert transcript.scroll_y == transcript.max_scroll_y  # and it stays there
 
 
-async def test_a_quit_waits_for_a_screenshot_being_written(store, tmp_path, monkeypatch):
+async def test_a_quit_waits_for_a_screenshot_being_written(store, home, monkeypatch):
     """A screenshot taken just before a quit: the quit waits until it is on disk, so the
     file is whole and Textual's save thread (not a daemon) does not outlive the app."""
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    monkeypatch.delenv("XDG_DOWNLOAD_DIR", raising=False)
     app = make_app(store)
     release = threading.Event()
     async with app.run_test(size=SIZE) as pilot:

@@ -30,6 +30,8 @@ from engine.model.attention import cpu
 from engine.model.attention.spec import AttentionSpec, PagedCall
 from engine.model.cpu_ext import build
 
+HEAD_DIMS = (64, 128)  # what the residual decode op is built for (csrc kResidualHeadDims)
+
 
 def supports(call: PagedCall) -> bool:
     """Whether this module takes the call: over a residual pool whose keys are per channel
@@ -44,7 +46,7 @@ def supports(call: PagedCall) -> bool:
     return (isinstance(kq, ChannelBlocks) and isinstance(vq, QuantizedBlocks)
             and kq.bits in cpu.QUANT_BITS and vq.quant.bits in cpu.QUANT_BITS
             and vq.quant.group_size % 32 == 0 and D % vq.quant.group_size == 0
-            and D in (64, 128) and bs % 16 == 0
+            and D in HEAD_DIMS and bs % 16 == 0
             and call.queries.shape[1] % H == 0
             and call.queries.dtype in floats and k.residual.dtype in floats
             and kq.scales.dtype in floats and vq.scales.dtype in floats)
