@@ -48,7 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
                    help="with --kv-bits/--k-bits/--v-bits: keep each block float16 until it "
                         "fills, then quantize it once, keys per channel (KIVI; the README's "
                         "held-out table); carries swap, the disk cache, speculation, context "
-                        "shift and --distributed, not yet sliding-window layers")
+                        "shift and --distributed; sliding-window layers at head dim 64 or 128 "
+                        "(the CPU extension's op)")
     p.add_argument("--no-kv-rotation", action="store_true",
                    help="store quantized K/V rows as they are (default: rotated first, "
                         "which keeps more of their precision)")

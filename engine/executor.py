@@ -54,6 +54,9 @@ class StepExecutor:
         self.pipeline = pipeline  # launch greedy decodes ahead (see `run`)
         self.fast_greedy = fast_greedy  # the CPU extension's greedy pick (`engine.greedy`)
         self.flight: Flight | None = None
+        # chained steps feed the extension's picks unread; one it declines rebuilds the step
+        self.fast_chain = fast_greedy and kv.snapshot() is not None
+        self._repicked: list[int] | None = None  # the last resolve's tokens, if it settled any
         self._last: dict[int, int] = {}  # tokens read from a flight, not yet applied
         # times every decode-only step: (sequences, draft tokens verified, seconds)
         self.on_decode: Callable[[int, int, float], None] | None = None
@@ -64,11 +67,13 @@ class StepExecutor:
 
     def resolve(self) -> list[Outcome]:
         """Read the launched step's tokens (waits for it) and return its outcomes."""
-        flight, self.flight = self.flight, None
+        flight, self.flight, self._repicked = self.flight, None, None
         if flight is None:
             return []
         try:
             tokens = flight.tokens.tolist()
+            if min(tokens) < 0:  # rows the pick declined: a chained step fed them as 0
+                tokens = self._repicked = greedy.settle(tokens, flight.logits)
         except Exception as e:  # noqa: BLE001 - the batch forward failed: all of it
             return [Outcome(r, error=error_text(e)) for r in flight.requests]
         self._timed("decode", len(flight.requests), time.perf_counter() - flight.started)
@@ -210,22 +215,26 @@ class StepExecutor:
             out += self.resolve()  # one failed its own checks: feed the tokens read back
         chained = self.flight is not None  # `_can_chain`: feed the flight's unread tokens
         t = time.perf_counter()
+        ids_of, slots = [r.request_id for r in reqs], [s.slots for _, s in ok]
         try:
-            if chained:
-                ids = self.flight.tokens.astype(mx.int32)[:, None]
-            else:
-                ids = mx.array([[self._last_token(r)] for r in reqs], dtype=mx.int32)
-            batch = build_batch(self.blocks, [r.request_id for r in reqs], ids,
-                                [s.slots for _, s in ok])
-            logits = self.runner(batch, self.kv)
+            snap = self.kv.snapshot() if chained and self.fast_chain else None
+            ids = (mx.maximum(self.flight.tokens, 0)[:, None] if chained  # -1: rebuilt below
+                   else mx.array([[self._last_token(r)] for r in reqs])).astype(mx.int32)
+            logits = self.runner(build_batch(self.blocks, ids_of, ids, slots), self.kv)
             if self.pipeline and all(r.decoder.greedy for r in reqs):
-                tokens = greedy.exact(logits)
-                # This graph was built while the previous step ran; launch it only once
-                # that step is done: its queued tasks still hold the pool, and the pool's
-                # writes would copy it instead of writing in place (measured: 4x slower).
+                tokens = greedy.lazy(logits, fast=self.fast_chain)
+                # Built while the previous step ran; launched once it is done: its tasks hold
+                # the pool, whose writes would copy it, not write in place (measured: 4x slower).
                 out += self.resolve()
+                if chained and self._repicked is not None:
+                    self.kv.restore(snap)
+                    ids = mx.array(self._repicked, dtype=mx.int32)[:, None]
+                    logits = self.runner(build_batch(self.blocks, ids_of, ids, slots), self.kv)
+                    tokens = greedy.lazy(logits, fast=self.fast_chain)
+                    self.recorder.rebuilt_steps += 1
+                del snap  # held, the pool's old arrays would be copied, not written in place
                 mx.async_eval(tokens, self.kv.keys, self.kv.values)
-                self.flight = Flight(reqs, tokens, t)
+                self.flight = Flight(reqs, tokens, t, logits)
                 return out
             picked = self._pick(reqs, logits)
         except Exception as e:  # noqa: BLE001 - the batch forward failed: all of it

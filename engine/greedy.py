@@ -17,22 +17,31 @@ def exact(logits: mx.array) -> mx.array:
     return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
 
 
+def lazy(logits: mx.array, *, fast: bool) -> mx.array:
+    """(rows, vocab) -> (rows,) lazy: `exact`, or (``fast``) the CPU extension's pick,
+    -1 where it declines (`settle` those once read)."""
+    if not fast:
+        return exact(logits)
+    from engine.model.cpu_ext.ops import greedy_pick
+
+    return greedy_pick(logits)
+
+
 def tokens(logits: mx.array, *, fast: bool, wait: tuple = ()) -> list[int]:
     """Each row's greedy token; evaluates ``logits`` and ``wait`` (e.g. the K/V pool) too.
 
     ``fast``: use the CPU extension's `greedy_pick` (only where it is built)."""
-    if not fast:
-        picked = exact(logits)
-        mx.eval(picked, *wait)
-        return picked.tolist()
-    from engine.model.cpu_ext.ops import greedy_pick
-
-    picked = greedy_pick(logits)
+    picked = lazy(logits, fast=fast)
     mx.eval(picked, *wait)
-    out = picked.tolist()
-    unsure = [i for i, t in enumerate(out) if t < 0]
-    if unsure:  # small maxima or non-finite rows: mlx-lm's own computation
+    return settle(picked.tolist(), logits) if fast else picked.tolist()
+
+
+def settle(picked: list[int], logits: mx.array) -> list[int]:
+    """``picked`` (`greedy_pick`'s rows of ``logits``) with each row it declined (-1: a
+    near tie or a non-finite row) computed by mlx-lm's formula."""
+    unsure = [i for i, t in enumerate(picked) if t < 0]
+    if unsure:
         rows = exact(logits[mx.array(unsure)]).tolist()
         for i, t in zip(unsure, rows, strict=True):
-            out[i] = t
-    return out
+            picked[i] = t
+    return picked

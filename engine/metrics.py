@@ -93,6 +93,7 @@ class EngineMetrics:
     preemptions: int = 0
     rejections: int = 0
     interrupted_forwards: int = 0  # stopped between layer groups: all their requests cancelled
+    rebuilt_steps: int = 0  # pipelined decode steps built again: a token they fed was unsure
     spec_proposed: int = 0  # draft tokens verified (speculative decoding)
     spec_accepted: int = 0  # of which accepted
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
@@ -123,7 +124,7 @@ class MetricsRecorder:
         self.peak_blocks = 0
         self.preemptions = 0
         self.rejections = 0
-        self.interrupted_forwards = 0
+        self.interrupted_forwards = self.rebuilt_steps = 0
         self.spec_proposed = self.spec_accepted = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
@@ -203,7 +204,7 @@ def snapshot(blocks, recorder: MetricsRecorder, layout, scheduler, prefix,
         swapped=len(scheduler.swapped),
         preemptions=rec.preemptions,
         rejections=rec.rejections,
-        interrupted_forwards=rec.interrupted_forwards,
+        interrupted_forwards=rec.interrupted_forwards, rebuilt_steps=rec.rebuilt_steps,
         spec_proposed=rec.spec_proposed, spec_accepted=rec.spec_accepted,
         finished=dict(rec.finished),
         steps=rec.steps,

@@ -15,8 +15,9 @@ class Flight:
     """A greedy decode step launched (`mx.async_eval`) whose tokens are not read yet."""
 
     requests: list[Request]
-    tokens: mx.array  # (B,) lazy argmax
+    tokens: mx.array  # (B,) lazy: mlx-lm's argmax, or the extension's pick (-1: unsure)
     started: float
+    logits: mx.array | None = None  # for the rows the pick declined
 
 
 @dataclass(slots=True)

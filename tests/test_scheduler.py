@@ -42,8 +42,9 @@ def collect(handle):
 
 @pytest.fixture(scope="module")
 def alone(quick_model):
-    """Greedy tokens of each prompt run alone on a roomy pool (the reference)."""
-    engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20))
+    """Greedy tokens of each prompt run alone on a roomy pool, a step at a time (the
+    reference: pipelining is the default where the extension's pick can chain steps)."""
+    engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, pipeline=False))
     ids = [engine.encode_prompt(p) for p in PROMPTS]
     return ids, [engine.generate_text(i, params()).tokens for i in ids]
 
@@ -56,7 +57,7 @@ def pool_of(model, blocks: int, **kw) -> Engine:
 
 def test_batched_equals_alone(quick_model, alone):
     ids, ref = alone
-    # pipelined (launched ahead, off by default on CPU) against the unpipelined reference
+    # pipelined (launched ahead) against the unpipelined reference
     engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8,
                                               pipeline=True))
     assert engine.executor.pipeline
@@ -67,6 +68,44 @@ def test_batched_equals_alone(quick_model, alone):
     # all six decoded together: far fewer steps than tokens
     assert m.steps < len(ids) * GEN / 2
     assert m.blocks_used == 0 and m.finished == {"length": len(ids)}
+
+
+def test_a_declined_pick_rebuilds_the_chained_step(quick_model, alone, monkeypatch):
+    """A chained step feeds the previous step's picks unread. Where the pick declines a row
+    (-1: a near tie it cannot settle), the next step was built on a wrong token: it is built
+    again over the pool as it was, and the tokens stay the reference's."""
+    import mlx.core as mx
+
+    from engine import greedy
+    from engine.model.cpu_ext import build
+
+    if not build.available():
+        pytest.skip("the fast pick is the CPU extension's")
+    ids, ref = alone
+    engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8))
+    assert engine.executor.pipeline and engine.executor.fast_chain  # the CPU default here
+    calls, lazy = [0], greedy.lazy
+
+    def declining(logits, *, fast):  # every third launched step declines all of its rows
+        calls[0] += 1
+        picked = lazy(logits, fast=fast)
+        return mx.full(picked.shape, -1, mx.int32) if calls[0] % 3 == 0 else picked
+
+    monkeypatch.setattr(greedy, "lazy", declining)
+    handles = [engine.submit(i, params()) for i in ids[:3]]
+    assert [collect(h)[0] for h in handles] == ref[:3]
+    m = engine.metrics()
+    assert m.rebuilt_steps > 5 and m.blocks_used == 0
+
+
+def test_the_residual_formats_are_not_chained_on_the_fast_pick(quick_model):
+    # their writes change the pool in place (block quantization): a dropped graph keeps them
+    engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, kv_bits=4,
+                                              kv_residual=True, kv_key_channel=True))
+    import mlx.core as mx
+
+    assert engine.kv.snapshot() is None and not engine.executor.fast_chain
+    assert engine.executor.pipeline == (mx.default_device() == mx.gpu)  # there: mlx-lm's argmax
 
 
 def test_a_pipelined_decode_writes_the_pool_in_place(quick_model):

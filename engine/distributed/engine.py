@@ -37,7 +37,8 @@ def rank_config(config: EngineConfig, *, part_layers: int, max_layers: int,
     """Rank 0's engine config: swap and speculation (not mirrored) off, the KV budget scaled so
     that rank 0 gets the block count the rank with the most layers can hold."""
     notices = []
-    changes: dict = {"preempt_mode": "recompute", "speculate": "off"}
+    # pipelined steps may be built twice: the other ranks would run both
+    changes: dict = {"preempt_mode": "recompute", "speculate": "off", "pipeline": False}
     if config.preempt_mode == "swap":
         notices.append("distributed: preemption recomputes (swapping K/V to host is not "
                        "mirrored across ranks)")

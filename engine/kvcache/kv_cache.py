@@ -235,6 +235,17 @@ class PagedKVCache:
                  for a in store]
         return QuantizedBlocks(*parts, quant, L.head_dim)
 
+    def snapshot(self) -> tuple[list[Store], list[Store]] | None:
+        """The stores as they are, for `restore`: a built step's graph dropped undoes its
+        writes. None where a write changes a store in place (MLX's indexing)."""
+        L = self.layout
+        if self.row_writer is None or (L.k_quant or L.v_quant) and self.quant_writer is None:
+            return None
+        return list(self.keys), list(self.values)
+
+    def restore(self, snap: tuple[list[Store], list[Store]]) -> None:
+        self.keys[:], self.values[:] = snap
+
     def block_view(self, layer: int):
         """Layer ``layer``'s K and V as ``(kv_heads, num_blocks, block_size, head_dim)``:
         arrays, or `QuantizedBlocks` for a quantized side."""

@@ -8,8 +8,13 @@
 // if rounding makes an earlier entry equal to it. With a row maximum
 // m >= ln(V) + 1, c lies in [m, m + ln V] <= 2m, so every entry within a
 // factor 2 of c (every candidate for a tie) is subtracted exactly (Sterbenz)
-// and no tie appears: the raw argmax is the answer. Other rows, and rows with
-// an inf or nan, get -1 and the caller computes mlx-lm's formula for them.
+// and no tie appears: the raw argmax is the answer. Below that, c - m still lies
+// in [0, B] (B = ln V + 1, plus c's own rounding), so x - c and m - c round to
+// one value only if m - x is under one step of the dtype at B: with no earlier
+// entry that close to m (4 steps, to spare), the raw argmax is the answer too.
+// Other rows (a near tie, an inf or a nan) get -1 and the caller computes
+// mlx-lm's formula for them. Rows are rarely left over, which lets a pipelined
+// decode step feed its picks on unread (executor.py).
 #include <cmath>
 #include <stdexcept>
 
@@ -49,7 +54,15 @@ int32_t pick_row(const void* base, Elem e, int64_t row0, int64_t V) {
     bad += x * 0.0f;
     if (x > m) m = x, at = i;
   }
-  if (std::isnan(bad) || at < 0 || !(m >= std::log(float(V)) + 1.0f)) return -1;
+  if (std::isnan(bad) || at < 0) return -1;
+  const float sure = std::log(float(V)) + 1.0f;
+  if (m >= sure) return int32_t(at);
+  // the dtype's step at B: 2^(exponent of B - mantissa bits)
+  const int mantissa = e == Elem::f32 ? 23 : e == Elem::f16 ? 10 : 7;
+  const float B = sure + std::ldexp(std::fabs(m) + sure, -mantissa);
+  const float near = 4.0f * std::ldexp(1.0f, std::ilogb(B) - mantissa);
+  for (int64_t j = 0; j < at; ++j)
+    if (scalar_any(base, e, row0 + j) >= m - near) return -1;
   return int32_t(at);
 }
 
