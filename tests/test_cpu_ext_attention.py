@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.kvcache.quant import QuantSpec
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.model.attention import cpu, guard, paged_attention
 from engine.model.attention.reference import paged_attention_ref
 from engine.model.cpu_ext import build

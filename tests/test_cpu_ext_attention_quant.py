@@ -16,7 +16,7 @@ from test_cpu_ext_attention import (
 )
 from test_cpu_ext_window_sinks import spec_of
 
-from engine.kvcache.kv_cache import QuantizedBlocks
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.model.attention import AttentionSpec, cpu
 from engine.model.attention.reference import paged_attention_ref
 

@@ -8,8 +8,8 @@ import mlx.core as mx
 from kernel_harness import emulator, metal_source, paged
 from kernel_harness.cases import Case, make_inputs, quantize_pool
 
-from engine.kvcache.kv_cache import QuantizedBlocks
 from engine.kvcache.quant import QuantSpec
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.model import backend
 from engine.model.attention import guard
 from engine.model.attention.gpu import abi

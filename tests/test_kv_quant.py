@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.kvcache.kv_cache import SCALE_DTYPE, KVLayout, PagedKVCache, QuantizedBlocks
+from engine.kvcache.kv_cache import SCALE_DTYPE, KVLayout, PagedKVCache
 from engine.kvcache.quant import QuantSpec
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.model.attention.reference import paged_attention_ref
 
 Q8, Q4 = QuantSpec(8, 64), QuantSpec(4, 64)

@@ -33,8 +33,9 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kvcache import channel_quant, rotation
-from engine.kvcache.kv_cache import KVLayout, PagedKVCache, QuantizedBlocks, Store, _quantize
+from engine.kvcache.kv_cache import KVLayout, PagedKVCache, Store, _quantize
 from engine.kvcache.quant import QuantSpec
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.kvcache.residual_blocks import ResidualBlocks
 
 FIRST_RESIDUAL_ROWS = 8  # residual blocks allocated up front; doubled when all are taken

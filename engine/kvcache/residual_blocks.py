@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from engine.kvcache import rotation
 from engine.kvcache.channel_quant import ChannelBlocks
-from engine.kvcache.kv_cache import QuantizedBlocks
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from engine.kvcache.kv_cache import SCALE_DTYPE, QuantizedBlocks
+from engine.kvcache.kv_cache import SCALE_DTYPE
 from engine.kvcache.quant import QuantSpec
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.kvcache.kv_cache import QuantizedBlocks
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.model.attention.gpu import abi, one_pass
 from engine.model.attention.reference import paged_attention_ref
 from metal_kernels import kernel_header, read_source

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from engine.kvcache import rotation
-from engine.kvcache.kv_cache import QuantizedBlocks
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.model.attention.spec import AttentionSpec, PagedCall, Pool
 from engine.model.cpu_ext import build
 

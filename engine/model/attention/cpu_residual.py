@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from engine.kvcache import rotation
 from engine.kvcache.channel_quant import ChannelBlocks
-from engine.kvcache.kv_cache import QuantizedBlocks
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.kvcache.residual_blocks import ResidualBlocks
 from engine.model.attention import cpu
 from engine.model.attention.spec import AttentionSpec, PagedCall

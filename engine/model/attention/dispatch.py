@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from engine.kvcache import rotation
-from engine.kvcache.kv_cache import QuantizedBlocks
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.model import backend
 from engine.model.attention import cpu, cpu_residual, reference, residual, routes
 from engine.model.attention.gpu import abi, one_pass, two_pass

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from engine.kvcache.kv_cache import QuantizedBlocks
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.kvcache.residual_blocks import ResidualBlocks
 
 

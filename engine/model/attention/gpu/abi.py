@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kvcache.kv_cache import QuantizedBlocks
+from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.model import backend
 from engine.model.attention.spec import AttentionSpec, Pool
 
