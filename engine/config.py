@@ -94,10 +94,11 @@ class EngineConfig:
     """Leading tokens a context shift keeps (attention sinks), rounded up to whole blocks."""
     pipeline: bool | None = None
     """Launch greedy decode steps ahead (`mx.async_eval`) while the next one is built.
-    None: on a GPU backend, and on the CPU where the extension's greedy pick can feed the
-    next step unread (a pool whose writes a dropped graph undoes: not the residual
-    formats). There mlx-lm's logsumexp per row cost more than the overlap saved at 4-8
-    streams; with the pick it gains ~14 % at 1 stream, ~7 % at 4, ~3 % at 8 (2 cores)."""
+    None: on a GPU backend and with the CPU extension. There the extension's greedy pick
+    feeds the next step unread: ~14 % at 1 stream, ~7 % at 4, ~3 % at 8 (2 cores). The
+    residual formats, whose writes a dropped graph cannot undo, chain with mlx-lm's
+    logsumexp per row instead (~0.6 ms a row): only single-stream steps (+10 %; it cost
+    ~19 % at 4 streams)."""
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size > 1024:

@@ -66,7 +66,7 @@ class Engine(PromptMixin, EngineLoop):
                                    pacer)
         self.scheduler.shifter = parts.shifter
         pipeline = config.pipeline if config.pipeline is not None else (
-            mx.default_device() == mx.gpu or loaded.cpu_ext and self.kv.snapshot() is not None)
+            mx.default_device() == mx.gpu or loaded.cpu_ext)
         self.executor = StepExecutor(self.runner, self.kv, self.blocks, self.recorder, pacer,
                                      pipeline=pipeline, fast_greedy=loaded.cpu_ext,
                                      unwanted=self._unwanted)

@@ -54,16 +54,15 @@ class StepExecutor:
         self.pipeline = pipeline  # launch greedy decodes ahead (see `run`)
         self.fast_greedy = fast_greedy  # the CPU extension's greedy pick (`engine.greedy`)
         self.flight: Flight | None = None
-        # chained steps feed the extension's picks unread; one it declines rebuilds the step
-        self.fast_chain = fast_greedy and kv.snapshot() is not None
+        # chained steps feed the extension's picks unread (one it declines rebuilds the step),
+        self.fast_chain = fast_greedy and kv.snapshot() is not None  # else mlx-lm's argmax:
+        self.chain_rows = 1 if fast_greedy and not self.fast_chain else None  # 0.6 ms a row
         self._repicked: list[int] | None = None  # the last resolve's tokens, if it settled any
         self._last: dict[int, int] = {}  # tokens read from a flight, not yet applied
         # times every decode-only step: (sequences, draft tokens verified, seconds)
         self.on_decode: Callable[[int, int, float], None] | None = None
 
-    @property
-    def in_flight(self) -> bool:
-        return self.flight is not None
+    in_flight = property(lambda self: self.flight is not None)
 
     def resolve(self) -> list[Outcome]:
         """Read the launched step's tokens (waits for it) and return its outcomes."""
@@ -221,7 +220,8 @@ class StepExecutor:
             ids = (mx.maximum(self.flight.tokens, 0)[:, None] if chained  # -1: rebuilt below
                    else mx.array([[self._last_token(r)] for r in reqs])).astype(mx.int32)
             logits = self.runner(build_batch(self.blocks, ids_of, ids, slots), self.kv)
-            if self.pipeline and all(r.decoder.greedy for r in reqs):
+            if self.pipeline and all(r.decoder.greedy for r in reqs) and (
+                    self.chain_rows is None or len(reqs) <= self.chain_rows):
                 tokens = greedy.lazy(logits, fast=self.fast_chain)
                 # Built while the previous step ran; launched once it is done: its tasks hold
                 # the pool, whose writes would copy it, not write in place (measured: 4x slower).

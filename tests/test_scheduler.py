@@ -98,14 +98,27 @@ def test_a_declined_pick_rebuilds_the_chained_step(quick_model, alone, monkeypat
     assert m.rebuilt_steps > 5 and m.blocks_used == 0
 
 
-def test_the_residual_formats_are_not_chained_on_the_fast_pick(quick_model):
-    # their writes change the pool in place (block quantization): a dropped graph keeps them
+def test_the_residual_formats_chain_single_streams_on_mlx_lms_argmax(quick_model):
+    """Their writes change the pool in place (block quantization): a dropped graph would
+    keep them, so no rebuild and no fast pick; a lone stream's steps still chain."""
+    from engine.model.cpu_ext import build
+
+    if not build.available():
+        pytest.skip("the CPU default is the extension's")
     engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, kv_bits=4,
                                               kv_residual=True, kv_key_channel=True))
-    import mlx.core as mx
-
-    assert engine.kv.snapshot() is None and not engine.executor.fast_chain
-    assert engine.executor.pipeline == (mx.default_device() == mx.gpu)  # there: mlx-lm's argmax
+    ex = engine.executor
+    assert engine.kv.snapshot() is None and not ex.fast_chain
+    assert ex.pipeline and ex.chain_rows == 1
+    ids = [engine.encode_prompt(p) for p in PROMPTS[:2]]
+    plain = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, kv_bits=4,
+                                             kv_residual=True, kv_key_channel=True,
+                                             pipeline=False))
+    want = [plain.generate_text(i, params(24)).tokens for i in ids]
+    assert [engine.generate_text(i, params(24)).tokens for i in ids] == want  # chained alone
+    handles = [engine.submit(i, params(24)) for i in ids]  # two rows: step by step
+    assert [collect(h)[0] for h in handles] == want
+    assert engine.metrics().blocks_used == 0
 
 
 def test_a_pipelined_decode_writes_the_pool_in_place(quick_model):
