@@ -83,12 +83,26 @@ def test_non_finite_rows_take_the_exact_path(dtype):
     check(rows, dtype)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 5), st.integers(1, 300), st.sampled_from(DTYPES),
-       st.floats(-40, 40), st.floats(0.01, 8), st.integers(0, 2 ** 31 - 1), st.booleans())
-def test_pick_equals_mlx_lm_on_any_rows(rows, vocab, dtype, top, spread, seed, near_ties):
+def next_down(v: np.float32, dtype) -> np.float32:
+    """The dtype's next value below ``v`` (a value it holds), as float32."""
+    if dtype == mx.float32:
+        return np.nextafter(v, np.float32(-math.inf))
+    if dtype == mx.float16:
+        return np.float32(np.nextafter(np.float16(v), np.float16(-math.inf)))
+    b = int(np.array(v, np.float32).view(np.uint32)) >> 16  # bfloat16: float32's top half
+    b = 0x8001 if b == 0 else b - 1 if b < 0x8000 else b + 1
+    return np.array(b << 16, np.uint32).view(np.float32)[()]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 5), st.sampled_from([1, 50, 300, 49152]), st.sampled_from(DTYPES),
+       st.floats(-40, 40), st.floats(0.01, 8), st.integers(0, 2 ** 31 - 1), st.booleans(),
+       st.integers(1, 40))
+def test_pick_equals_mlx_lm_on_any_rows(rows, vocab, dtype, top, spread, seed, near_ties,
+                                        steps):
     """Random rows around maxima from -40 to 40 (both sides of ln V + 1), optionally with
-    entries one float step below the max ahead of it: the answer is always mlx-lm's."""
+    entries 1 to 40 of the dtype's steps below the max ahead of it (the pick's near-tie
+    rule declines within 4 steps at ln V + 1): the answer is always mlx-lm's."""
     rng = np.random.default_rng(seed)
     x = (top - spread * np.abs(rng.normal(size=(rows, vocab)))).astype(np.float32)
     x = np.asarray(mx.array(x).astype(dtype).astype(mx.float32))  # values the dtype holds
@@ -96,6 +110,8 @@ def test_pick_equals_mlx_lm_on_any_rows(rows, vocab, dtype, top, spread, seed, n
         for r in range(rows):
             at = int(rng.integers(0, vocab))
             x[r, at] = top
-            below = np.nextafter(np.float32(top), np.float32(-math.inf))
+            below = np.float32(top)
+            for _ in range(steps):
+                below = next_down(below, dtype)
             x[r, : at] = np.where(rng.random(at) < 0.5, below, x[r, : at])
     check(x, dtype)
