@@ -149,6 +149,7 @@ def run(args) -> int:
             "gemv_shim": engine.model.blas.gemv_shim,
             "block_size": eng.config.block_size,
             "prefill_chunk": eng.config.prefill_chunk,
+            "pipelined": eng.executor.pipeline,  # greedy decode steps launched ahead
             # getattr: the engine's options evolve; the report should not break on them.
             "fuse_projections": getattr(eng.config, "fuse_projections", None),
             "prefix_cache": eng.config.prefix_cache,

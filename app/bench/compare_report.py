@@ -152,7 +152,9 @@ def _header(report: dict) -> None:
           f"(matmuls: {kv.get('matmul', 'mlx')}), "
           f"BLAS {kv['blas'] or 'none preloaded (MLX linked BLAS)'} (GEMV shim {shim}), "
           f"in-process, paged KV (block {kv['block_size']}), prefill chunk "
-          f"{kv['prefill_chunk']}, a fresh prefix-cache tenant per run")
+          f"{kv['prefill_chunk']}, decode steps "
+          f"{'launched ahead' if kv.get('pipelined') else 'one at a time'}, "
+          f"a fresh prefix-cache tenant per run")
     lc, ml = report.get("llama_cpp"), report["mlx_lm"]
     if lc:
         print(f"llama.cpp (llama-cpp-python {lc['llama_cpp_python_version']}): "
