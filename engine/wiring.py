@@ -177,8 +177,9 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     if layout.residual and any(windowed) and layout.head_dim not in cpu_residual.HEAD_DIMS:
         # other head dims run the reference residual path, whose rows round differently by
         # how a step is cut (measured on Gemma 3's 256: batched log-probs up to 0.1 apart)
-        raise KVChatError(f"the residual KV formats run sliding-window layers at head dim 64 "
-                          f"or 128 only (this model's is {layout.head_dim}); use --kv-bits")
+        dims = " or ".join(map(str, cpu_residual.HEAD_DIMS))
+        raise KVChatError(f"the residual KV formats run sliding-window layers at head dim "
+                          f"{dims} only (this model's is {layout.head_dim}); use --kv-bits")
     if layout.residual:
         kv = ResidualKVCache(layout, num_blocks, kv_writers(loaded)["row_writer"])
     else:

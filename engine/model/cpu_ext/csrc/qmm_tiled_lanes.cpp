@@ -135,10 +135,11 @@ void tiles_lanes(const QuantWeights& q, const LaneX& lx, int64_t M, int t0, int 
   const int64_t lines = kTile * q.row_bytes() / 64, per_block = (lines + blocks - 1) / blocks;
   for (int t = t0; t < t1; ++t) {
     unpack_tile<BITS>(q, t, wbuf.data(), sbuf.data(), bbuf.data());
-    const char* next = t + 1 < t1 ? reinterpret_cast<const char*>(tile_group(q, t + 1, 0))
-                                  : nullptr;
+    const char* next = t + 1 < t1 && lanes_prefetch()
+                           ? reinterpret_cast<const char*>(tile_group(q, t + 1, 0))
+                           : nullptr;
     for (int64_t blk = 0; blk < blocks; ++blk) {
-      if (next && lanes_prefetch())
+      if (next)
         for (int64_t l = blk * per_block; l < std::min(lines, (blk + 1) * per_block); ++l)
           _mm_prefetch(next + l * 64, _MM_HINT_T1);
       __m512 v[kTile];  // v[n]: output column 16t + n of the block's 16 rows
