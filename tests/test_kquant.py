@@ -32,8 +32,15 @@ def _layer(kind: str, rows: int = 64, cols: int = 512, seed: int = 0):
     return layer, (mx.array(d), mx.array(m))
 
 
+@pytest.fixture(params=[16, 8], ids=["int16-x", "int8-x"])
+def activation_bits(request):
+    ops.set_activation_bits(request.param)
+    yield request.param
+    ops.set_activation_bits(16)
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
-def test_codes_and_steps_give_the_float16_layers_bits(kind):
+def test_codes_and_steps_give_the_float16_layers_bits(kind, activation_bits):
     layer, steps = _layer(kind)
     plain = linear.CpuTiledLinear.from_quantized(layer)
     codes = linear.CpuTiledLinear.from_quantized(layer, steps)

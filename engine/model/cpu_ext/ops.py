@@ -70,6 +70,18 @@ def tiled_supported() -> bool:
     return bool(build.require().tiled_supported())
 
 
+def set_activation_bits(bits: int) -> None:
+    """How the tiled matmul quantizes activations per weight group: 16 (the default, ~f16
+    precision) or 8 (llama.cpp's Q8_0 way: twice the multiply rate, some perplexity; the
+    prefill kernel is compute-bound on it). Process-wide; read when each product runs."""
+    build.require().set_activation_bits(int(bits))
+
+
+def activation_bits() -> int:
+    """The tiled matmul's activation bits (8 or 16)."""
+    return int(build.require().activation_bits())
+
+
 TILE_ROWS = 16
 TILE_CHUNK_WEIGHTS = 1 << 23  # weights `tile` re-lays at a time
 

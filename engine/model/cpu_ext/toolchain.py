@@ -23,10 +23,11 @@ MODULE_NAME = "_kvchat_cpu_ext"  # must match NB_MODULE in csrc/bindings.cpp
 ENV_COMPILER = "KVCHAT_CXX"
 BUILD_TIMEOUT_S = 600  # one compiler run; a loaded 2-core machine can be slow
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("qmm.cpp", "qmm_tiled.cpp", "qmm_tiled_lanes.cpp", "kv_write.cpp",
-           "kv_write_quant.cpp", "qgemm.cpp", "paged_attention.cpp", "paged_decode_kernel.cpp",
-           "paged_prefill_kernel.cpp", "paged_residual.cpp",
-           "paged_residual_kernel.cpp", "norm_rope.cpp", "qkv_rope.cpp", "layer_ops.cpp",
+SOURCES = ("qmm.cpp", "qmm_tiled.cpp", "qmm_tiled_lanes.cpp", "qmm_tiled_int8.cpp",
+           "qmm_tiled_int8_lanes.cpp", "kv_write.cpp", "kv_write_quant.cpp", "qgemm.cpp",
+           "paged_attention.cpp", "paged_decode_kernel.cpp", "paged_prefill_kernel.cpp",
+           "paged_residual.cpp", "paged_residual_kernel.cpp", "norm_rope.cpp", "qkv_rope.cpp",
+           "layer_ops.cpp",
            "layer_parts.cpp", "layer_stack.cpp",
            "gemma_tail.cpp", "switch_qmm.cpp", "tile_rows.cpp",
            "swiglu.cpp", "greedy.cpp", "hadamard.cpp",

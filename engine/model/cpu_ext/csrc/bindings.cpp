@@ -55,6 +55,10 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "then biases may be (1, 1): one factor, each bias that times its scale (symmetric).");
   m.def("tiled_supported", &kvchat::tiled_supported,
         "Whether this build has the tiled int16-x matmul (AVX-512 VNNI).");
+  m.def("set_activation_bits", &kvchat::set_activation_bits, "bits"_a,
+        "How the tiled matmul quantizes x per group: 16 (default) or 8 (llama.cpp's Q8_0\n"
+        "way, twice the multiply rate); process-wide, read when a product runs.");
+  m.def("activation_bits", &kvchat::activation_bits, "The tiled matmul's x bits (8 or 16).");
   m.def("paged_attention", &kvchat::paged_attention, "queries"_a, "k"_a, "v"_a,
         "block_tables"_a, "context_lens"_a, nb::kw_only(), "scale"_a, "k_scales"_a = nb::none(),
         "k_biases"_a = nb::none(), "k_bits"_a = 0, "k_group"_a = 0, "v_scales"_a = nb::none(),

@@ -25,6 +25,7 @@
 #include "qmm_tiled.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -39,6 +40,19 @@
 #endif
 
 namespace kvchat {
+
+namespace {
+std::atomic<int> g_activation_bits{16};
+}  // namespace
+
+void set_activation_bits(int bits) {
+  if (bits != 8 && bits != 16) throw std::invalid_argument("activation bits must be 8 or 16");
+  g_activation_bits.store(bits);
+}
+
+int activation_bits() {
+  return g_activation_bits.load(std::memory_order_relaxed);
+}
 
 bool tiled_supported() {
 #ifdef KVCHAT_TILED
@@ -182,6 +196,15 @@ void tile_rows(const QuantWeights& q, const QuantX& qx, int t, int64_t m0, int64
 
 void qmm_tiled(const QuantWeights& q, const float* x, int64_t M, float* y) {
   // group must be a multiple of 32 (whole chunks of 8 quads) and N of 16
+  auto& pool = ThreadPool::instance();
+  const int64_t macs = M * q.N * int64_t(q.K);
+  const bool parallel = macs >= kParallelMinMacs && pool.size() > 1;
+  const int tiles = q.N / kTile;
+  // Tasks are runs of tiles; each walks every block of x rows over its tiles.
+  const tiled::Plan plan{parallel ? std::min(tiles, 4 * pool.size()) : 1,
+                  parallel ? std::min<int64_t>(M, 8) : 1, M >= lanes_min_rows(),
+                  prefetch_bytes()};
+  if (activation_bits() == 8) return tiled::qmm_int8(q, x, M, y, plan);
   // Kept per calling thread: a fresh buffer of a prefill's size is page faults and zeroing
   // each call. A named reference, as lambdas that name a thread_local see the running
   // thread's own (the pool's worker's would be empty).
@@ -190,19 +213,12 @@ void qmm_tiled(const QuantWeights& q, const float* x, int64_t M, float* y) {
   qx.q.resize(M * q.K);
   qx.scale.resize(M * q.G);
   qx.sum.resize(M * q.G);
-  auto& pool = ThreadPool::instance();
-  const int64_t macs = M * q.N * int64_t(q.K);
-  const bool parallel = macs >= kParallelMinMacs && pool.size() > 1;
-  const int64_t x_tasks = parallel ? std::min<int64_t>(M, 8) : 1;
-  const int64_t x_per = (M + x_tasks - 1) / x_tasks;
-  pool.run(int(x_tasks), [&](int i) {
+  const int64_t x_per = (M + plan.x_tasks - 1) / plan.x_tasks;
+  pool.run(int(plan.x_tasks), [&](int i) {
     quantize_rows(x, q.K, q.group, i * x_per, std::min(M, (i + 1) * x_per), qx);
   });
-  const int tiles = q.N / kTile;
-  // Tasks are runs of tiles; each walks every block of x rows over its tiles.
-  const int tasks = parallel ? std::min(tiles, 4 * pool.size()) : 1;
-  const int per_task = (tiles + tasks - 1) / tasks;
-  if (M >= lanes_min_rows()) return tiled::qmm_lanes(q, qx, M, y, tasks);
+  const int tasks = plan.tasks, per_task = (tiles + tasks - 1) / tasks;
+  if (plan.lanes) return tiled::qmm_lanes(q, qx, M, y, tasks);
   const int m_blocks = int((M + kRowBlock - 1) / kRowBlock);
   pool.run(tasks, [&](int task) {
     const int t1 = std::min(tiles, (task + 1) * per_task);

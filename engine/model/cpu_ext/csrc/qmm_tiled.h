@@ -8,6 +8,12 @@
 
 namespace kvchat {
 
+// How the tiled kernels quantize x: 16 (int16 per group, the default: ~f16 precision) or
+// 8 (int8 per group, llama.cpp's Q8_0 way: twice the multiply rate, some perplexity).
+// Process-wide; read when a product runs.
+void set_activation_bits(int bits);
+int activation_bits();
+
 // Whether this build has the tiled path (compiled with AVX-512 VNNI).
 bool tiled_supported();
 

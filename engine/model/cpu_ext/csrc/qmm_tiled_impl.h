@@ -109,4 +109,16 @@ inline void widen(__m512i w, __m512i& lo, __m512i& hi) {
 // `tasks` runs of tiles on the pool (1: the calling thread alone).
 void qmm_lanes(const QuantWeights& q, const QuantX& qx, int64_t M, float* y, int tasks);
 
+// How qmm_tiled splits one product: tasks over tiles, over x rows, which kernel, and
+// how far ahead the rows kernel prefetches.
+struct Plan {
+  int tasks;
+  int64_t x_tasks;
+  bool lanes;
+  int64_t prefetch;
+};
+
+// y (M x N) with x quantized to int8 per group (qmm_tiled_int8.cpp).
+void qmm_int8(const QuantWeights& q, const float* x, int64_t M, float* y, const Plan& plan);
+
 }  // namespace kvchat::tiled
