@@ -24,6 +24,16 @@ __all__ = ["add_engine_args", "add_scope_args", "build_engine", "load_engine", "
 DEFAULT_KV_BUDGET = "1G"
 
 
+class _Activations(argparse.Action):
+    """``--activations``: applied as parsed, before any model loads (process-wide)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from engine.model.cpu_ext import ops
+
+        ops.request_activations(values)
+        setattr(namespace, self.dest, values)
+
+
 def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
     """Add --model, --block-size, --kv-budget, --weights (and the disk-cache flags)."""
     p.add_argument("--model", default=None,
@@ -38,6 +48,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, disk: bool = True) -> None:
                         "kvchat's extension; float32 where it cannot build) and quantizes a "
                         "float checkpoint over 1 GiB of float32 to q8; q8/q4 quantize float "
                         "weights at load (CPU)")
+    p.add_argument("--activations", choices=["int16", "int8"], default=None,
+                   action=_Activations,
+                   help="how the CPU extension's quantized matmuls quantize activations: "
+                        "int16 (default: ~float16 precision, token for token mlx-lm's "
+                        "output) or int8 (llama.cpp's Q8_0 way: ~1.4x faster prefill on "
+                        "AVX-512 VNNI, some perplexity; see the README)")
     p.add_argument("--kv-bits", type=int, choices=[16, 8, 4], default=None,
                    help="store the KV cache quantized at 8 or 4 bits (16: unquantized)")
     p.add_argument("--k-bits", type=int, choices=[16, 8, 4], default=None,

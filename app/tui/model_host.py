@@ -184,9 +184,11 @@ class ModelHost(App):
         if self.engine is None:
             return ""
         parts = [model_label(self.model_name)]
-        fmt = getattr(getattr(self.engine, "loaded", None), "weight_format", "")
-        if fmt:
-            parts.append(f"weights {fmt}")
+        loaded = getattr(self.engine, "loaded", None)
+        fmt = getattr(loaded, "weight_format", "")
+        if fmt:  # int8 activations (`--activations int8`) trade precision: said here
+            int8 = "int8-x" in getattr(loaded, "matmul", "")
+            parts.append(f"weights {fmt}" + (" (int8 activations)" if int8 else ""))
         with contextlib.suppress(Exception):  # a fake or a stopped engine
             kv = self.engine.metrics().kv_format
             if kv:

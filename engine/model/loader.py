@@ -64,7 +64,8 @@ class LoadedModel:
     tokenizer_fingerprint: str
     weight_bytes: int = 0  # bytes of the weights as loaded
     cpu_ext: bool = False  # quantized matmuls run in kvchat's CPU extension (engine.model.cpu_ext)
-    matmul: str = "mlx"  # how: "mlx", "cpu-ext float" or "cpu-ext tiled int16-x" (AVX-512 VNNI)
+    # how: "mlx", "cpu-ext float" or "cpu-ext tiled int16-x" / "int8-x" (AVX-512 VNNI)
+    matmul: str = "mlx"
 
     @property
     def context_length(self) -> int:
@@ -222,6 +223,7 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
     matmul = "mlx"
     if cpu_ext:
         from engine.model.cpu_ext import kquant, linear, norm_rope, switch
+        from engine.model.cpu_ext import ops as cpu_ext_ops
 
         tiled = tiled and linear.tiled_enabled()
         steps = kquant.load_steps(path) if tiled else None  # GGUF K-quant codes kept
@@ -235,7 +237,11 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
         compute = CPU_EXT_TILED_COMPUTE if tiled else CPU_EXT_COMPUTE
         if norm_rope.has_gemma3_ops(model):  # K/V cached before they ran, rounded otherwise
             compute = f"{compute}+gemma3-ops/1"
-        matmul = "cpu-ext tiled int16-x" if tiled else "cpu-ext float"
+        matmul = "cpu-ext float"
+        if tiled:  # int8 activations (`--activations int8`) round K/V otherwise again
+            act = cpu_ext_ops.activation_bits()
+            matmul = f"cpu-ext tiled int{act}-x"
+            compute = f"{compute}+int8-x" if act == 8 else compute
         fingerprint = combine([("weights", fingerprint), ("compute", compute)])
     elif weights == "float32" or auto_float:
         model = to_float32(model)

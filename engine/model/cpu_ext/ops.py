@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
 from engine.model.cpu_ext import bit_planes, build
@@ -80,6 +82,19 @@ def set_activation_bits(bits: int) -> None:
 def activation_bits() -> int:
     """The tiled matmul's activation bits (8 or 16)."""
     return int(build.require().activation_bits())
+
+
+ACTIVATIONS_ENV = "KVCHAT_ACTIVATIONS"  # int8 | int16: read by the extension when it loads
+
+
+def request_activations(choice: str) -> None:
+    """``--activations``: the mode for this process and those it starts (the environment,
+    read when the extension loads), applied now if the extension is already loaded."""
+    if choice not in ("int8", "int16"):
+        raise ValueError(f"activations must be int8 or int16, not {choice!r}")
+    os.environ[ACTIVATIONS_ENV] = choice
+    if build.loaded() is not None:
+        set_activation_bits(8 if choice == "int8" else 16)
 
 
 TILE_ROWS = 16

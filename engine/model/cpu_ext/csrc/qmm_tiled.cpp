@@ -42,7 +42,14 @@
 namespace kvchat {
 
 namespace {
-std::atomic<int> g_activation_bits{16};
+// KVCHAT_ACTIVATIONS=int8 sets the process's mode before anything runs (`--activations`
+// sets it for the processes it starts, distributed ranks included).
+int initial_activation_bits() {
+  const char* env = std::getenv("KVCHAT_ACTIVATIONS");
+  return env && std::strcmp(env, "int8") == 0 ? 8 : 16;
+}
+
+std::atomic<int> g_activation_bits{initial_activation_bits()};
 }  // namespace
 
 void set_activation_bits(int bits) {
