@@ -32,7 +32,8 @@ def quantized(N: int, K: int, group: int, seed: int, bits: int = 4):
 
 
 def promised(x: mx.array, w, s, b, group: int, bits: int) -> np.ndarray:
-    """What qmm_tiled_int8.cpp says it computes, in float64."""
+    """What qmm_tiled_int8.cpp says it computes, in float64: the dequantized weights times
+    x quantized to int8 (scales meet the integer dots, biases the quantized x's sum)."""
     M, K = x.shape
     N = w.shape[0]
     G = K // group
@@ -46,7 +47,8 @@ def promised(x: mx.array, w, s, b, group: int, bits: int) -> np.ndarray:
     isum = np.einsum("mgk,ngk->mng", qx, q)
     sn = np.array(s.astype(mx.float32)).astype(np.float64)
     bn = np.array(b.astype(mx.float32)).astype(np.float64)
-    return (isum * sn[None] * dx[:, None]).sum(-1) + (bn[None] * xg.sum(-1)[:, None]).sum(-1)
+    qsum = (dx * qx.sum(-1)).astype(np.float32).astype(np.float64)  # the quantized x's sum
+    return (isum * sn[None] * dx[:, None]).sum(-1) + (bn[None] * qsum[:, None]).sum(-1)
 
 
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])

@@ -105,3 +105,16 @@ def test_llama_perplexity_output_is_read_with_or_without_its_final_line():
     # a run that stopped before its last chunk gives nothing, not an earlier chunk's figure
     assert final_perplexity(runs, 5) is None
     assert final_perplexity("", 1) is None
+
+
+def test_the_peer_report_shows_int8_activations_beside_llama_cpp():
+    from app.eval.llama_peer import report
+
+    base = {"model": "/m/F.gguf", "text": "/t/GPL-3", "chunks": 14, "ctx": 512,
+            "scored_tokens": 3570, "kvchat_weights": "q4", "kvchat_matmul": "cpu-ext tiled "
+            "int16-x", "kvchat_ppl": 18.2971, "llama_cpp_ppl": 18.3914, "diff_pct": -0.513}
+    text = report({**base, "kvchat_int8_ppl": 18.3798, "int8_diff_pct": -0.063})
+    assert "kvchat --activations int8           perplexity 18.3798" in text
+    assert text.endswith("-0.513 % (int8 activations: -0.063 %)")
+    plain = report({**base, "kvchat_int8_ppl": None, "int8_diff_pct": None})
+    assert "int8" not in plain.replace("int16-x", "") and plain.endswith("-0.513 %")

@@ -91,6 +91,19 @@ def _score(loaded, ids, ctx, chunks) -> tuple[float, int]:
         engine.shutdown()
 
 
+def _score_int8(loaded, ids, ctx, chunks) -> float:
+    """The same weights with `--activations int8` (llama.cpp's own activation rounding), on
+    a fresh engine: no K/V of the int16 run is reused."""
+    from engine.model.cpu_ext import ops
+
+    before = ops.activation_bits()
+    ops.set_activation_bits(8)
+    try:
+        return _score(loaded, ids, ctx, chunks)[0]
+    finally:
+        ops.set_activation_bits(before)
+
+
 def evaluate(model: str, *, bin_dir: str | None, text: Path, ctx: int = 512,
              max_chunks: int = 16, float32: bool = True) -> dict:
     """Both perplexities of GGUF ``model`` on ``text``; what ``--json`` writes."""
@@ -107,6 +120,7 @@ def evaluate(model: str, *, bin_dir: str | None, text: Path, ctx: int = 512,
         raise KVChatError(f"{text} has {len(ids)} tokens: fewer than one {ctx}-token chunk")
     loaded = load_model(model)
     ours, scored = _score(loaded, ids, ctx, chunks)
+    int8 = _score_int8(loaded, ids, ctx, chunks) if "int16-x" in loaded.matmul else None
     # the same converted weights dequantized, computed in float32: what the conversion
     # alone gives, apart from either engine's low-precision activations
     f32 = _score(load_model(model, weights="float32"), ids, ctx, chunks)[0] if float32 else None
@@ -115,6 +129,8 @@ def evaluate(model: str, *, bin_dir: str | None, text: Path, ctx: int = 512,
             "kvchat_float32_ppl": f32, "scored_tokens": scored,
             "kvchat_weights": loaded.weight_format,
             "kvchat_matmul": loaded.matmul, "kvchat_ppl": ours, "llama_cpp_ppl": theirs,
+            "kvchat_int8_ppl": int8,
+            "int8_diff_pct": 100 * (int8 / theirs - 1) if int8 else None,
             "diff_pct": 100 * (ours / theirs - 1),
             "seconds": round(time.perf_counter() - started, 1)}
 
@@ -126,8 +142,12 @@ def report(r: dict) -> str:
             f"{r['kvchat_ppl']:.4f}\n"
             + (f"  kvchat float32 (same weights)       perplexity "
                f"{r['kvchat_float32_ppl']:.4f}\n" if r.get("kvchat_float32_ppl") else "")
+            + (f"  kvchat --activations int8           perplexity "
+               f"{r['kvchat_int8_ppl']:.4f}\n" if r.get("kvchat_int8_ppl") else "")
             + f"  llama.cpp llama-perplexity          perplexity {r['llama_cpp_ppl']:.4f}\n"
-            f"  kvchat vs llama.cpp: {r['diff_pct']:+.3f} %")
+            f"  kvchat vs llama.cpp: {r['diff_pct']:+.3f} %"
+            + (f" (int8 activations: {r['int8_diff_pct']:+.3f} %)"
+               if r.get("int8_diff_pct") is not None else ""))
 
 
 def add_args(p) -> None:

@@ -9,11 +9,12 @@
 
 namespace kvchat::tiled {
 
-// x quantized to int8 per group: values, max |x| / 127 and float sum per group, int8 sum.
+// x quantized to int8 per group: values; per group the step (max |x| / 127), the int8 sum
+// and the quantized x's sum (step x int8 sum).
 struct QuantX8 {
   std::vector<int8_t> q;  // M x K
-  std::vector<float> scale, sum;  // M x G: max |x| / 127 of the group; float sum
-  std::vector<int32_t> qsum;  // M x G: sum of the int8 values
+  std::vector<float> scale, sum;  // M x G
+  std::vector<int32_t> qsum;  // M x G
 };
 
 // The float part, the same in both kernels: acc += s * dx * isum (+ b * xsum: IB false).
