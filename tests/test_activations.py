@@ -18,10 +18,9 @@ PROMPTS = ["What is the capital of France?", "Explain what a KV cache is.",
 
 
 @pytest.fixture
-def int8(default_model_ext, monkeypatch):
+def int8(default_model_ext):
     if not ops.tiled_supported():
         pytest.skip("this CPU has no AVX-512 VNNI: the tiled matmul is not built")
-    monkeypatch.delenv(ops.ACTIVATIONS_ENV, raising=False)
     ops.set_activation_bits(8)
     yield default_model_ext
     ops.set_activation_bits(16)
@@ -54,7 +53,9 @@ def test_the_flag_sets_the_mode_and_the_fingerprint_follows(default_model_ext, m
         pytest.skip("needs the extension's tiled matmul")
     from app.engine_args import add_engine_args
 
-    monkeypatch.delenv(ops.ACTIVATIONS_ENV, raising=False)
+    # set, not deleted: monkeypatch then restores the environment the flag writes to, and
+    # no process the later tests start inherits int8
+    monkeypatch.setenv(ops.ACTIVATIONS_ENV, "int16")
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     try:
@@ -68,5 +69,6 @@ def test_the_flag_sets_the_mode_and_the_fingerprint_follows(default_model_ext, m
     finally:
         ops.set_activation_bits(16)
     assert parser.parse_args([]).activations is None and ops.activation_bits() == 16
+    assert os.environ[ops.ACTIVATIONS_ENV] == "int8"  # until monkeypatch restores it
     with pytest.raises(ValueError, match="int8 or int16"):
         ops.request_activations("int4")
