@@ -72,3 +72,17 @@ def test_the_flag_sets_the_mode_and_the_fingerprint_follows(default_model_ext, m
     assert os.environ[ops.ACTIVATIONS_ENV] == "int8"  # until monkeypatch restores it
     with pytest.raises(ValueError, match="int8 or int16"):
         ops.request_activations("int4")
+
+
+def test_the_chat_status_says_int8_activations():
+    from types import SimpleNamespace
+
+    from app.tui.model_host import ModelHost
+
+    def status(matmul: str) -> str:
+        engine = SimpleNamespace(loaded=SimpleNamespace(weight_format="q4/q8", matmul=matmul),
+                                 metrics=lambda: SimpleNamespace(kv_format=""))
+        return ModelHost.describe_model(SimpleNamespace(engine=engine, model_name=None))
+
+    assert status("cpu-ext tiled int8-x").endswith("weights q4/q8 (int8 activations)")
+    assert status("cpu-ext tiled int16-x").endswith("weights q4/q8")
