@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiled_oracle import promised, quantized
 
 from engine.kvcache.kv_cache import KVLayout, PagedKVCache
 from engine.model.cpu_ext import build, linear, ops
@@ -28,30 +29,6 @@ def ext():
 def tiled(ext):
     if not ops.tiled_supported():
         pytest.skip("this CPU has no AVX-512 VNNI: the tiled matmul is not built")
-
-
-def quantized(N: int, K: int, group: int, seed: int, bits: int = 4):
-    mx.random.seed(seed)
-    w, s, b = mx.quantize(mx.random.normal((N, K)), group_size=group, bits=bits)
-    return w, s.astype(mx.float16), b.astype(mx.float16)
-
-
-def promised(x: mx.array, w, s, b, group: int, bits: int) -> np.ndarray:
-    """What qmm_tiled.cpp says it computes, in float64."""
-    M, K = x.shape
-    N = w.shape[0]
-    G = K // group
-    q = np.array(mx.dequantize(w, mx.ones_like(s), mx.zeros_like(b), group_size=group,
-                               bits=bits)).astype(np.float64).reshape(N, G, group)
-    xg = np.array(x.astype(mx.float32)).reshape(M, G, group)
-    amax = np.abs(xg).max(-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        qx = np.where(amax > 0, np.round(xg * (np.float32(32767) / amax)), 0).astype(np.float64)
-    dx = (amax / np.float32(32767)).astype(np.float32).astype(np.float64)[..., 0]
-    isum = np.einsum("mgk,ngk->mng", qx, q)
-    sn = np.array(s.astype(mx.float32)).astype(np.float64)
-    bn = np.array(b.astype(mx.float32)).astype(np.float64)
-    return (isum * sn[None] * dx[:, None]).sum(-1) + (bn[None] * xg.sum(-1)[:, None]).sum(-1)
 
 
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiled_oracle import promised, quantized
 
 from engine.model.cpu_ext import build, linear, ops
 
@@ -25,32 +26,6 @@ def int8():
     ops.set_activation_bits(16)
 
 
-def quantized(N: int, K: int, group: int, seed: int, bits: int = 4):
-    mx.random.seed(seed)
-    w, s, b = mx.quantize(mx.random.normal((N, K)), group_size=group, bits=bits)
-    return w, s.astype(mx.float16), b.astype(mx.float16)
-
-
-def promised(x: mx.array, w, s, b, group: int, bits: int) -> np.ndarray:
-    """What qmm_tiled_int8.cpp says it computes, in float64: the dequantized weights times
-    x quantized to int8 (scales meet the integer dots, biases the quantized x's sum)."""
-    M, K = x.shape
-    N = w.shape[0]
-    G = K // group
-    q = np.array(mx.dequantize(w, mx.ones_like(s), mx.zeros_like(b), group_size=group,
-                               bits=bits)).astype(np.float64).reshape(N, G, group)
-    xg = np.array(x.astype(mx.float32)).reshape(M, G, group)
-    amax = np.abs(xg).max(-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        qx = np.where(amax > 0, np.round(xg * (np.float32(127) / amax)), 0).astype(np.float64)
-    dx = (amax / np.float32(127)).astype(np.float32).astype(np.float64)[..., 0]
-    isum = np.einsum("mgk,ngk->mng", qx, q)
-    sn = np.array(s.astype(mx.float32)).astype(np.float64)
-    bn = np.array(b.astype(mx.float32)).astype(np.float64)
-    qsum = (dx * qx.sum(-1)).astype(np.float32).astype(np.float64)  # the quantized x's sum
-    return (isum * sn[None] * dx[:, None]).sum(-1) + (bn[None] * qsum[:, None]).sum(-1)
-
-
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("M,N,K", [(1, 16, 128), (5, 96, 256), (33, 48, 512), (70, 160, 384)])
@@ -59,7 +34,7 @@ def test_int8_qmm_computes_what_it_promises(int8, bits, group, M, N, K):
     x = mx.random.normal((M, K))
     x = x.at[0, 5].add(80.0)  # an outlier: int8 loses the rest of its group's precision
     out = ops.qmm(x, *ops.tile(w, s, b, group, bits), group_size=group, bits=bits, tiled=True)
-    exp = promised(x, w, s, b, group, bits)
+    exp = promised(x, w, s, b, group, bits, levels=127)
     assert out.shape == (M, N) and out.dtype == mx.float32
     np.testing.assert_allclose(np.array(out), exp, rtol=0, atol=2e-6 * np.abs(exp).max())
     ref = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=group, bits=bits)

@@ -109,13 +109,8 @@ void quantize_rows(const float* x, int K, int group, int64_t m0, int64_t m1, Qua
   for (int64_t m = m0; m < m1; ++m) {
     for (int g = 0; g < G; ++g) {
       const float* src = x + m * K + int64_t(g) * group;
-      __m512 amax = _mm512_setzero_ps(), total = _mm512_setzero_ps();
-      for (int k = 0; k < group; k += 16) {
-        const __m512 v = _mm512_loadu_ps(src + k);
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-        total = _mm512_add_ps(total, v);
-      }
-      const float mx = _mm512_reduce_max_ps(amax);
+      float mx, sum;
+      group_stats(src, group, mx, sum);
       const __m512 inv = _mm512_set1_ps(mx > 0.0f ? 32767.0f / mx : 0.0f);
       int16_t* dst = qx.q.data() + m * K + int64_t(g) * group;
       for (int k = 0; k < group; k += 16) {
@@ -123,7 +118,6 @@ void quantize_rows(const float* x, int K, int group, int64_t m0, int64_t m1, Qua
         const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + k), inv));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), _mm512_cvtsepi32_epi16(r));
       }
-      const float sum = _mm512_reduce_add_ps(total);
       qx.sum[m * G + g] = sum;
       qx.scale[m * G + g] = std::isnan(sum) ? sum : mx / 32767.0f;  // NaN in, NaN out
     }

@@ -22,6 +22,19 @@ struct QuantX {
   std::vector<float> sum;  // M x G
 };
 
+// max |x| and the float sum of one group of x (a multiple of 16 floats), as both x
+// quantizers take them.
+inline void group_stats(const float* src, int group, float& amax_out, float& sum_out) {
+  __m512 amax = _mm512_setzero_ps(), total = _mm512_setzero_ps();
+  for (int k = 0; k < group; k += 16) {
+    const __m512 v = _mm512_loadu_ps(src + k);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+    total = _mm512_add_ps(total, v);
+  }
+  amax_out = _mm512_reduce_max_ps(amax);
+  sum_out = _mm512_reduce_add_ps(total);
+}
+
 inline __m512 load_params(const void* base, Elem e, int64_t i) {
   return reinterpret_cast<__m512>(load_any(base, e, i));
 }

@@ -31,13 +31,8 @@ void quantize_rows8(const float* x, int K, int group, int64_t m0, int64_t m1, Qu
   for (int64_t m = m0; m < m1; ++m)
     for (int g = 0; g < G; ++g) {
       const float* src = x + m * K + int64_t(g) * group;
-      __m512 amax = _mm512_setzero_ps(), total = _mm512_setzero_ps();
-      for (int k = 0; k < group; k += 16) {
-        const __m512 v = _mm512_loadu_ps(src + k);
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-        total = _mm512_add_ps(total, v);
-      }
-      const float mx = _mm512_reduce_max_ps(amax);
+      float mx, sum;
+      group_stats(src, group, mx, sum);
       const __m512 inv = _mm512_set1_ps(mx > 0.0f ? 127.0f / mx : 0.0f);
       int8_t* dst = qx.q.data() + m * K + int64_t(g) * group;
       __m512i qs = _mm512_setzero_si512();
@@ -48,7 +43,6 @@ void quantize_rows8(const float* x, int K, int group, int64_t m0, int64_t m1, Qu
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + k), b);
         qs = _mm512_add_epi32(qs, _mm512_cvtepi8_epi32(b));
       }
-      const float sum = _mm512_reduce_add_ps(total);
       const float scale = std::isnan(sum) ? sum : mx / 127.0f;  // NaN in, NaN out
       const int32_t qsum = _mm512_reduce_add_epi32(qs);
       qx.scale[m * G + g] = scale;
