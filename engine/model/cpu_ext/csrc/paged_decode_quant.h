@@ -21,9 +21,9 @@ void attend_quant(const Problem& pb, int b, int h, int hc, int part, Partial st)
   const int q_head0 = h * (pb.Hq / pb.Hkv) + hc * pb.heads_per_task;
   int t0, t1;
   token_range(pb, b, part, t0, t1);
-  const int padded_bs = (BS + W - 1) / W * W;
+  const int padded_bs = (BS + W - 1) / W * W, stride = kSpan * padded_bs;
   thread_local std::vector<float> scratch;
-  scratch.resize(size_t(G) * padded_bs);
+  scratch.resize(size_t(G) * stride);
   float* p = scratch.data();
   alignas(64) float qf[G * D];  // scaled queries, in K rows' element order
   vf acc[G][NV];
@@ -45,47 +45,56 @@ void attend_quant(const Problem& pb, int b, int h, int hc, int part, Partial st)
   IntQueries<D, G> qq;
   if (pb.k.bits) qq.set(qf, pb.k.group);
   for (int t = t0; t < t1;) {
-    const int blk = t / BS, r0 = t % BS, r1 = std::min(BS, t1 - blk * BS);
-    const int64_t row0 = block_row0(pb, b, h, blk);
-    if (row0 < 0) {
+    const Span sp = next_span(pb, b, h, t, t1);
+    if (sp.bad) {
       for (int g = 0; g < G; ++g) st.l[g] = std::numeric_limits<float>::quiet_NaN();
       return;
     }
-    prefetch_next_block(pb, b, h, blk, t1);
-    if (pb.k.bits) {
-      score_block<D, G>(pb.k, row0, r0, r1, qq, p, padded_bs);
-    } else {
-      for (int r = r0; r < r1; ++r) {
-        vf k[NV];
-        load_row<NV>(pb.k, row0 + r, k);
-        for (int g = 0; g < G; ++g) {
-          vf dot{};
-          for (int j = 0; j < NV; ++j) dot += load(qf + g * D + j * W) * k[j];
-          p[size_t(g) * padded_bs + r] = hsum(dot);
+    for (int i = 0; i < sp.n; ++i) {
+      float* pi = p + i * padded_bs;
+      const int64_t row0 = sp.row0[i];
+      const int r0 = sp.r0[i], r1 = sp.r1[i];
+      if (pb.k.bits) {
+        score_block<D, G>(pb.k, row0, r0, r1, qq, pi, stride);
+      } else {
+        for (int r = r0; r < r1; ++r) {
+          vf k[NV];
+          load_row<NV>(pb.k, row0 + r, k);
+          for (int g = 0; g < G; ++g) {
+            vf dot{};
+            for (int j = 0; j < NV; ++j) dot += load(qf + g * D + j * W) * k[j];
+            pi[size_t(g) * stride + r] = hsum(dot);
+          }
         }
       }
+      mask_folded(pb, b, q_head0, G, sp.blk[i] * BS, r0, r1, pi, stride);
     }
-    mask_folded(pb, b, q_head0, G, blk * BS, r0, r1, p, padded_bs);
+    const int lo = sp.r0[0], hi = (sp.n - 1) * padded_bs + sp.r1[sp.n - 1];
     for (int g = 0; g < G; ++g) {
-      const float alpha = softmax_block(p + size_t(g) * padded_bs, r0, r1, m[g], l[g]);
+      const float alpha = softmax_block(p + size_t(g) * stride, lo, hi, m[g], l[g]);
       if (alpha != 1.0f) {
         for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] * alpha;
         for (int gi = 0; gi < kMaxKeyGroups; ++gi) bias[g][gi] *= alpha;
       }
     }
-    if (pb.v.bits) {
-      value_block<NV, G>(pb.v, row0, r0, r1, p, padded_bs, acc, bias);
-    } else {
-      for (int r = r0; r < r1; ++r) {
-        vf v[NV];
-        load_row<NV>(pb.v, row0 + r, v);
-        for (int g = 0; g < G; ++g) {
-          const vf pr = splat(p[size_t(g) * padded_bs + r]);
-          for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] + pr * v[j];
+    for (int i = 0; i < sp.n; ++i) {
+      const float* pi = p + i * padded_bs;
+      const int64_t row0 = sp.row0[i];
+      const int r0 = sp.r0[i], r1 = sp.r1[i];
+      if (pb.v.bits) {
+        value_block<NV, G>(pb.v, row0, r0, r1, pi, stride, acc, bias);
+      } else {
+        for (int r = r0; r < r1; ++r) {
+          vf v[NV];
+          load_row<NV>(pb.v, row0 + r, v);
+          for (int g = 0; g < G; ++g) {
+            const vf pr = splat(pi[size_t(g) * stride + r]);
+            for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] + pr * v[j];
+          }
         }
       }
     }
-    t = blk * BS + r1;
+    t = sp.end;
   }
   if (pb.v.bits) add_value_biases<NV, G>(pb.v, acc, bias);
   for (int g = 0; g < G; ++g) {
