@@ -156,9 +156,11 @@ inline bool prefetch_kv() {
   return on;
 }
 
-inline void prefetch_next_block(const Problem& pb, int b, int h, int blk, int t1) {
-  if (!prefetch_kv() || (blk + 1) * pb.BS >= t1) return;
-  const int64_t row = block_row0(pb, b, h, blk + 1);
+// Block blk + ahead's K and V rows on their way to the cache (none past t1).
+inline void prefetch_next_block(const Problem& pb, int b, int h, int blk, int t1,
+                                int ahead = 1) {
+  if (!prefetch_kv() || (blk + ahead) * pb.BS >= t1) return;
+  const int64_t row = block_row0(pb, b, h, blk + ahead);
   if (row < 0) return;
   prefetch_side(pb.k, row, pb.BS);
   prefetch_side(pb.v, row, pb.BS);

@@ -45,7 +45,7 @@ void attend_quant(const Problem& pb, int b, int h, int hc, int part, Partial st)
   IntQueries<D, G> qq;
   if (pb.k.bits) qq.set(qf, pb.k.group);
   for (int t = t0; t < t1;) {
-    const Span sp = next_span(pb, b, h, t, t1);
+    const Span sp = next_span(pb, b, h, t, t1, t0);
     if (sp.bad) {
       for (int g = 0; g < G; ++g) st.l[g] = std::numeric_limits<float>::quiet_NaN();
       return;

@@ -141,7 +141,7 @@ struct Span {
   int blk[kSpan], r0[kSpan], r1[kSpan];
 };
 
-inline Span next_span(const Problem& pb, int b, int h, int t, int t1) {
+inline Span next_span(const Problem& pb, int b, int h, int t, int t1, int t_first) {
   Span s;
   const int most = pb.BS % W == 0 ? kSpan : 1;
   while (s.n < most && t < t1) {
@@ -151,7 +151,9 @@ inline Span next_span(const Problem& pb, int b, int h, int t, int t1) {
       s.bad = true;
       return s;
     }
-    prefetch_next_block(pb, b, h, blk, t1);
+    if (t == t_first)  // the first span's own blocks, then each block one span ahead
+      for (int i = 1; i < most; ++i) prefetch_next_block(pb, b, h, blk, t1, i);
+    prefetch_next_block(pb, b, h, blk, t1, most);
     s.row0[s.n] = row0;
     s.blk[s.n] = blk;
     s.r0[s.n] = r0;
@@ -209,7 +211,7 @@ void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st)
     l[g] = 0.0f;
   }
   for (int t = t0; t < t1;) {
-    const Span sp = next_span(pb, b, h, t, t1);
+    const Span sp = next_span(pb, b, h, t, t1, t0);
     if (sp.bad) {
       for (int g = 0; g < G; ++g) st.l[g] = std::numeric_limits<float>::quiet_NaN();
       return;
