@@ -27,7 +27,8 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_s
         group_size: 32, 64 or 128.
         bits: 4 or 8.
         tiled: w, scales and biases are in the tiled layout (`tile`), and
-            x is multiplied as int16 per group (AVX-512 VNNI; `tiled_supported`).
+            x is multiplied as int16 per group (AVX-512 VNNI; `tiled_supported`), or as
+            int8 in `set_activation_bits(8)` mode.
 
     Returns:
         (..., N) in the promoted dtype of x and scales; accumulated in float32.

@@ -78,7 +78,7 @@ inline void token_range(const Problem& pb, int b, int part, int& t0, int& t1) {
   t0 = std::min(t1, std::max(t0, lo));
 }
 
-// One block's online-softmax step for one head: scores pg[r0..r1) become
+// One block's (or span's) online-softmax step for one head: scores pg[r0..r1) become
 // exp(score - m_new) in place, m and l move on; returns the factor (0 on the
 // first block) by which the caller rescales its output accumulator.
 inline float softmax_block(float* pg, int r0, int r1, float& m, float& l) {
@@ -182,7 +182,8 @@ __attribute__((always_inline)) inline void load_row(const Side& side, int64_t ro
 // float and quantized pools alike: the scaled queries and the output accumulators
 // live in registers (the general loop keeps them in memory, and each V row then
 // costs a load and a store per accumulator), and rows are converted or dequantized
-// as loaded. Same operations in the same order as `attend`, so the same results.
+// as loaded. Blocks in spans (`next_span`): one softmax step per span where `attend`
+// takes one per block, so the results differ from its in the last bits.
 template <int NV, int G>
 void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st) {
   constexpr int D = NV * W;

@@ -1,6 +1,7 @@
 // The quantized matmul for 4/8-bit weights in kvchat's tiled layout, with x
 // quantized to int16 per weight group and multiplied with AVX-512 VNNI
-// (vpdpwssd: 32 exact integer multiply-adds in one instruction).
+// (vpdpwssd: 32 exact integer multiply-adds in one instruction). Opt-in int8 x,
+// llama.cpp's way: qmm_tiled_int8.cpp (`set_activation_bits`).
 //
 // Why: the float GEMV spends ~10 vector instructions per 32 weights
 // dequantizing and multiplying; here 16 rows x 32 weights take ~50, and

@@ -5,7 +5,7 @@
 // word pairs, so the prefill kernel, compute-bound on VNNI, runs half the instructions.
 //
 // Same formula as the int16 kernels, y = sum over g of s * dx * isum + b * xsum, with
-// isum the exact dot of the weight codes and int8 x. Decode's few rows (`rows8`): the
+// isum the exact dot of the weight codes and int8 x, and xsum the quantized x's sum. Decode's few rows (`rows8`): the
 // weights' unsigned codes are vpdpbusd's unsigned operand as they lie, x's 4 bytes its
 // broadcast signed one. Prefill's many (`lanes8`): x rows fill the lanes, so x is the
 // unsigned operand (x + 128) and a weight dword the broadcast signed one (8-bit codes -
