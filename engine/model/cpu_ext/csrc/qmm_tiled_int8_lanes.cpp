@@ -11,14 +11,14 @@ namespace kvchat::tiled {
 
 namespace {
 
-constexpr int kLanes = 16;  // x rows per block
-
 // x of 16-row blocks: (block, quad, lane) 4 bytes of x + 128; (block, g, lane) scale,
-// sum and the int8 sum (what 8-bit weights' - 128 and a bias factor need).
+// sum, and `x_factor` x the int8 sum: what 8-bit weights' - 128 (x_factor 128) and a
+// bias factor (`int_bias`) add to each dot.
 struct LaneX8 {
   std::vector<uint32_t> q;
   std::vector<float> scale, sum;
-  std::vector<int32_t> qsum;
+  std::vector<int32_t> qcorr;
+  int x_factor = 0;  // 0: no correction
 };
 
 void lane_layout8(const QuantX8& qx, int64_t M, int K, int G, int64_t b0, int64_t b1,
@@ -36,7 +36,7 @@ void lane_layout8(const QuantX8& qx, int64_t M, int K, int G, int64_t b0, int64_
       for (int g = 0; g < G; ++g) {
         lx.scale[p0 + g * kLanes + lane] = pad ? 0.0f : qx.scale[m * G + g];
         lx.sum[p0 + g * kLanes + lane] = pad ? 0.0f : qx.sum[m * G + g];
-        lx.qsum[p0 + g * kLanes + lane] = pad ? 0 : qx.qsum[m * G + g];
+        lx.qcorr[p0 + g * kLanes + lane] = pad ? 0 : lx.x_factor * qx.qsum[m * G + g];
       }
     }
   }
@@ -80,7 +80,6 @@ void lanes8_half(const QuantWeights& q, const LaneX8& lx, int64_t blk, int n0, c
                  const int32_t* corr, const float* s, const float* b, __m512* out) {
   constexpr int kHalf = kTile / 2;
   const int G = q.G, quads = q.group / 4;
-  const int x_factor = (BITS == 8 ? 128 : 0) + (IB ? int_bias(q) : 0);  // x the int8 sum
   __m512 acc[kHalf];
   for (int n = 0; n < kHalf; ++n) acc[n] = _mm512_setzero_ps();
   const uint32_t* xg = lx.q.data() + blk * int64_t(G) * quads * kLanes;
@@ -90,9 +89,8 @@ void lanes8_half(const QuantWeights& q, const LaneX8& lx, int64_t blk, int n0, c
     __m512i isum[kHalf];
 #pragma GCC unroll 8
     for (int n = 0; n < kHalf; ++n) isum[n] = _mm512_set1_epi32(corr[gn + n]);
-    if (x_factor != 0) {
-      const __m512i qc = _mm512_mullo_epi32(
-          _mm512_loadu_si512(lx.qsum.data() + (blk * G + g) * kLanes), _mm512_set1_epi32(x_factor));
+    if (lx.x_factor != 0) {
+      const __m512i qc = _mm512_loadu_si512(lx.qcorr.data() + (blk * G + g) * kLanes);
 #pragma GCC unroll 8
       for (int n = 0; n < kHalf; ++n) isum[n] = _mm512_add_epi32(isum[n], qc);
     }
@@ -120,26 +118,14 @@ void lanes8(const QuantWeights& q, const LaneX8& lx, int64_t M, int t0, int t1, 
   cbuf.resize(size_t(G) * kTile);
   sbuf.resize(size_t(G) * kTile);
   bbuf.resize(size_t(G) * kTile);
-  const int64_t blocks = (M + kLanes - 1) / kLanes;
-  // the next tile's weights fetched into L2 a few lines per block, as qmm_tiled_lanes.cpp does
-  const int64_t lines = kTile * q.row_bytes() / 64, per_block = (lines + blocks - 1) / blocks;
-  for (int t = t0; t < t1; ++t) {
-    unpack8<BITS>(q, t, wbuf.data(), cbuf.data(), sbuf.data(), bbuf.data());
-    const char* next = t + 1 < t1 ? reinterpret_cast<const char*>(tile_group(q, t + 1, 0))
-                                  : nullptr;
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      if (next)
-        for (int64_t l = blk * per_block; l < std::min(lines, (blk + 1) * per_block); ++l)
-          _mm_prefetch(next + l * 64, _MM_HINT_T1);
-      __m512 v[kTile];
-      for (int n0 = 0; n0 < kTile; n0 += kTile / 2)
-        lanes8_half<BITS, IB>(q, lx, blk, n0, wbuf.data(), cbuf.data(), sbuf.data(), bbuf.data(),
-                          v + n0);
-      transpose16(reinterpret_cast<vf*>(v));  // v[lane]: row 16 blk + lane's 16 outputs
-      for (int lane = 0; lane < kLanes && blk * kLanes + lane < M; ++lane)
-        _mm512_storeu_ps(y + (blk * kLanes + lane) * q.N + int64_t(t) * kTile, v[lane]);
-    }
-  }
+  walk_lanes(
+      q, M, t0, t1, y,
+      [&](int t) { unpack8<BITS>(q, t, wbuf.data(), cbuf.data(), sbuf.data(), bbuf.data()); },
+      [&](int64_t blk, __m512* v) {
+        for (int n0 = 0; n0 < kTile; n0 += kTile / 2)
+          lanes8_half<BITS, IB>(q, lx, blk, n0, wbuf.data(), cbuf.data(), sbuf.data(),
+                                bbuf.data(), v + n0);
+      });
 }
 
 // KVCHAT_BY_BITS takes one template argument: the bias forms spelled out.
@@ -164,7 +150,8 @@ void qmm_int8_lanes(const QuantWeights& q, const QuantX8& qx, int64_t M, float* 
   lx.q.resize(blocks * (q.K / 4) * kLanes);
   lx.scale.resize(blocks * q.G * kLanes);
   lx.sum.resize(blocks * q.G * kLanes);
-  lx.qsum.resize(blocks * q.G * kLanes);
+  lx.qcorr.resize(blocks * q.G * kLanes);
+  lx.x_factor = (q.bits == 8 ? 128 : 0) + (ib ? int_bias(q) : 0);
   const int64_t b_tasks = tasks > 1 ? std::min<int64_t>(blocks, 8) : 1;
   const int64_t b_per = (blocks + b_tasks - 1) / b_tasks;
   pool.run(int(b_tasks), [&](int i) {

@@ -12,15 +12,12 @@
 #include "qmm_tiled_impl.h"
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "pool.h"
 
 namespace kvchat::tiled {
 
 namespace {
-
-constexpr int kLanes = 16;  // x rows per block
 
 // x of 16-row blocks: (block, g, pair, lane) int16 pairs; (block, g, lane) scale and sum.
 struct LaneX {
@@ -112,14 +109,6 @@ void tile_lanes(const QuantWeights& q, const LaneX& lx, int64_t blk, const int32
   for (int n = 0; n < kTile; ++n) out[n] = acc[n];
 }
 
-bool lanes_prefetch() {
-  static const bool on = [] {
-    const char* env = std::getenv("KVCHAT_LANES_PREFETCH");
-    return !env || std::atoi(env) != 0;
-  }();
-  return on;
-}
-
 template <int BITS>
 void tiles_lanes(const QuantWeights& q, const LaneX& lx, int64_t M, int t0, int t1, float* y) {
   const int G = q.G, quads = q.group / 4;
@@ -128,27 +117,12 @@ void tiles_lanes(const QuantWeights& q, const LaneX& lx, int64_t M, int t0, int 
   wbuf.resize(size_t(G) * quads * 2 * kTile);
   sbuf.resize(size_t(G) * kTile);
   bbuf.resize(size_t(G) * kTile);
-  const int64_t blocks = (M + kLanes - 1) / kLanes;
-  // The next tile's weights are fetched into L2 while this tile computes, a few lines
-  // per block of x: unpacking a tile waited on DRAM for ~13 % of a 1B prefill (+5 %
-  // prefill tok/s, 3 interleaved runs). KVCHAT_LANES_PREFETCH=0 turns it off, to compare.
-  const int64_t lines = kTile * q.row_bytes() / 64, per_block = (lines + blocks - 1) / blocks;
-  for (int t = t0; t < t1; ++t) {
-    unpack_tile<BITS>(q, t, wbuf.data(), sbuf.data(), bbuf.data());
-    const char* next = t + 1 < t1 && lanes_prefetch()
-                           ? reinterpret_cast<const char*>(tile_group(q, t + 1, 0))
-                           : nullptr;
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      if (next)
-        for (int64_t l = blk * per_block; l < std::min(lines, (blk + 1) * per_block); ++l)
-          _mm_prefetch(next + l * 64, _MM_HINT_T1);
-      __m512 v[kTile];  // v[n]: output column 16t + n of the block's 16 rows
-      tile_lanes(q, lx, blk, wbuf.data(), sbuf.data(), bbuf.data(), v);
-      transpose16(reinterpret_cast<vf*>(v));  // v[lane]: row 16 blk + lane's 16 outputs
-      for (int lane = 0; lane < kLanes && blk * kLanes + lane < M; ++lane)
-        _mm512_storeu_ps(y + (blk * kLanes + lane) * q.N + int64_t(t) * kTile, v[lane]);
-    }
-  }
+  walk_lanes(
+      q, M, t0, t1, y,
+      [&](int t) { unpack_tile<BITS>(q, t, wbuf.data(), sbuf.data(), bbuf.data()); },
+      [&](int64_t blk, __m512* v) {
+        tile_lanes(q, lx, blk, wbuf.data(), sbuf.data(), bbuf.data(), v);
+      });
 }
 
 }  // namespace
