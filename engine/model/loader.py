@@ -222,8 +222,7 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
                                                                              float_budget_bytes)
     matmul = "mlx"
     if cpu_ext:
-        from engine.model.cpu_ext import kquant, linear, norm_rope, switch
-        from engine.model.cpu_ext import ops as cpu_ext_ops
+        from engine.model.cpu_ext import kquant, linear, norm_rope, ops, switch
 
         tiled = tiled and linear.tiled_enabled()
         steps = kquant.load_steps(path) if tiled else None  # GGUF K-quant codes kept
@@ -239,7 +238,7 @@ def load_model(spec: str | None = None, *, weights: str = "auto",
             compute = f"{compute}+gemma3-ops/1"
         matmul = "cpu-ext float"
         if tiled:  # int8 activations (`--activations int8`) round K/V otherwise again
-            act = cpu_ext_ops.activation_bits()
+            act = ops.activation_bits()
             matmul = f"cpu-ext tiled int{act}-x"
             compute = f"{compute}+int8-x" if act == 8 else compute
         fingerprint = combine([("weights", fingerprint), ("compute", compute)])
