@@ -120,6 +120,35 @@ def test_quantized_pools_of_other_shapes(lens, Hq, Hkv, D, k_quant, v_quant):
     check(*make_case(lens, Hq, Hkv, D, 16, seed=D + Hq, k_quant=k_quant, v_quant=v_quant), lens)
 
 
+@pytest.mark.parametrize("quant", [None, (8, 64), (4, 32)])
+def test_pools_as_stored_read_as_their_blocks(quant):
+    """3-d pools (Hkv, blocks * size, .) with their block size (the layer stack's form: no
+    reshape node) give the 4-d view's bits; a block size that does not divide them fails."""
+    lens = [45, 260, 1]
+    q, k, v, tables = make_case(lens, 9, 3, 64, 16, seed=13, k_quant=quant, v_quant=quant)
+    ext, lens_a = build.require(), mx.array(lens, dtype=mx.int32)
+
+    def flat(a):
+        return a.reshape(a.shape[0], -1, a.shape[-1])
+
+    def run(fold, **extra):
+        kw = {}
+        for name, x in (("k", k), ("v", v)):
+            if isinstance(x, QuantizedBlocks):
+                kw |= {f"{name}_scales": fold(x.scales), f"{name}_biases": fold(x.biases),
+                       f"{name}_bits": x.quant.bits, f"{name}_group": x.quant.group_size}
+            kw[name] = fold(x.data if isinstance(x, QuantizedBlocks) else x)
+        return ext.paged_attention(q, block_tables=tables, context_lens=lens_a, scale=0.125,
+                                   **kw, **extra)
+
+    want = run(lambda a: a)
+    np.testing.assert_array_equal(np.array(run(flat, block_size=16)), np.array(want))
+    with pytest.raises(ValueError, match="block_size"):
+        run(flat, block_size=12)
+    with pytest.raises(ValueError, match="block_size"):
+        run(flat)
+
+
 def test_padding_blocks_are_never_read():
     lens = [9, 2]
     q, k, v, tables = make_case(lens, 4, 2, 16, 4, seed=3)

@@ -176,7 +176,8 @@ def _header(report: dict) -> None:
               f"generate_step, a new prompt cache per run")
     st = report["settings"]
     print(f"runs: greedy, EOS ignored, {st['gen_tokens']} decode tokens, median of "
-          f"{st['repeats']} cold run(s), each on its own prompt; prefill tok/s = prompt / "
+          f"{st['repeats']} cold run(s), each on its own prompt, after an untimed one of that "
+          f"length; prefill tok/s = prompt / "
           f"TTFT, decode tok/s = (gen - 1) / (last - first token); vs X = kvchat / X "
           f"(> 1: kvchat faster; for ITL P95: X ms / kvchat ms); ITL nearest rank")
     print()

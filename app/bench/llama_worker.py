@@ -72,7 +72,9 @@ def worker_main(job_file: str) -> int:
     log("llama.cpp", "warm-up")
     run(job["warmup_ids"], WARMUP_GEN_TOKENS)
     results = {}
-    for length, repeats in job["prompts"]:  # one independent prompt per repeat
+    for length, repeats, *sized in job["prompts"]:  # one independent prompt per repeat
+        if sized:  # this size's untimed warm-up, as kvchat's
+            run(sized[0], WARMUP_GEN_TOKENS)
         runs = []
         for i, ids in enumerate(repeats):
             log("llama.cpp", f"length {length} run {i + 1}/{len(repeats)}")

@@ -92,24 +92,34 @@ def run_worker(module: str, flag: str, job: dict, name: str, crash_hint: str = "
     return json.loads(lines[-1])
 
 
+def _job_prompts(prompts: dict[int, list[list[int]]], sized: dict[int, list[int]] | None,
+                 ) -> list[list]:
+    """``[length, runs]`` per length, plus its untimed warm-up prompt where given."""
+    return [[n, runs] + ([sized[n]] if sized and n in sized else [])
+            for n, runs in prompts.items()]
+
+
 def run_mlx_lm(model_path: Path, prompts: dict[int, list[list[int]]], warmup: list[int],
-               gen_tokens: int) -> dict:
-    """mlx-lm as shipped over ``prompts`` (``{length: [ids per repeat]}``)."""
+               gen_tokens: int, sized: dict[int, list[int]] | None = None) -> dict:
+    """mlx-lm as shipped over ``prompts`` (``{length: [ids per repeat]}``), each length
+    after an untimed run of ``sized[length]`` where given."""
     from app.bench.worker import WORKER_FLAG
 
     job = {"model_path": str(model_path), "gen_tokens": gen_tokens, "warmup_ids": warmup,
-           "prompts": [[n, runs] for n, runs in prompts.items()]}
+           "prompts": _job_prompts(prompts, sized)}
     return run_worker("app.bench.worker", WORKER_FLAG, job, "mlx-lm")
 
 
 def run_llama_cpp(gguf: Path, prompts: dict[int, list[list[int]]], warmup: list[int],
-                  gen_tokens: int, threads: int | None = None) -> dict:
-    """llama.cpp on ``gguf`` over the same ids, ``threads`` or one thread per core."""
+                  gen_tokens: int, threads: int | None = None,
+                  sized: dict[int, list[int]] | None = None) -> dict:
+    """llama.cpp on ``gguf`` over the same ids, ``threads`` or one thread per core; each
+    length after an untimed run of ``sized[length]`` where given."""
     from app.bench.llama_worker import WORKER_FLAG
 
     longest = max([len(warmup)] + list(prompts))
     job = {"gguf": str(gguf), "gen_tokens": gen_tokens, "warmup_ids": warmup,
            "n_threads": threads or os.cpu_count() or 1, "n_ctx": longest + gen_tokens + 8,
-           "prompts": [[n, runs] for n, runs in prompts.items()]}
+           "prompts": _job_prompts(prompts, sized)}
     return run_worker("app.bench.llama_worker", WORKER_FLAG, job, LLAMA_CPP,
                       LLAMA_CPP_CRASH_HINT)

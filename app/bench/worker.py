@@ -77,7 +77,9 @@ def worker_main(job_file: str) -> int:
     run(job["warmup_ids"], WARMUP_GEN_TOKENS)
     results = {}
     rate = None  # prefill tok/s seen so far, for a time estimate
-    for length, repeats in job["prompts"]:  # one independent prompt per repeat
+    for length, repeats, *sized in job["prompts"]:  # one independent prompt per repeat
+        if sized:  # this size's untimed warm-up, as kvchat's
+            run(sized[0], WARMUP_GEN_TOKENS)
         eta = f", expect ~{length / rate:.0f}s prefill" if rate else ""
         runs = []
         for i, ids in enumerate(repeats):

@@ -64,10 +64,11 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "k_biases"_a = nb::none(), "k_bits"_a = 0, "k_group"_a = 0, "v_scales"_a = nb::none(),
         "v_biases"_a = nb::none(), "v_bits"_a = 0, "v_group"_a = 0, "window"_a = 0,
         "sinks"_a = nb::none(), "rotation"_a = nb::none(), "rotate_queries"_a = false,
-        "unrotate_out"_a = false, "stream"_a = nb::none(),
+        "unrotate_out"_a = false, "block_size"_a = 0, "stream"_a = nb::none(),
         "Causal attention of each sequence's L newest positions over a block-paged K/V pool\n"
         "(L == 1: decode; see engine/model/attention); a rotated pool's queries and outputs\n"
-        "rotated inside the op (rotation: R's (D,) signs, `kvcache.rotation`).");
+        "rotated inside the op (rotation: R's (D,) signs, `kvcache.rotation`); pools 3-d as\n"
+        "stored (Hkv, blocks * block_size, .) with block_size given.");
   m.def("paged_residual_decode", &kvchat::paged_residual_decode, "queries"_a, "k_codes"_a,
         "k_scales"_a, "k_biases"_a, "v_rows"_a, "v_scales"_a, "v_biases"_a, "res_k"_a,
         "res_v"_a, "res_map"_a, "block_tables"_a, "context_lens"_a, nb::kw_only(), "scale"_a,

@@ -15,11 +15,16 @@ namespace kvchat {
 
 namespace {
 
-// (H, blocks * size, W) as (H, blocks, size, W).
-mx::array blocks_of(const mx::array& a, int size) {
+// A store as kept, (H, blocks * size, W); paged attention reads it so, with the block size.
+const mx::array& stored(const mx::array& a, int size) {
   if (a.ndim() != 3 || a.shape(1) % size != 0)
     throw std::invalid_argument("layer_stack: stores must be (kv_heads, blocks * size, W)");
-  return mx::reshape(a, {a.shape(0), a.shape(1) / size, size, a.shape(2)});
+  return a;
+}
+
+// (H, blocks * size, W) as (H, blocks, size, W), for the residual kernel.
+mx::array blocks_of(const mx::array& a, int size) {
+  return mx::reshape(stored(a, size), {a.shape(0), a.shape(1) / size, size, a.shape(2)});
 }
 
 size_t parts_of(int kind) {
@@ -53,9 +58,9 @@ std::tuple<mx::array, LayerStack::Sides, LayerStack::Sides> LayerStack::run(
     if (kv.kind == 0) {
       k[0] = kv_write(k[0], slots, qkv[1]);
       v[0] = kv_write(v[0], slots, qkv[2]);
-      att = paged_attention(qkv[0], blocks_of(k[0], block_size_), blocks_of(v[0], block_size_),
+      att = paged_attention(qkv[0], stored(k[0], block_size_), stored(v[0], block_size_),
                             block_tables, context_lens, L.scale, none, none, 0, 0, none, none,
-                            0, 0);
+                            0, 0, 0, none, none, false, false, block_size_);
     } else if (kv.kind == 1) {
       for (int p = 0; p < 3; ++p) {
         k[p] = kv_write_quant(k[p], slots, qkv[1], kv.rotate_k ? kv.rotation : none, p,
@@ -63,11 +68,10 @@ std::tuple<mx::array, LayerStack::Sides, LayerStack::Sides> LayerStack::run(
         v[p] = kv_write_quant(v[p], slots, qkv[2], kv.rotate_v ? kv.rotation : none, p,
                               kv.v_bits, kv.v_group);
       }
-      att = paged_attention(qkv[0], blocks_of(k[0], block_size_), blocks_of(v[0], block_size_),
-                            block_tables, context_lens, L.scale, blocks_of(k[1], block_size_),
-                            blocks_of(k[2], block_size_), kv.k_bits, kv.k_group,
-                            blocks_of(v[1], block_size_), blocks_of(v[2], block_size_),
-                            kv.v_bits, kv.v_group, 0, none, rot, kv.rotate_k, kv.rotate_v);
+      for (int p = 0; p < 3; ++p) stored(k[p], block_size_), stored(v[p], block_size_);
+      att = paged_attention(qkv[0], k[0], v[0], block_tables, context_lens, L.scale, k[1], k[2],
+                            kv.k_bits, kv.k_group, v[1], v[2], kv.v_bits, kv.v_group, 0, none,
+                            rot, kv.rotate_k, kv.rotate_v, block_size_);
     } else {  // full blocks as stored; only the residual rows take this step's K/V
       k[3] = kv_write(k[3], slots, qkv[1]);
       v[3] = kv_write(v[3], slots, qkv[2]);

@@ -27,7 +27,8 @@ mx::array qmm(const mx::array& x, const mx::array& w, const mx::array& scales,
 // for the contract: queries (B, Hq, L, D) are each sequence's L newest positions,
 // causal (L == 1 is decode). k / v are float pools (Hkv, num_blocks, block_size, D)
 // or packed uint32 rows with their scales and biases (Hkv, num_blocks, block_size,
-// D / group).
+// D / group); or either as stored, 3-d (Hkv, num_blocks * block_size, .), with
+// `block_size` given (no reshape node in the step's graph).
 mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx::array& v,
                           const mx::array& block_tables, const mx::array& context_lens,
                           float scale, const std::optional<mx::array>& k_scales,
@@ -37,7 +38,7 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
                           int window = 0, const std::optional<mx::array>& sinks = std::nullopt,
                           const std::optional<mx::array>& rotation = std::nullopt,
                           bool rotate_queries = false, bool unrotate_out = false,
-                          mx::StreamOrDevice s = {});
+                          int block_size = 0, mx::StreamOrDevice s = {});
 
 // `pool` (H, S, D) with rows (H, N, D) written at `slots` (N,): one node, in
 // place when the pool is donated (kv_write.cpp).
@@ -109,9 +110,10 @@ Side make_side(const mx::array& rows, const mx::array* scales, const mx::array* 
 class PagedAttention : public mx::UnaryPrimitive {
  public:
   PagedAttention(mx::Stream stream, float scale, QuantSide k, QuantSide v, int window,
-                 bool sinks, bool rotate_queries, bool unrotate_out)
+                 bool sinks, bool rotate_queries, bool unrotate_out, int block_size)
       : mx::UnaryPrimitive(stream), scale_(scale), k_(k), v_(v), window_(window),
-        sinks_(sinks), rotate_q_(rotate_queries), unrotate_out_(unrotate_out) {}
+        sinks_(sinks), rotate_q_(rotate_queries), unrotate_out_(unrotate_out),
+        block_size_(block_size) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -127,6 +129,7 @@ class PagedAttention : public mx::UnaryPrimitive {
   // A rotated pool (`kvcache.rotation`): queries times R before, outputs times R^T after,
   // inside the op (the input before the sinks: R's (D,) signs)
   bool rotate_q_, unrotate_out_;
+  int block_size_;  // pools given 3-d, as stored (0: 4-d)
 };
 
 }  // namespace kvchat

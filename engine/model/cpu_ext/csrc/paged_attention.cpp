@@ -59,7 +59,7 @@ void run_one_sequence(const Problem& pb, float* out) {
 }
 
 void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, QuantSide kq,
-         QuantSide vq, int window, bool sinks, bool rotate_q, bool unrotate_out) {
+         QuantSide vq, int window, bool sinks, bool rotate_q, bool unrotate_out, int block_size) {
   const mx::array& queries = inputs[0];
   const mx::array& k = inputs[1];
   const mx::array& v = inputs[2];
@@ -90,8 +90,8 @@ void run(const std::vector<mx::array>& inputs, mx::array& out, float scale, Quan
     pb.q = q_rot.data();
   }
   pb.Hkv = k.shape(0);
-  pb.num_blocks = k.shape(1);
-  pb.BS = k.shape(2);
+  pb.BS = k.ndim() == 3 ? block_size : k.shape(2);  // 3-d: (Hkv, blocks * size, .) as stored
+  pb.num_blocks = k.ndim() == 3 ? k.shape(1) / block_size : k.shape(1);
   pb.k = make_side(k, ks, kb, kq, pb.D, bufs);
   pb.v = make_side(v, vs, vb_, vq, pb.D, bufs + 3);
   pb.tables = static_cast<const int32_t*>(row_major(inputs[3], bufs[6]));
@@ -157,8 +157,9 @@ void PagedAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& o
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
   encoder.dispatch([inputs, out, scale = scale_, kq = k_, vq = v_, window = window_,
-                    sinks = sinks_, rq = rotate_q_, ro = unrotate_out_]() mutable {
-    guarded(out, [&] { run(inputs, out, scale, kq, vq, window, sinks, rq, ro); });
+                    sinks = sinks_, rq = rotate_q_, ro = unrotate_out_,
+                    bs = block_size_]() mutable {
+    guarded(out, [&] { run(inputs, out, scale, kq, vq, window, sinks, rq, ro, bs); });
   });
 }
 
@@ -169,7 +170,8 @@ void PagedAttention::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 bool PagedAttention::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const PagedAttention&>(other);
   return scale_ == o.scale_ && k_ == o.k_ && v_ == o.v_ && window_ == o.window_ &&
-         sinks_ == o.sinks_ && rotate_q_ == o.rotate_q_ && unrotate_out_ == o.unrotate_out_;
+         sinks_ == o.sinks_ && rotate_q_ == o.rotate_q_ && unrotate_out_ == o.unrotate_out_ &&
+         block_size_ == o.block_size_;
 }
 
 namespace {
@@ -178,23 +180,24 @@ void check_side(const mx::array& rows, const std::optional<mx::array>& scales,
                 const std::optional<mx::array>& biases, int bits, int group, int Hkv, int D,
                 const mx::Shape& pool_shape, const char* name) {
   const std::string what = std::string("paged_attention: ") + name;
-  if (rows.ndim() != 4 || rows.shape(0) != Hkv || rows.shape(1) != pool_shape[1] ||
-      rows.shape(2) != pool_shape[2])
-    throw std::invalid_argument(what + " must be (Hkv, num_blocks, block_size, .)");
+  const int n = pool_shape.size(), w = n - 1;  // 4-d (Hkv, blocks, size, .) or 3-d as stored
+  auto fits = [&](const mx::array& a) {
+    return a.ndim() == n && a.shape(0) == Hkv && a.shape(1) == pool_shape[1] &&
+           (n == 3 || a.shape(2) == pool_shape[2]);
+  };
+  if (!fits(rows)) throw std::invalid_argument(what + " must be (Hkv, num_blocks, block_size, .)");
   if (bits == 0) {
-    if (!is_float_dtype(rows.dtype()) || rows.shape(3) != D)
+    if (!is_float_dtype(rows.dtype()) || rows.shape(w) != D)
       throw std::invalid_argument(what + " must be float rows of the head dim");
     return;
   }
   if ((bits != 4 && bits != 8) || group <= 0 || group % 32 != 0 || D % group != 0)
     throw std::invalid_argument(what + ": unsupported bits / group size");
-  if (rows.dtype() != mx::uint32 || int64_t(rows.shape(3)) * 32 / bits != D)
+  if (rows.dtype() != mx::uint32 || int64_t(rows.shape(w)) * 32 / bits != D)
     throw std::invalid_argument(what + " must be packed uint32 rows");
   if (!scales || !biases || !is_float_dtype(scales->dtype()) ||
-      biases->dtype() != scales->dtype() || scales->ndim() != 4 ||
-      scales->shape(3) != D / group || biases->shape() != scales->shape() ||
-      scales->shape(0) != Hkv || scales->shape(1) != pool_shape[1] ||
-      scales->shape(2) != pool_shape[2])
+      biases->dtype() != scales->dtype() || !fits(*scales) || scales->shape(w) != D / group ||
+      biases->shape() != scales->shape())
     throw std::invalid_argument(what + " needs scales and biases (Hkv, nb, bs, D / group)");
 }
 
@@ -208,11 +211,13 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
                        const std::optional<mx::array>& v_biases, int v_bits, int v_group,
                        int window, const std::optional<mx::array>& sinks,
                        const std::optional<mx::array>& rotation, bool rotate_queries,
-                       bool unrotate_out, mx::StreamOrDevice s) {
+                       bool unrotate_out, int block_size, mx::StreamOrDevice s) {
   if (queries.ndim() != 4 || queries.shape(2) < 1 || !is_float_dtype(queries.dtype()))
     throw std::invalid_argument("paged_attention: queries must be float (B, Hq, L, D)");
   const int B = queries.shape(0), Hq = queries.shape(1), D = queries.shape(3);
-  if (k.ndim() != 4) throw std::invalid_argument("paged_attention: pools must be 4-d");
+  if (k.ndim() != 4 && (k.ndim() != 3 || block_size <= 0 || k.shape(1) % block_size != 0))
+    throw std::invalid_argument("paged_attention: pools must be 4-d, or 3-d (Hkv, blocks * "
+                                "block_size, .) with their block_size");
   const int Hkv = k.shape(0);
   if (D % W != 0 || Hkv <= 0 || Hq % Hkv != 0)
     throw std::invalid_argument("paged_attention: head dim must be a multiple of 16 and "
@@ -241,7 +246,8 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
   return mx::array(queries.shape(), queries.dtype(),
                    std::make_shared<PagedAttention>(stream, scale, QuantSide{k_bits, k_group},
                                                  QuantSide{v_bits, v_group}, window,
-                                                 bool(sinks), rotate_queries, unrotate_out),
+                                                 bool(sinks), rotate_queries, unrotate_out,
+                                                 k.ndim() == 3 ? block_size : 0),
                    std::move(inputs));
 }
 
