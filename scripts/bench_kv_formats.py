@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_kv_formats.py [--ctx 4096] [--rounds 3] [--gen 32]
         [--only kernel|step|decode] [--formats f16,q8,k8v4,q4,q8-kivi,k8v4-kivi,q4-kivi]
+        [--streams N]
 
 1. kernel: the CPU extension's paged decode attention alone (Hq 9, Hkv 3, D 64, one
    sequence of --ctx tokens), us per layer call, with and without the rotation of queries
@@ -9,7 +10,9 @@
 2. step: the default model's decode step at --ctx tokens of context, one engine per
    format: graph nodes and ms per step (best of the interleaved rounds);
 3. decode: engine decode tok/s (``Engine.generate``, the prompt served from the prefix
-   cache after the first round), --gen tokens, interleaved rounds, best and median.
+   cache after the first round), --gen tokens, interleaved rounds, best and median; with
+   --streams N, N sequences of --ctx tokens (each its own blocks) decoding together, their
+   generated tokens over the wall time.
 
 Every section measures the formats interleaved, round after round: the build machines are
 shared 2-core VMs, and only figures taken side by side compare. The load average is printed.
@@ -32,6 +35,7 @@ import mlx.core as mx
 
 from engine import Engine, EngineConfig, SamplingParams, load_model
 from engine.executor import build_batch
+from engine.generation import collect
 from engine.kvcache.kv_cache import KVLayout, PagedKVCache
 from engine.kvcache.quant import QuantSpec
 from engine.kvcache.residual import ResidualKVCache
@@ -109,13 +113,13 @@ def bench_kernel(names: list[str], ctx: int, rounds: int) -> None:
               f"{best[name, 1]:6.0f} us", flush=True)
 
 
-def engines(names: list[str], ctx: int) -> dict[str, Engine]:
+def engines(names: list[str], ctx: int, streams: int = 1) -> dict[str, Engine]:
     out = {}
     loaded = load_model()
     for name in names:
         kb, vb = FORMATS[name]
         kivi = name.endswith("-kivi")
-        cfg = EngineConfig(kv_budget_bytes=(2 * ctx * 23_040 + (64 << 20)), k_bits=kb,
+        cfg = EngineConfig(kv_budget_bytes=((streams + 1) * ctx * 23_040 + (64 << 20)), k_bits=kb,
                            v_bits=vb, kv_rotation=not name.endswith("plain"),
                            kv_residual=kivi, kv_key_channel=kivi)
         out[name] = Engine(loaded, cfg)
@@ -171,18 +175,36 @@ def bench_step(engs: dict[str, Engine], ctx: int, rounds: int) -> None:
               f"({med[first] / med[name]:.2f}x)", flush=True)
 
 
-def bench_decode(engs: dict[str, Engine], ctx: int, gen: int, rounds: int) -> None:
+def bench_decode(engs: dict[str, Engine], ctx: int, gen: int, rounds: int,
+                 streams: int = 1) -> None:
     print(f"== engine decode tok/s, {ctx}-token prompt (prefix-cached after the first "
-          f"round), {gen} tokens, {rounds} interleaved rounds ({load()})")
-    ids = next(iter(engs.values())).loaded.tokenizer.encode(TEXT)[:ctx]
+          f"round), {gen} tokens, {streams} stream(s), {rounds} interleaved rounds ({load()})")
+    ids = next(iter(engs.values())).loaded.tokenizer.encode(TEXT)[:ctx - 1]
+    # each stream its own context: a distinct first token makes every block of it distinct
+    prompts = [[1000 + i] + ids for i in range(streams)]
     params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
     tps: dict[str, list[float]] = {name: [] for name in engs}
-    for eng in engs.values():  # the cold prefill, not timed
-        eng.generate_text(ids, SamplingParams(max_tokens=2, ignore_eos=True), tenant="b")
+    wall: dict[str, list[float]] = {name: [] for name in engs}
+    for eng in engs.values():  # the cold prefills, not timed
+        for p in prompts:
+            eng.generate_text(p, SamplingParams(max_tokens=2, ignore_eos=True), tenant="b")
     for _ in range(rounds):
         for name, eng in engs.items():
-            r = eng.generate_text(ids, params, tenant="b")
-            tps[name].append(r.stats.decode_tps)
+            if streams == 1:
+                tps[name].append(eng.generate_text(prompts[0], params, tenant="b").stats.decode_tps)
+                continue
+            # all streams together: the sum of their decode rates (first to last token), and
+            # generated tokens over the wall time, which also holds the prompts' uncached
+            # tails (the residual formats re-prefill part of a cached prompt's last block)
+            t = time.perf_counter()
+            results = [collect(h) for h in [eng.submit(p, params, tenant="b") for p in prompts]]
+            wall[name].append(sum(len(r.tokens) for r in results) / (time.perf_counter() - t))
+            tps[name].append(sum(r.stats.decode_tps for r in results))
+    if streams > 1:
+        w0 = max(wall[next(iter(engs))])
+        for name, xs in wall.items():
+            print(f"{name:9s}: wall clock best {max(xs):6.1f} tok/s ({max(xs) / w0:.2f}x the "
+                  f"first), median {statistics.median(xs):6.1f}", flush=True)
     base = max(tps[next(iter(engs))])
     for name, xs in tps.items():
         print(f"{name:9s}: best {max(xs):6.1f} tok/s ({max(xs) / base:.2f}x the first), "
@@ -197,6 +219,8 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--only", choices=["kernel", "step", "decode"])
     p.add_argument("--formats", default="f16,q8,k8v4,q4")
+    p.add_argument("--streams", type=int, default=1,
+                   help="decode: this many sequences of --ctx tokens each, decoding together")
     args = p.parse_args()
     if not build.available():
         raise SystemExit(f"the extension is unavailable: {build.unavailable_reason()}")
@@ -204,11 +228,11 @@ def main() -> None:
     if args.only in (None, "kernel"):
         bench_kernel(names, args.ctx, args.rounds)
     if args.only in ("step", "decode", None):
-        engs = engines(names, args.ctx)
+        engs = engines(names, args.ctx, args.streams)
         if args.only in (None, "step"):
             bench_step(engs, args.ctx, args.rounds)
         if args.only in (None, "decode"):
-            bench_decode(engs, args.ctx, args.gen, args.rounds)
+            bench_decode(engs, args.ctx, args.gen, args.rounds, args.streams)
         for eng in engs.values():
             eng.shutdown()
 
