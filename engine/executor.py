@@ -26,7 +26,7 @@ from engine.constraint import mask_rows
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
 from engine.metrics import MetricsRecorder
-from engine.model.memory import bounded_cache_on_cpu
+from engine.model.memory import prefill_scratch_on_cpu
 from engine.model.model_runner import PagedModel, StepInterrupted
 from engine.model.packed_batch import pack
 from engine.outcome import Flight, Outcome, error_text, same_requests
@@ -156,7 +156,7 @@ class StepExecutor:
             ids = mx.array(req.kv_ids[start:start + n], dtype=mx.int32)
             batch = build_batch(self.blocks, [req.request_id], ids[None], [slots.slots])
             t = time.perf_counter()
-            with bounded_cache_on_cpu():  # a chunk's scratch: see there
+            with prefill_scratch_on_cpu():  # a chunk's scratch: see there
                 self.runner(batch, self.kv, logits=False, interrupt=self._interrupt([req]),
                             group=self.pacer.layer_group(n))
                 mx.eval(self.kv.keys, self.kv.values)
@@ -185,7 +185,7 @@ class StepExecutor:
         reqs = [r for r, _, _ in pre] + [r for r, _ in dec]
         t = time.perf_counter()
         try:
-            with bounded_cache_on_cpu() if pre else nullcontext():  # decodes keep the cache
+            with prefill_scratch_on_cpu() if pre else nullcontext():  # decodes keep the cache
                 logits = self.runner.forward_packed(
                     batch, self.kv, interrupt=self._interrupt(reqs),
                     group=self.pacer.layer_group(batch.num_tokens))

@@ -18,7 +18,6 @@ import ctypes.util
 import threading
 import time
 
-M_MMAP_THRESHOLD = -3  # mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 128 << 10
 TRIM_EVERY_S = 1.0
 
@@ -40,8 +39,11 @@ def available() -> bool:
 
 
 def tune() -> bool:
-    """Fix glibc's mmap threshold for this process; True if done."""
-    return _LIBC is not None and _LIBC.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    """Fix glibc's mmap threshold for this process (and for after each prefill step, which
+    raises it meanwhile: `memory.prefill_scratch_on_cpu`); True if done."""
+    from engine.model.memory import set_mmap_threshold
+
+    return _LIBC is not None and set_mmap_threshold(MMAP_THRESHOLD)
 
 
 def trim() -> None:

@@ -7,6 +7,7 @@ bytes per element (plus scales for a quantized format).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -38,32 +39,54 @@ def no_buffer_cache():
         mx.set_cache_limit(old)
 
 
-PREFILL_CACHE_BYTES = 64 << 20  # MLX's buffer cache during a prefill step on the CPU
-
-
 @contextlib.contextmanager
-def bounded_cache_on_cpu():
-    """MLX's buffer cache held to `PREFILL_CACHE_BYTES` on the CPU backend, emptied first;
-    Metal and CUDA keep theirs. For prefill steps: a chunk frees MBs of scratch per layer in
-    sizes the next layer does not always reuse, so an unbounded cache grew beside the live
-    arrays (a Gemma-3-1B-shaped Q4_0 file's 606-token prompt peaked at 730.6 MB RSS with
-    it, 700.6 MB with none). With none, though, every layer's scratch was fresh memory: a
-    1B Q4_0 512-token prefill took ~123k page faults (~480 MB zeroed by the kernel, 15-20 %
-    of its time in the system); a bounded cache reuses one layer's scratch in the next."""
+def prefill_scratch_on_cpu():
+    """For a prefill step on the CPU backend: MLX's buffer cache off and emptied (freed
+    scratch went to it in sizes the next layer did not reuse, so it grew beside the live
+    arrays: a Gemma-3-1B-shaped Q4_0 file's 606-token prompt peaked at 730.6 MB RSS with
+    it, 700.6 MB without), and glibc's mmap threshold raised to 32 MiB meanwhile, so what
+    the scratch frees goes back to the heap and the next layer's scratch is carved from
+    it. With the 1 MiB threshold every layer's scratch was fresh pages: a 1B Q4_0 512-token
+    prefill took ~105k page faults (~420 MB zeroed by the kernel, 15-24 % of its wall time
+    in the system); now none, peak RSS +6-12 MB. Metal and CUDA keep their cache."""
     if backend() != "cpu":
         yield
         return
-    mx.clear_cache()  # what earlier steps left cached is no use to a chunk's sizes
-    old = mx.set_cache_limit(PREFILL_CACHE_BYTES)
-    try:
-        yield
-    finally:
-        mx.set_cache_limit(old)
+    with no_buffer_cache():
+        mx.clear_cache()  # what earlier steps left cached is no use to a chunk's sizes
+        _mallopt(M_MMAP_THRESHOLD, PREFILL_MMAP_THRESHOLD)
+        try:
+            yield
+        finally:
+            _mallopt(M_MMAP_THRESHOLD, _settled["mmap"])
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 MMAP_THRESHOLD = 1 << 20
-TRIM_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = PREFILL_MMAP_THRESHOLD = 32 << 20  # glibc's largest mmap threshold
+_settled = {"mmap": MMAP_THRESHOLD}  # what a prefill step puts back (`set_mmap_threshold`)
+
+
+@functools.cache
+def _libc():
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") else None
+    except OSError:
+        return None  # not glibc
+
+
+def _mallopt(param: int, value: int) -> bool:
+    libc = _libc()
+    return libc is not None and libc.mallopt(param, value) == 1
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold for this process (and for after each prefill step)."""
+    _settled["mmap"] = nbytes
+    return _mallopt(M_MMAP_THRESHOLD, nbytes)
 
 
 def pin_mmap_threshold() -> None:
@@ -72,16 +95,9 @@ def pin_mmap_threshold() -> None:
     largest buffer freed (up to 32 MiB): after a load frees its source layers, fusing
     q/k/v then left 106 MiB of freed buffers resident on a 1B model. Setting it fixes it.
     The heap's free top is kept up to 32 MiB (glibc's default with a fixed threshold:
-    128 KiB): given back at every free, the smaller scratch of each prefill layer came
-    back as fresh pages (measured: 48.6k of a 1B 512-token prefill's page faults -> 17.9k)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-    except (OSError, AttributeError):
-        pass  # not glibc
+    128 KiB), so a prefill's scratch stays for its next layer (`prefill_scratch_on_cpu`)."""
+    set_mmap_threshold(MMAP_THRESHOLD)
+    _mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
 
 
 def release_freed() -> None:
