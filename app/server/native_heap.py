@@ -13,24 +13,15 @@ larger blocks are mapped and unmapped. `Trimmer` returns the arenas' free pages
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import threading
 import time
+
+from engine.model.memory import glibc, set_mmap_threshold
 
 MMAP_THRESHOLD = 128 << 10
 TRIM_EVERY_S = 1.0
 
-
-def _glibc():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
-
-
-_LIBC = _glibc()
+_LIBC = glibc()
 
 
 def available() -> bool:
@@ -41,8 +32,6 @@ def available() -> bool:
 def tune() -> bool:
     """Fix glibc's mmap threshold for this process (and for after each prefill step, which
     raises it meanwhile: `memory.prefill_scratch_on_cpu`); True if done."""
-    from engine.model.memory import set_mmap_threshold
-
     return _LIBC is not None and set_mmap_threshold(MMAP_THRESHOLD)
 
 
