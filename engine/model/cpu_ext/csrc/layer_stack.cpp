@@ -68,7 +68,10 @@ std::tuple<mx::array, LayerStack::Sides, LayerStack::Sides> LayerStack::run(
         v[p] = kv_write_quant(v[p], slots, qkv[2], kv.rotate_v ? kv.rotation : none, p,
                               kv.v_bits, kv.v_group);
       }
-      for (int p = 0; p < 3; ++p) stored(k[p], block_size_), stored(v[p], block_size_);
+      for (int p = 0; p < 3; ++p) {  // every part as kept: whole blocks
+        stored(k[p], block_size_);
+        stored(v[p], block_size_);
+      }
       att = paged_attention(qkv[0], k[0], v[0], block_tables, context_lens, L.scale, k[1], k[2],
                             kv.k_bits, kv.k_group, v[1], v[2], kv.v_bits, kv.v_group, 0, none,
                             rot, kv.rotate_k, kv.rotate_v, block_size_);
