@@ -98,7 +98,7 @@ def bench_kernel(names: list[str], ctx: int, rounds: int) -> None:
         cache.write(0, slots[-1:], rows_k[:, -1:], rows_v[:, -1:])
         mx.eval(cache.keys, cache.values)
         k, v = cache.block_view(0)
-        kernel = cpu_residual.paged_decode if kivi else cpu.paged_decode
+        kernel = cpu_residual.launch if kivi else cpu.paged_decode
         cases[name] = (partial(kernel, q, k, v, table, [ctx], 0.125),
                        partial(paged_attention, q, k, v, table, [ctx], 0.125))
     best: dict = {}

@@ -1,8 +1,8 @@
 """The extension's attention over a residual pool (`attention/cpu_residual.py`): decode
 against a float64 oracle of the same rule (a row's own block exact where the residual map
 holds it, every other block its stored quantized bytes), a verify step's rows, batch
-invariance, bad block ids, the routing; prefill chunks against the reference
-(`attention/residual.py`), cut every way."""
+invariance, bad block ids, the routing; prefill chunks against the same oracle (each
+query as a decode row at its position), cut every way and bit for bit alike however cut."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def oracle(q, kv: ResidualKVCache, table, lens, scale, sinks=None, window=None) 
 
 def run(q, kv, table, lens, scale, sinks=None, window=None):
     kp, vp = kv.block_view(0)
-    return cpu_residual.paged_decode(q, kp, vp, table, lens,
+    return cpu_residual.launch(q, kp, vp, table, lens,
                                      AttentionSpec(scale, window, sinks=sinks))
 
 
@@ -176,7 +176,7 @@ def test_verify_rows_read_a_block_filled_this_step_quantized():
     table = mx.array([[2, 1], [2, 1]], dtype=mx.int32)
     q = mx.random.normal((2, 9, 1, 64), key=mx.random.key(7))
     want = oracle(q, kv, table, [16, 17], 0.125)
-    check(cpu_residual.paged_decode(q, kp, vp, table, [16, 17], AttentionSpec(0.125)), want,
+    check(cpu_residual.launch(q, kp, vp, table, [16, 17], AttentionSpec(0.125)), want,
           5e-5)
     ref = residual.residual_attention(PagedCall(q, kp, vp, table, (16, 17), AttentionSpec(0.125)))
     check(ref, want, 1e-3)
@@ -184,8 +184,8 @@ def test_verify_rows_read_a_block_filled_this_step_quantized():
     kv.write(0, mx.array([BS + 1], dtype=mx.int32), k[:, :1], v[:, :1])
     kp2, vp2 = kv.block_view(0)
     assert int(np.array(kp2.res_map)[2]) == -1
-    step_later = cpu_residual.paged_decode(q[1:], kp2, vp2, table[1:], [17], AttentionSpec(0.125))
-    assert mx.array_equal(step_later, cpu_residual.paged_decode(
+    step_later = cpu_residual.launch(q[1:], kp2, vp2, table[1:], [17], AttentionSpec(0.125))
+    assert mx.array_equal(step_later, cpu_residual.launch(
         q[1:], kp, vp, table[1:], [17], AttentionSpec(0.125))).item()
 
 
@@ -216,9 +216,11 @@ def test_decode_routes_to_the_op_and_the_dispatcher_runs_it():
 
 @pytest.mark.parametrize("k_bits,v_bits,window", [(4, 4, None), (8, 4, None), (4, 4, 24),
                                                   (8, 4, 70)])
-def test_prefill_chunks_match_the_reference_however_cut(k_bits, v_bits, window):
+def test_prefill_chunks_match_the_float64_rule_however_cut(k_bits, v_bits, window):
     """Chunks starting and ending inside blocks, across many blocks, and one inside a block:
-    each query reads the blocks before its own quantized and its own exact."""
+    each query reads the blocks before its own quantized and its own exact, held to the
+    float64 rule at each query's position (a decode row there). (`residual.residual_attention`
+    rounds its dequantized rows to float16 first: up to ~2e-2 off on these outlier keys.)"""
     layout = KVLayout(1, 3, 64, BS, mx.float16, QuantSpec(k_bits, 64, 1),
                       QuantSpec(v_bits, 64, 1), residual=True, key_channel=True)
     kv = ResidualKVCache(layout, 24)
@@ -238,7 +240,38 @@ def test_prefill_chunks_match_the_reference_however_cut(k_bits, v_bits, window):
         call = PagedCall(q[:, :, done:cut], *kv.block_view(0), table, (cut,),
                          AttentionSpec(0.125, window))
         assert cpu_residual.supports(call)
-        out = cpu_residual.paged_prefill(*call.args())
+        out = cpu_residual.launch(*call.args())
         assert out.shape == (1, 9, cut - done, 64)
-        assert mx.allclose(out, residual.residual_attention(call), atol=1e-4).item()
+        rows = q[:, :, done:cut].transpose(2, 1, 0, 3)  # each query as a decode row
+        want = oracle(rows, kv, mx.repeat(table, cut - done, axis=0),
+                      list(range(done + 1, cut + 1)), 0.125, window=window)
+        check(out.transpose(2, 1, 0, 3), want, 5e-5)
         done = cut
+
+
+def test_a_prefill_query_computes_alike_however_its_prompt_is_cut():
+    """A cached prompt's tail must equal a cold prefill's rows: the same positions through
+    chunks cut at other places give the same bits, and a bad block id gives NaN."""
+    layout = KVLayout(1, 3, 64, BS, mx.float16, QuantSpec(4, 64, 1), QuantSpec(4, 64, 1),
+                      residual=True, key_channel=True)
+    rng = np.random.default_rng(3)
+    n = 90
+    k = rng.standard_normal((3, n, 64)).astype(np.float16)
+    v = rng.standard_normal((3, n, 64)).astype(np.float16)
+    q = mx.array(rng.standard_normal((1, 9, n, 64)).astype(np.float32))
+    table = mx.array([list(range(6))], dtype=mx.int32)
+    outs = []
+    for cuts in ((90,), (32, 80, 90), (17, 64, 75, 90)):
+        kv = ResidualKVCache(layout, 8)
+        parts, done = [], 0
+        for cut in cuts:
+            kv.write(0, mx.arange(done, cut, dtype=mx.int32), mx.array(k[:, done:cut]),
+                     mx.array(v[:, done:cut]))
+            parts.append(cpu_residual.launch(q[:, :, done:cut], *kv.block_view(0), table,
+                                             [cut], AttentionSpec(0.125)))
+            done = cut
+        outs.append(mx.concatenate(parts, axis=2))
+    assert mx.array_equal(outs[0], outs[1]).item() and mx.array_equal(outs[0], outs[2]).item()
+    bad = mx.array([[0, 1, 2, 3, 4, 10_000]], dtype=mx.int32)
+    out = cpu_residual.launch(q[:, :, 80:], *kv.block_view(0), bad, [90], AttentionSpec(0.125))
+    assert mx.all(mx.isnan(out)).item()

@@ -1,5 +1,5 @@
 """Attention over a residual-format pool on kvchat's C++ CPU extension: what
-`attention/residual.py` computes, decode in one op (csrc/paged_residual*.cpp).
+`attention/residual.py` computes, decode and prefill in one op (csrc/paged_residual*.cpp).
 
 A full block's keys are stored per channel (`kvcache.channel_quant`), so the op scores a
 block as ``(q * scales) @ codes + q @ biases``: one multiply-add of 16 tokens' codes per
@@ -8,12 +8,12 @@ still residual is read exact; rotated sides are met inside the op (queries rotat
 quantized keys, the exact rows' weighted value sum rotated into the quantized rows' space,
 the output rotated back).
 
-A prefill chunk runs on the extension's flash prefill kernel over a small float pool built
-for the call: the quantized rows of the blocks before the chunk's last block (dequantized
-as the reference does) and the exact rows of the chunk's blocks. Each block of the chunk
-becomes one row of a batch: its queries see the blocks before it quantized and itself
-exact (causal), which is the rule; the chunk's first and last blocks are padded with zero
-queries whose outputs are dropped.
+A prefill chunk runs on the extension's flash prefill kernel over the sequence's blocks
+laid out as float rows inside the op (csrc/paged_residual_prefill.cpp): the quantized
+blocks before the chunk's last dequantized from their codes, and the chunk's blocks exact,
+both kept in the stored (rotated) spaces. Each block of the chunk becomes one row of a
+batch: its queries see the blocks before it quantized and itself exact (causal), which is
+the rule, so a query's result depends on its position only.
 """
 
 from __future__ import annotations
@@ -52,15 +52,15 @@ def supports(call: PagedCall) -> bool:
             and kq.scales.dtype in floats and vq.scales.dtype in floats)
 
 
-def paged_decode(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks,
-                 block_tables: mx.array, context_lens: Sequence[int] | mx.array,
-                 scale: float | AttentionSpec, **_) -> mx.array:
-    """Decode attention (queries (B, Hq, 1, D)) over a residual pool by its rule: a row's
-    own block exact where the residual map holds it, the others quantized; (B, Hq, 1, D)."""
+def launch(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks,
+           block_tables: mx.array, context_lens: Sequence[int] | mx.array,
+           scale: float | AttentionSpec, **_) -> mx.array:
+    """Attention of each sequence's L newest queries (B, Hq, L, D) over a residual pool by
+    its rule, one op: decode (L = 1) or a causal prefill chunk; (B, Hq, L, D)."""
     spec = AttentionSpec.of(scale)
     kq, vq = k_pool.quantized, v_pool.quantized
     rotated = k_pool.rotated or v_pool.rotated
-    return build.require().paged_residual_decode(
+    return build.require().paged_residual(
         queries, kq.data, kq.scales, kq.biases, vq.data, vq.scales, vq.biases,
         k_pool.residual, v_pool.residual, k_pool.res_map.astype(mx.int32),
         block_tables.astype(mx.int32), cpu.lens_array(context_lens),
@@ -68,54 +68,6 @@ def paged_decode(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBloc
         v_group=vq.quant.group_size, sinks=spec.sinks,
         rotation=rotation.signs(queries.shape[-1]) if rotated else None,
         rotate_k=k_pool.rotated, rotate_v=v_pool.rotated, window=spec.window or 0)
-
-
-def _chunk(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks,
-           table: mx.array, n: int, spec: AttentionSpec) -> mx.array:
-    """One sequence's L newest queries (positions n - L .. n - 1), (1, Hq, L, D)."""
-    _, Hq, L, D = queries.shape
-    bs = k_pool.shape[2]
-    first, last = (n - L) // bs, (n - 1) // bs
-    span = last - first + 1  # the chunk's blocks: one batch row each
-
-    # a window's first block for the chunk's first query: no query reads the blocks before
-    # it, so they are not dequantized (their table entries name block 0, never read)
-    w0 = 0 if spec.window is None else max(0, n - L - spec.window + 1) // bs
-
-    def pool(side: ResidualBlocks) -> mx.array:
-        exact = side.exact_rows(table[first:last + 1])
-        if last == w0:
-            return exact
-        return mx.concatenate([side.quantized_rows(table[w0:last]).astype(exact.dtype), exact],
-                              axis=1)
-
-    # row j: blocks w0 .. first + j - 1 quantized (pool ids from 0), its own block exact
-    rows = [[0] * w0 + list(range(first + j - w0)) + [last - w0 + j] + [0] * (span - 1 - j)
-            for j in range(span)]
-    lens = [(first + j + 1) * bs for j in range(span)]
-    front, back = n - L - first * bs, (last + 1) * bs - n
-    q = mx.pad(queries, [(0, 0), (0, 0), (front, back), (0, 0)])
-    q = q.reshape(Hq, span, bs, D).swapaxes(0, 1)  # (span, Hq, bs, D)
-    out = cpu.paged_prefill(q, pool(k_pool), pool(v_pool), mx.array(rows, dtype=mx.int32),
-                            lens, spec)
-    return out.swapaxes(0, 1).reshape(1, Hq, span * bs, D)[:, :, front:front + L]
-
-
-def paged_prefill(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks,
-                  block_tables: mx.array, context_lens: Sequence[int],
-                  scale: float | AttentionSpec, **_) -> mx.array:
-    """Causal attention of each sequence's L newest queries (B, Hq, L, D) by the rule,
-    one sequence at a time (each over exactly its own blocks, so batching changes no row)."""
-    spec = AttentionSpec.of(scale)
-    bs = k_pool.shape[2]
-    outs = [_chunk(queries[b:b + 1], k_pool, v_pool, block_tables[b, :-(-int(n) // bs)],
-                   int(n), spec) for b, n in enumerate(context_lens)]
-    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-
-
-def launch(*args, **_) -> mx.array:
-    """The decode op for one query per sequence, else the prefill route above."""
-    return (paged_decode if args[0].shape[2] == 1 else paged_prefill)(*args)
 
 
 def variant_key(call: PagedCall) -> tuple:

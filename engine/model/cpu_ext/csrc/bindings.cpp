@@ -69,13 +69,14 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "(L == 1: decode; see engine/model/attention); a rotated pool's queries and outputs\n"
         "rotated inside the op (rotation: R's (D,) signs, `kvcache.rotation`); pools 3-d as\n"
         "stored (Hkv, blocks * block_size, .) with block_size given.");
-  m.def("paged_residual_decode", &kvchat::paged_residual_decode, "queries"_a, "k_codes"_a,
+  m.def("paged_residual", &kvchat::paged_residual, "queries"_a, "k_codes"_a,
         "k_scales"_a, "k_biases"_a, "v_rows"_a, "v_scales"_a, "v_biases"_a, "res_k"_a,
         "res_v"_a, "res_map"_a, "block_tables"_a, "context_lens"_a, nb::kw_only(), "scale"_a,
         "k_bits"_a, "v_bits"_a, "v_group"_a, "sinks"_a = nb::none(), "rotation"_a = nb::none(),
         "rotate_k"_a = false, "rotate_v"_a = false, "window"_a = 0, "stream"_a = nb::none(),
-        "Decode attention over a residual-format pool (engine/kvcache/residual.py): full\n"
-        "blocks quantized (keys per channel, values per token), residual blocks exact.");
+        "Attention of each sequence's L newest queries (decode: L = 1; prefill: causal) over\n"
+        "a residual-format pool (engine/kvcache/residual.py): the blocks before a query's\n"
+        "own quantized (keys per channel, values per token), its own block exact.");
   m.def("rms_norm", &kvchat::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
         "stream"_a = nb::none(), "RMSNorm over the last axis (mx.fast.rms_norm), one op.");
   m.def("rope", &kvchat::rope, "x"_a, "offsets"_a, nb::kw_only(), "dims"_a, "traditional"_a,

@@ -78,7 +78,7 @@ std::tuple<mx::array, LayerStack::Sides, LayerStack::Sides> LayerStack::run(
     } else {  // full blocks as stored; only the residual rows take this step's K/V
       k[3] = kv_write(k[3], slots, qkv[1]);
       v[3] = kv_write(v[3], slots, qkv[2]);
-      att = paged_residual_decode(
+      att = paged_residual(
           qkv[0], k[0], k[1], k[2], blocks_of(v[0], block_size_), blocks_of(v[1], block_size_),
           blocks_of(v[2], block_size_), blocks_of(k[3], block_size_),
           blocks_of(v[3], block_size_), *kv.res_map, block_tables, context_lens, L.scale,

@@ -1,5 +1,6 @@
-// The PagedResidualDecode primitive: argument checks, and eval_cpu handing the call on
-// MLX's CPU stream to the kernel (paged_residual_kernel.cpp).
+// The PagedResidual primitive: argument checks, and eval_cpu handing the call on MLX's CPU
+// stream to the decode kernel (paged_residual_kernel.cpp) or, for L > 1 queries a
+// sequence, the prefill route (paged_residual_prefill.cpp).
 #include "paged_residual.h"
 
 #include <algorithm>
@@ -34,10 +35,11 @@ void run(const std::vector<mx::array>& in, mx::array& out, const Flags& f) {
   pb.B = queries.shape(0);
   pb.Hq = queries.shape(1);
   pb.D = queries.shape(3);
+  const int L = queries.shape(2);
   pb.Hkv = in[1].shape(0);
   pb.num_blocks = in[1].shape(1);
   pb.BS = in[4].shape(2);
-  const int64_t q_size = int64_t(pb.B) * pb.Hq * pb.D;
+  const int64_t q_size = int64_t(pb.B) * pb.Hq * L * pb.D;
   const float* q = rows_as_float(queries, q_buf);
   std::vector<float> qp(q, q + q_size), qk;
   for (float& x : qp) x *= f.scale;
@@ -67,29 +69,33 @@ void run(const std::vector<mx::array>& in, mx::array& out, const Flags& f) {
   pb.tables = static_cast<const int32_t*>(row_major(in[10], bufs[10]));
   pb.table_width = in[10].shape(1);
   pb.lens = static_cast<const int32_t*>(row_major(in[11], bufs[11]));
+  pb.rotate_k = f.rotate_k;
   pb.rotate_v = f.rotate_v;
   pb.window = f.window;
   const int group = pb.Hq / pb.Hkv;
   pb.heads_per_task = std::min(group, kResidualMaxHeads);
   pb.head_chunks = (group + pb.heads_per_task - 1) / pb.heads_per_task;
   for (int b = 0; b < pb.B; ++b)
-    if (pb.lens[b] < 1 || int64_t(pb.lens[b]) > pb.table_width * pb.BS) {
+    if (pb.lens[b] < L || int64_t(pb.lens[b]) > pb.table_width * pb.BS) {
       fill_nan(out);  // nothing valid to read
       return;
     }
   std::vector<float> o_buf;
   float* o = out.dtype() == mx::float32 ? out.data<float>() : (o_buf.resize(q_size), o_buf.data());
-  run_residual_decode(pb, o);
+  if (L == 1)
+    run_residual_decode(pb, o);
+  else
+    run_residual_prefill(pb, L, o);
   if (out.dtype() != mx::float32) store_any(out.data<char>(), elem_of(out.dtype()), o, q_size);
 }
 
 void check(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("paged_residual_decode: " + what);
+  if (!ok) throw std::invalid_argument("paged_residual: " + what);
 }
 
 }  // namespace
 
-void PagedResidualDecode::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+void PagedResidual::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
@@ -98,18 +104,18 @@ void PagedResidualDecode::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
   encoder.dispatch([inputs, out, f]() mutable { guarded(out, [&] { run(inputs, out, f); }); });
 }
 
-void PagedResidualDecode::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("KvchatPagedResidualDecode runs on the CPU only");
+void PagedResidual::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("KvchatPagedResidual runs on the CPU only");
 }
 
-bool PagedResidualDecode::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const PagedResidualDecode&>(other);
+bool PagedResidual::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const PagedResidual&>(other);
   return scale_ == o.scale_ && k_bits_ == o.k_bits_ && v_bits_ == o.v_bits_ &&
          v_group_ == o.v_group_ && sinks_ == o.sinks_ && rotate_k_ == o.rotate_k_ &&
          rotate_v_ == o.rotate_v_ && window_ == o.window_;
 }
 
-mx::array paged_residual_decode(
+mx::array paged_residual(
     const mx::array& queries, const mx::array& k_codes, const mx::array& k_scales,
     const mx::array& k_biases, const mx::array& v_rows, const mx::array& v_scales,
     const mx::array& v_biases, const mx::array& res_k, const mx::array& res_v,
@@ -117,8 +123,8 @@ mx::array paged_residual_decode(
     float scale, int k_bits, int v_bits, int v_group, const std::optional<mx::array>& sinks,
     const std::optional<mx::array>& rotation, bool rotate_k, bool rotate_v, int window,
     mx::StreamOrDevice s) {
-  check(queries.ndim() == 4 && queries.shape(2) == 1 && is_float_dtype(queries.dtype()),
-        "queries must be float (B, Hq, 1, D)");
+  check(queries.ndim() == 4 && queries.shape(2) >= 1 && is_float_dtype(queries.dtype()),
+        "queries must be float (B, Hq, L, D)");
   const int B = queries.shape(0), Hq = queries.shape(1), D = queries.shape(3);
   check(k_codes.ndim() == 4 && v_rows.ndim() == 4, "pools must be 4-d");
   const int Hkv = k_codes.shape(0), nb = k_codes.shape(1), BS = v_rows.shape(2);
@@ -163,7 +169,7 @@ mx::array paged_residual_decode(
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (sinks) inputs.push_back(mx::astype(*sinks, mx::float32, stream));
   return mx::array(queries.shape(), queries.dtype(),
-                   std::make_shared<PagedResidualDecode>(stream, scale, k_bits, v_bits, v_group,
+                   std::make_shared<PagedResidual>(stream, scale, k_bits, v_bits, v_group,
                                                          window, bool(sinks), rotate_k,
                                                          rotate_v),
                    std::move(inputs));

@@ -48,25 +48,6 @@ int parts_of(const ResidualProblem& pb, int b) {  // over the blocks from its wi
   return std::clamp((blocks + kPartitionBlocks - 1) / kPartitionBlocks, 1, kMaxParts);
 }
 
-// 16 codes of one channel (tokens 16c .. 16c + 15) as floats.
-inline vf channel_codes(const uint8_t* codes, int bits, int c) {
-  vb x{};
-  if (bits == 8) {
-    std::memcpy(&x, codes + c * 16, 16);
-    return bytes_to_float(x);
-  }
-  // token 2i in byte i's low nibble, 2i + 1 its high; one 8-byte load (a memcpy into the
-  // vector is a store the 16-byte read cannot forward from: a stall per channel)
-#if defined(__SSE2__)
-  x = (vb)_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c * 8));
-#else
-  std::memcpy(&x, codes + c * 8, 8);
-#endif
-  vb first, second;
-  interleave(x & 15, x >> 4, first, second);
-  return bytes_to_float(first);
-}
-
 // Scores of a quantized block's BS tokens for G heads into p (G rows, `stride` apart).
 template <int G>
 void channel_scores(const ResidualProblem& pb, int64_t blk_id, const float* qk, float* qs,
@@ -93,19 +74,6 @@ void channel_scores(const ResidualProblem& pb, int64_t blk_id, const float* qk, 
     }
     for (int g = 0; g < G; ++g) store(p + size_t(g) * stride + c * W, acc[g]);
   }
-}
-
-// An exact value row (or a sum of them) in the quantized rows' space: times R, then
-// 4-bit element order.
-const float* stored_space(const ResidualProblem& pb, const float* x, float* tmp, float* out) {
-  if (!pb.rotate_v && pb.v.bits != 4) return x;
-  const float* src = x;
-  if (pb.rotate_v) {
-    hadamard_row(x, pb.v.bits == 4 ? tmp : out, pb.D, pb.signs, false);
-    src = pb.v.bits == 4 ? tmp : out;
-  }
-  if (pb.v.bits == 4) permute4(src, out, pb.D);
-  return out;
 }
 
 // The quantized block after `blk` (if it is in [.., blk1) and in the pool) fetched into the
@@ -247,6 +215,19 @@ struct Task {
 };
 
 }  // namespace
+
+// An exact value row (or a sum of them) in the quantized rows' space: times R, then
+// 4-bit element order.
+const float* stored_space(const ResidualProblem& pb, const float* x, float* tmp, float* out) {
+  if (!pb.rotate_v && pb.v.bits != 4) return x;
+  const float* src = x;
+  if (pb.rotate_v) {
+    hadamard_row(x, pb.v.bits == 4 ? tmp : out, pb.D, pb.signs, false);
+    src = pb.v.bits == 4 ? tmp : out;
+  }
+  if (pb.v.bits == 4) permute4(src, out, pb.D);
+  return out;
+}
 
 void run_residual_decode(const ResidualProblem& pb, float* out /* (B, Hq, D) */) {
   std::vector<Task> tasks;  // a sequence's partitions of one head chunk next to each other

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "paged_decode_kernel.h"
 
@@ -33,10 +34,37 @@ struct ResidualProblem {
   int window;  // > 0: a row sees its last `window` positions only (sliding-window layers)
   const float* sinks;  // (Hq,) or null
   const float* signs;  // R's (D,) signs, or null
-  bool rotate_v;
+  bool rotate_k, rotate_v;
 };
 
-// out (B, Hq, D) float32.
+// Decode (queries (B, Hq, 1, D)): out (B, Hq, D) float32.
 void run_residual_decode(const ResidualProblem& pb, float* out);
+
+// Prefill, the L newest positions of each sequence (queries (B, Hq, L, D), causal):
+// out (B, Hq, L, D) float32 (paged_residual_prefill.cpp).
+void run_residual_prefill(const ResidualProblem& pb, int L, float* out);
+
+// 16 codes of one channel (tokens 16c .. 16c + 15) as floats.
+inline vf channel_codes(const uint8_t* codes, int bits, int c) {
+  vb x{};
+  if (bits == 8) {
+    std::memcpy(&x, codes + c * 16, 16);
+    return bytes_to_float(x);
+  }
+  // token 2i in byte i's low nibble, 2i + 1 its high; one 8-byte load (a memcpy into the
+  // vector is a store the 16-byte read cannot forward from: a stall per channel)
+#if defined(__SSE2__)
+  x = (vb)_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c * 8));
+#else
+  std::memcpy(&x, codes + c * 8, 8);
+#endif
+  vb first, second;
+  interleave(x & 15, x >> 4, first, second);
+  return bytes_to_float(first);
+}
+
+// An exact value row x (or a sum of them) in the quantized rows' space: times R, then
+// 4-bit element order; may return x itself, else one of tmp / out.
+const float* stored_space(const ResidualProblem& pb, const float* x, float* tmp, float* out);
 
 }  // namespace kvchat
