@@ -8,14 +8,32 @@
 #include "kernels.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "simd.h"
 #include "tensor.h"
 
 namespace kvchat {
 
-void hadamard_row(const float* x, float* y, int D, const float* signs, bool inverse) {
-  const int n = D & -D;
-  const float norm = 1.0f / std::sqrt(float(n));
-  for (int c = 0; c < D; ++c) y[c] = inverse ? x[c] : x[c] * signs[c];
+namespace {
+
+// One butterfly stage between lanes `len` apart inside each vector: lane i takes
+// x[i ^ len] + x[i] where i's bit `len` is clear, x[i ^ len] - x[i] where it is set.
+template <int len>
+inline vf lane_stage(vf x) {
+  vf sign;
+  for (int i = 0; i < W; ++i) sign[i] = (i & len) ? -1.0f : 1.0f;
+  vf partner;
+  if constexpr (len == 1)
+    partner = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  else if constexpr (len == 2)
+    partner = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  else if constexpr (len == 4)
+    partner = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  else
+    partner = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  return partner + sign * x;
+}
+
+void hadamard_scalar(float* y, int D, int n) {
   for (int b0 = 0; b0 < D; b0 += n)
     for (int len = 1; len < n; len <<= 1)
       for (int i = b0; i < b0 + n; i += 2 * len)
@@ -24,7 +42,41 @@ void hadamard_row(const float* x, float* y, int D, const float* signs, bool inve
           y[j] = a + b;
           y[j + len] = a - b;
         }
-  for (int c = 0; c < D; ++c) y[c] *= inverse ? norm * signs[c] : norm;
+}
+
+}  // namespace
+
+void hadamard_row(const float* x, float* y, int D, const float* signs, bool inverse) {
+  const int n = D & -D;
+  const float norm = 1.0f / std::sqrt(float(n));
+  if (n % W != 0 || D > 256) {  // blocks narrower than a vector (or rows past 256): scalar
+    for (int c = 0; c < D; ++c) y[c] = inverse ? x[c] : x[c] * signs[c];
+    hadamard_scalar(y, D, n);
+    for (int c = 0; c < D; ++c) y[c] *= inverse ? norm * signs[c] : norm;
+    return;
+  }
+  // The same butterflies with vectors: the stages inside a vector by lane shuffles, those
+  // between vectors by adds (same sums in the same order as the scalar loop, so equal bits).
+  vf v[256 / W];
+  const int nv = D / W, bv = n / W;
+  for (int j = 0; j < nv; ++j) {
+    v[j] = load(x + j * W);
+    if (!inverse) v[j] *= load(signs + j * W);
+    v[j] = lane_stage<8>(lane_stage<4>(lane_stage<2>(lane_stage<1>(v[j]))));
+  }
+  for (int b0 = 0; b0 < nv; b0 += bv)
+    for (int len = 1; len < bv; len <<= 1)
+      for (int i = b0; i < b0 + bv; i += 2 * len)
+        for (int j = i; j < i + len; ++j) {
+          const vf a = v[j], b = v[j + len];
+          v[j] = a + b;
+          v[j + len] = a - b;
+        }
+  for (int j = 0; j < nv; ++j) {
+    vf out = v[j] * splat(norm);
+    if (inverse) out *= load(signs + j * W);
+    store(y + j * W, out);
+  }
 }
 
 namespace {

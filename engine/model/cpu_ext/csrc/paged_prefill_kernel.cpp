@@ -54,16 +54,16 @@ inline void scores(const float* q, int D, const float* kt, float* s) {
     for (int j = 0; j < kNV; ++j) store(s + r * kKeys + j * W, acc[r][j]);
 }
 
-// Columns d0 .. d0 + NV * W of o (kRows x D): o * alpha + p (kRows x n) . v (n x D).
+// Columns d0 .. d0 + NV * W of o (kRows x D): o * alpha + p (kRows x n) . v (n rows of D).
 template <int NV>
-inline void accumulate(const float* p, const float* v, int n, int D, int d0,
+inline void accumulate(const float* p, const float* const* v, int n, int D, int d0,
                        const float* alpha, float* o) {
   vf acc[kRows][NV];
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = load(o + r * D + d0 + j * W) * alpha[r];
   for (int t = 0; t < n; ++t) {
     vf vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = load(v + t * D + d0 + j * W);
+    for (int j = 0; j < NV; ++j) vv[j] = load(v[t] + d0 + j * W);
     for (int r = 0; r < kRows; ++r) {
       const vf ps = splat(p[r * kKeys + t]);
       for (int j = 0; j < NV; ++j) acc[r][j] += ps * vv[j];
@@ -73,7 +73,7 @@ inline void accumulate(const float* p, const float* v, int n, int D, int d0,
     for (int j = 0; j < NV; ++j) store(o + r * D + d0 + j * W, acc[r][j]);
 }
 
-void accumulate_rows(const float* p, const float* v, int n, int D, const float* alpha,
+void accumulate_rows(const float* p, const float* const* v, int n, int D, const float* alpha,
                      float* o) {
   int d0 = 0;
   for (; d0 + 4 * W <= D; d0 += 4 * W) accumulate<4>(p, v, n, D, d0, alpha, o);
@@ -119,10 +119,12 @@ inline float softmax_row(float* s, int lo, int lim, float& m, float& l) {
 
 struct TileBuffers {
   std::vector<float> data;
-  float *q, *o, *s, *k, *kt, *v, *kbuf, *vbuf, *m, *l, *alpha;
+  float *q, *o, *s, *k, *kt, *v, *zero, *m, *l, *alpha;
+  const float* krow[kKeys];  // each key's K and V row (pool or k / v below)
+  const float* vrow[kKeys];
 
   TileBuffers(int rows, int D) {
-    data.resize(size_t(rows) * (2 * D + kKeys + 3) + size_t(kKeys) * 3 * D + 2 * size_t(D));
+    data.resize(size_t(rows) * (2 * D + kKeys + 3) + size_t(kKeys) * 3 * D + size_t(D));
     q = data.data();
     o = q + size_t(rows) * D;
     s = o + size_t(rows) * D;
@@ -132,8 +134,7 @@ struct TileBuffers {
     k = alpha + rows;
     kt = k + size_t(kKeys) * D;
     v = kt + size_t(kKeys) * D;
-    kbuf = v + size_t(kKeys) * D;
-    vbuf = kbuf + D;
+    zero = v + size_t(kKeys) * D;  // D zeros (data is zeroed)
   }
 };
 
@@ -173,24 +174,29 @@ void attend_tile(const Problem& pb, int b, int h, int p0, int p1, float* out) {
   // A window hides every key before the first row's first one from every row.
   for (int k0 = pb.first_key(first + p0); k0 < end && !bad; k0 += kKeys) {
     const int nk = std::min(kKeys, end - k0);
-    for (int i = 0; i < nk; ++i) {
+    // Each key's K and V row: float32 rows straight from the pool, others converted into
+    // the tile's buffers (keys past nk: a zero row, never used).
+    for (int i = 0; i < kKeys; ++i) {
       const int key = k0 + i;
-      const int64_t row0 = block_row0(pb, b, h, key / pb.BS);
+      const int64_t row0 = i < nk ? block_row0(pb, b, h, key / pb.BS) : 0;
       if (row0 < 0) {
         bad = true;
         break;
       }
+      if (i >= nk) {
+        t.krow[i] = t.vrow[i] = t.zero;
+        continue;
+      }
       const int64_t row = row0 + key % pb.BS;
-      std::copy_n(pb.k.row(row, t.kbuf), D, t.k + size_t(i) * D);
-      std::copy_n(pb.v.row(row, t.vbuf), D, t.v + size_t(i) * D);
+      t.krow[i] = pb.k.row(row, t.k + size_t(i) * D);
+      t.vrow[i] = pb.v.row(row, t.v + size_t(i) * D);
     }
     if (bad) break;
-    // K^T, 16 x 16 blocks transposed in registers (keys past nk: zeros, never used).
-    std::fill(t.k + size_t(nk) * D, t.k + size_t(kKeys) * D, 0.0f);
+    // K^T, 16 x 16 blocks transposed in registers.
     for (int k16 = 0; k16 < nk; k16 += W)
       for (int d16 = 0; d16 < D; d16 += W) {
         vf block[W];
-        for (int i = 0; i < W; ++i) block[i] = load(t.k + size_t(k16 + i) * D + d16);
+        for (int i = 0; i < W; ++i) block[i] = load(t.krow[k16 + i] + d16);
         transpose16(block);
         for (int i = 0; i < W; ++i) store(t.kt + (d16 + i) * kKeys + k16, block[i]);
       }
@@ -210,7 +216,7 @@ void attend_tile(const Problem& pb, int b, int h, int p0, int p1, float* out) {
           t.alpha[r] = 1.0f;
         }
       }
-      accumulate_rows(s, t.v, n, D, t.alpha + r0, t.o + size_t(r0) * D);
+      accumulate_rows(s, t.vrow, n, D, t.alpha + r0, t.o + size_t(r0) * D);
     }
   }
   for (int r = 0; r < rows; ++r) {

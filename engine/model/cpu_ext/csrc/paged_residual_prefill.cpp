@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -122,8 +123,9 @@ void prefill_sequence(const ResidualProblem& pb, int b, int L, const float* q, f
   // a window hides the blocks before the first query's first key from every query
   c.w0 = pb.window > 0 ? std::max(0, n - L - pb.window + 1) / BS : 0;
   const int span = c.last - c.first + 1, nq = c.quantized();
-  std::vector<float> k(size_t(pb.Hkv) * c.blocks() * BS * D), v(k.size());
-  if (!lay_out(pb, b, c, k.data(), v.data())) {
+  const size_t side = size_t(pb.Hkv) * c.blocks() * BS * D;
+  std::unique_ptr<float[]> k(new float[side]), v(new float[side]);  // every row written
+  if (!lay_out(pb, b, c, k.get(), v.get())) {
     std::fill_n(out, int64_t(Hq) * L * D, std::numeric_limits<float>::quiet_NaN());
     return;
   }
@@ -131,7 +133,9 @@ void prefill_sequence(const ResidualProblem& pb, int b, int L, const float* q, f
   // dropped), its table the quantized blocks before it (ids from 0) and itself exact.
   const int width = c.last + 1;
   std::vector<int32_t> tables(size_t(span) * width, 0), lens(span);
-  std::vector<float> qs(size_t(span) * Hq * BS * D, 0.0f), os(qs.size());
+  const size_t rows = size_t(span) * Hq * BS * D;
+  std::vector<float> qs(rows, 0.0f);  // padding queries: zero, finite
+  std::unique_ptr<float[]> os(new float[rows]);
   const int front = n - L - c.first * BS;  // slot of query 0 in the first block
   for (int j = 0; j < span; ++j) {
     int32_t* row = tables.data() + size_t(j) * width;
@@ -146,8 +150,8 @@ void prefill_sequence(const ResidualProblem& pb, int b, int L, const float* q, f
                   qs.data() + slot((front + p) / BS, hq, (front + p) % BS));
   Problem fp{};
   fp.q = qs.data();
-  for (auto [sd, rows] : {std::pair{&fp.k, &k}, std::pair{&fp.v, &v}}) {
-    sd->data = reinterpret_cast<const char*>(rows->data());
+  for (auto [sd, laid] : {std::pair{&fp.k, k.get()}, std::pair{&fp.v, v.get()}}) {
+    sd->data = reinterpret_cast<const char*>(laid);
     sd->elem = Elem::f32;
     sd->D = D;
   }
@@ -164,11 +168,11 @@ void prefill_sequence(const ResidualProblem& pb, int b, int L, const float* q, f
   fp.scale = 1.0f;  // the queries come scaled
   fp.window = pb.window;
   fp.sinks = pb.sinks;
-  run_prefill(fp, os.data());
+  run_prefill(fp, os.get());
   std::vector<float> row(D), tmp(D);
   for (int hq = 0; hq < Hq; ++hq)
     for (int p = 0; p < L; ++p) {
-      const float* o = os.data() + slot((front + p) / BS, hq, (front + p) % BS);
+      const float* o = os.get() + slot((front + p) / BS, hq, (front + p) % BS);
       float* dst = out + (int64_t(hq) * L + p) * D;
       if (pb.v.bits == 4) {
         unpermute4(o, row.data(), D);
