@@ -1,15 +1,18 @@
 """Decode on a float16 vs a quantized KV pool at a long context, side by side in one run.
 
     .venv/bin/python scripts/bench_kv_formats.py [--ctx 4096] [--rounds 3] [--gen 32]
-        [--only kernel|step|decode] [--formats f16,q8,k8v4,q4,q8-kivi,k8v4-kivi,q4-kivi]
+        [--only kernel|prefill|step|decode]
+        [--formats f16,q8,k8v4,q4,q8-kivi,k8v4-kivi,q4-kivi]
         [--streams N]
 
 1. kernel: the CPU extension's paged decode attention alone (Hq 9, Hkv 3, D 64, one
    sequence of --ctx tokens), us per layer call, with and without the rotation of queries
    and outputs (`attention.paged_attention`, what a layer runs);
-2. step: the default model's decode step at --ctx tokens of context, one engine per
+2. prefill: the extension's prefill attention alone (same heads), a chunk of 15 and one of
+   512 queries ending at --ctx tokens, us per layer call, and the pool write of the chunk;
+3. step: the default model's decode step at --ctx tokens of context, one engine per
    format: graph nodes and ms per step (best of the interleaved rounds);
-3. decode: engine decode tok/s (``Engine.generate``, the prompt served from the prefix
+4. decode: engine decode tok/s (``Engine.generate``, the prompt served from the prefix
    cache after the first round), --gen tokens, interleaved rounds, best and median; with
    --streams N, N sequences of --ctx tokens (each its own blocks) decoding together, their
    generated tokens over the wall time.
@@ -39,6 +42,7 @@ from engine.generation import collect
 from engine.kvcache.kv_cache import KVLayout, PagedKVCache
 from engine.kvcache.quant import QuantSpec
 from engine.kvcache.residual import ResidualKVCache
+from engine.model import memory
 from engine.model.attention import cpu, cpu_residual
 from engine.model.attention.dispatch import paged_attention
 from engine.model.cpu_ext import build, ops
@@ -111,6 +115,49 @@ def bench_kernel(names: list[str], ctx: int, rounds: int) -> None:
     for name in cases:
         print(f"{name:9s}: kernel {best[name, 0]:6.0f} us   with the rotation "
               f"{best[name, 1]:6.0f} us", flush=True)
+
+
+def _prefill_case(name: str, L: int, ctx: int, rows: list[mx.array]) -> tuple[float, float]:
+    """us of one prefill attention call (best of 5) of L queries ending at ctx, and of the
+    chunk's pool write, on a fresh pool (a residual pool never rewrites a quantized block)."""
+    Hq, Hkv, D, bs = 9, 3, 64, 16
+    nb = -(-ctx // bs) + 1
+    kb, vb = FORMATS[name]
+    kivi = name.endswith("-kivi")
+    layout = KVLayout(1, Hkv, D, bs, mx.float16, _quant(kb, name), _quant(vb, name),
+                      residual=kivi, key_channel=kivi)
+    cache = (ResidualKVCache(layout, nb) if kivi else
+             PagedKVCache(layout, nb, ops.kv_write, quant_writer=ops.kv_write_quant))
+    for lo, hi in ((0, ctx - L), (ctx - L, ctx)):  # the chunk's write timed
+        t = time.perf_counter()
+        cache.write(0, mx.arange(lo, hi, dtype=mx.int32), *(r[:, lo:hi] for r in rows))
+        mx.eval(cache.keys, cache.values)
+        wrote = (time.perf_counter() - t) * 1e6
+    k, v = cache.block_view(0)
+    kernel = cpu_residual.launch if kivi else cpu.paged_prefill
+    table = mx.array([list(range(nb))], dtype=mx.int32)
+    fn = partial(kernel, mx.random.normal((1, Hq, L, D)), k, v, table, [ctx], 0.125)
+    mx.eval(fn())
+    return best_us(fn, 5), wrote
+
+
+def bench_prefill(names: list[str], ctx: int, rounds: int) -> None:
+    print(f"== paged prefill attention, a chunk ending at {ctx} tokens (Hq 9, Hkv 3, D 64, "
+          f"block 16): ms per layer call and for the chunk's pool write, best of {rounds} "
+          f"interleaved rounds ({load()})")
+    mx.random.seed(0)
+    rows = [mx.random.normal((3, ctx, 64)).astype(mx.float16) for _ in range(2)]
+    best: dict = {}
+    with memory.prefill_scratch_on_cpu():  # the heap as the engine's prefill steps have it
+        for _ in range(rounds):
+            for name in names:
+                for L in (15, 512):
+                    for i, us in enumerate(_prefill_case(name, L, ctx, rows)):
+                        best[name, L, i] = min(best.get((name, L, i), float("inf")), us)
+    for name in names:
+        for L in (15, 512):
+            print(f"{name:9s} {L:3d} queries: attention {best[name, L, 0] / 1e3:6.2f} ms, "
+                  f"write {best[name, L, 1] / 1e3:5.2f} ms", flush=True)
 
 
 def engines(names: list[str], ctx: int, streams: int = 1) -> dict[str, Engine]:
@@ -217,7 +264,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gen", type=int, default=32)
-    p.add_argument("--only", choices=["kernel", "step", "decode"])
+    p.add_argument("--only", choices=["kernel", "prefill", "step", "decode"])
     p.add_argument("--formats", default="f16,q8,k8v4,q4")
     p.add_argument("--streams", type=int, default=1,
                    help="decode: this many sequences of --ctx tokens each, decoding together")
@@ -227,6 +274,8 @@ def main() -> None:
     names = args.formats.split(",")
     if args.only in (None, "kernel"):
         bench_kernel(names, args.ctx, args.rounds)
+    if args.only in (None, "prefill"):
+        bench_prefill(names, args.ctx, args.rounds)
     if args.only in ("step", "decode", None):
         engs = engines(names, args.ctx, args.streams)
         if args.only in (None, "step"):
