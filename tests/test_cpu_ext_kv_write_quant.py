@@ -72,3 +72,20 @@ def test_bad_arguments_are_refused(ext):
     with pytest.raises(ValueError, match="signs"):
         ext.kv_write_quant(store[0], mx.array([0], dtype=mx.int32), mx.zeros((2, 1, 64)),
                            mx.ones((64, 64)), part=0, bits=8, group=64)
+
+
+def test_the_row_writer_copies_blocks_of_codes_as_they_are(ext):
+    """`kv_write` on a (H, blocks, D, ·) uint8 store (a residual pool's per-channel key
+    codes, written a block at a time): what indexing stores, the bytes as given; rows of
+    another dtype than a code store's are refused."""
+    rng = np.random.default_rng(0)
+    pool = mx.array(rng.integers(0, 255, (3, 10, 64, 8), dtype=np.uint8))
+    new = mx.array(rng.integers(0, 255, (3, 2, 64, 8), dtype=np.uint8))
+    at = mx.array([7, 2], dtype=mx.int32)
+    want = mx.array(np.array(pool))
+    want[:, at] = new
+    assert mx.array_equal(ops.kv_write(pool, at, new), want).item()
+    with pytest.raises(ValueError, match="dtype"):
+        ops.kv_write(pool, at, new.astype(mx.float16))
+    with pytest.raises(ValueError, match="rows"):
+        ops.kv_write(pool, at, new[:, :, :32])

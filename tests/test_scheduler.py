@@ -98,27 +98,43 @@ def test_a_declined_pick_rebuilds_the_chained_step(quick_model, alone, monkeypat
     assert m.rebuilt_steps > 5 and m.blocks_used == 0
 
 
-def test_the_residual_formats_chain_single_streams_on_mlx_lms_argmax(quick_model):
-    """Their writes change the pool in place (block quantization): a dropped graph would
-    keep them, so no rebuild and no fast pick; a lone stream's steps still chain."""
+def test_the_residual_formats_chain_and_rebuild_like_the_others(quick_model, monkeypatch):
+    """Their block quantization writes new arrays through the one-op writer and their
+    snapshot holds the residual rows' bookkeeping, so chained steps feed the extension's
+    pick, and one whose pick declined (every other step here, block-filling steps among
+    them) is built again from the pool as it was: the tokens of unchained decoding."""
+    import mlx.core as mx
+
+    from engine import greedy
     from engine.model.cpu_ext import build
 
     if not build.available():
         pytest.skip("the CPU default is the extension's")
-    engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, kv_bits=4,
-                                              kv_residual=True, kv_key_channel=True))
+    kivi = dict(kv_budget_bytes=64 << 20, kv_bits=4, kv_residual=True, kv_key_channel=True)
+    engine = Engine(quick_model, EngineConfig(max_running=8, **kivi))
     ex = engine.executor
-    assert engine.kv.snapshot() is None and not ex.fast_chain
-    assert ex.pipeline and ex.chain_rows == 1
+    assert engine.kv.snapshot() is not None and ex.fast_chain and ex.chain_rows is None
     ids = [engine.encode_prompt(p) for p in PROMPTS[:2]]
-    plain = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, kv_bits=4,
-                                             kv_residual=True, kv_key_channel=True,
-                                             pipeline=False))
-    want = [plain.generate_text(i, params(24)).tokens for i in ids]
-    assert [engine.generate_text(i, params(24)).tokens for i in ids] == want  # chained alone
-    handles = [engine.submit(i, params(24)) for i in ids]  # two rows: step by step
+    plain = Engine(quick_model, EngineConfig(pipeline=False, **kivi))
+    want = [plain.generate_text(i, params(40)).tokens for i in ids]
+    undone, restore, lazy, calls = [], engine.kv.restore, greedy.lazy, [0]
+
+    def spy(snap):  # whether the step given up had filled (and quantized) a block
+        undone.append(bool(engine.kv._filled))
+        restore(snap)
+
+    def declining(logits, *, fast):
+        calls[0] += 1
+        picked = lazy(logits, fast=fast)
+        return mx.full(picked.shape, -1, mx.int32) if calls[0] % 2 == 0 else picked
+
+    monkeypatch.setattr(engine.kv, "restore", spy)
+    monkeypatch.setattr(greedy, "lazy", declining)
+    assert [engine.generate_text(i, params(40)).tokens for i in ids] == want  # chained alone
+    handles = [engine.submit(i, params(40)) for i in ids]  # two rows chained
     assert [collect(h)[0] for h in handles] == want
-    assert engine.metrics().blocks_used == 0
+    m = engine.metrics()
+    assert any(undone) and m.rebuilt_steps > 10 and m.blocks_used == 0
 
 
 def test_a_pipelined_decode_writes_the_pool_in_place(quick_model):

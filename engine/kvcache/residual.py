@@ -13,11 +13,7 @@ The side store grows on demand (about one block per running sequence); a residua
 left by a sequence that ended mid-block is reclaimed when its block is free again
 (``free_ids``) or reused when the block is written from its start.
 
-The disk prefix cache carries them: it stores and restores full blocks only, whose bytes are
-all in the quantized store (`take` / `put`, whole full blocks; per-channel keys as the
-blocks' slices of `channel_quant`'s store; the side store is never on disk). Swap moves a
-sequence's full blocks the same way and its newest, filling block's exact rows apart
-(`take_rows` / `put_rows`).
+The disk prefix cache and swap carry them (`kvcache.residual_transfer`).
 
 A verify step may fill (and quantize) a block with drafts that are then rejected:
 `reopen` gives it its exact rows back, to be quantized again when accepted tokens fill it.
@@ -37,11 +33,12 @@ from engine.kvcache.kv_cache import KVLayout, PagedKVCache, Store, _quantize
 from engine.kvcache.quant import QuantSpec
 from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.kvcache.residual_blocks import ResidualBlocks
+from engine.kvcache.residual_transfer import ResidualTransfer
 
 FIRST_RESIDUAL_ROWS = 8  # residual blocks allocated up front; doubled when all are taken
 
 
-class ResidualKVCache(PagedKVCache):
+class ResidualKVCache(ResidualTransfer, PagedKVCache):
     """A `PagedKVCache` whose blocks are quantized when they fill (see the module)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, row_writer=None, *,
@@ -169,12 +166,36 @@ class ResidualKVCache(PagedKVCache):
             if L.k_quant.rotation:  # rows rotated over the head dim, then grouped by channel
                 k = rotation.rotate(k.reshape(H, -1, D)).reshape(k.shape)
             ids = mx.array(blocks, dtype=mx.int32)
-            for part, new in zip(self.keys[layer],
-                                 channel_quant.quantize_channels(k, L.k_quant.bits), strict=True):
-                part[:, ids] = new
+            self.keys[layer] = self._store(self.keys[layer], ids,
+                                           channel_quant.quantize_channels(k, L.k_quant.bits))
         else:
-            self._put(self.keys[layer], slots, _quantize(k.reshape(H, -1, D), L.k_quant))
-        self._put(self.values[layer], slots, _quantize(v, L.v_quant))
+            self.keys[layer] = self._store(self.keys[layer], slots,
+                                           _quantize(k.reshape(H, -1, D), L.k_quant))
+        self.values[layer] = self._store(self.values[layer], slots, _quantize(v, L.v_quant))
+
+    def _store(self, store: tuple, at: mx.array, parts) -> tuple:
+        """``store``'s parts with ``parts`` written at ``at`` (their second axis): new arrays
+        through the one-op writer (in place when donated), so `snapshot` holds the old
+        ones; MLX's indexing where there is no writer (it changes the arrays themselves)."""
+        if self.row_writer is None:
+            self._put(store, at, parts)
+            return store
+        return tuple(self.row_writer(a, at, new) for a, new in zip(store, parts, strict=True))
+
+    def snapshot(self) -> tuple | None:
+        """The stores and the residual rows' bookkeeping as they are, for `restore`: a
+        chained decode step rebuilt with other tokens plans its slots again from them. None
+        without the one-op writer (MLX's indexing changes a store in place)."""
+        if self.row_writer is None:
+            return None
+        return (list(self.keys), list(self.values), list(self.res_keys), list(self.res_values),
+                self._res_of.copy(), list(self._free_rows), self._num_rows, self._step_map,
+                self._plan_memo, dict(self._filled))
+
+    def restore(self, snap: tuple) -> None:
+        (self.keys[:], self.values[:], self.res_keys[:], self.res_values[:], self._res_of,
+         self._free_rows, self._num_rows, self._step_map, self._plan_memo,
+         self._filled) = snap
 
     def block_view(self, layer: int):
         """Layer ``layer``'s K and V as `ResidualBlocks`."""
@@ -189,74 +210,6 @@ class ResidualKVCache(PagedKVCache):
                                     bool(spec.rotation))
                      for q, res, spec in ((k, self.res_keys[layer], L.k_quant),
                                           (v, self.res_values[layer], L.v_quant)))
-
-    def _full_blocks(self, slots: mx.array | slice) -> list[int]:
-        """The blocks ``slots`` cover, each whole and in the quantized store; raises otherwise
-        (a block still filling lives in the side store, which is never taken or put)."""
-        bs = self.layout.block_size
-        if isinstance(slots, slice):
-            s = np.arange(slots.start, slots.stop, dtype=np.int64)
-        else:
-            s = np.asarray(slots, dtype=np.int64).reshape(-1)
-        blocks = s[::bs] // bs
-        if len(s) % bs or not (s.reshape(-1, bs) == blocks[:, None] * bs + np.arange(bs)).all():
-            raise RuntimeError("a residual pool takes and puts whole blocks only")
-        return blocks.tolist()
-
-    def take(self, slots: mx.array) -> tuple[list[Store], list[Store]]:
-        """Every layer's stored K and V of the whole, full blocks at ``slots`` (the disk
-        store's write path): values as rows, keys as rows or, per channel, as the blocks'
-        ``(kv_heads, n, head_dim, ·)`` slices. Raises RuntimeError for a block still filling."""
-        blocks = self._full_blocks(slots)
-        if (self._res_of[blocks] >= 0).any():
-            raise RuntimeError("a residual block still filling cannot be taken (only full "
-                               "blocks are cached)")
-        keys, values = super().take(slots)
-        if self.layout.key_channel:
-            ids = mx.array(blocks, dtype=mx.int32)
-            keys = [tuple(a[:, ids] for a in store) for store in self.keys]
-        return keys, values
-
-    def put(self, slots: mx.array | slice, keys: list[Store], values: list[Store]) -> None:
-        """Write back whole full blocks from `take` (a disk restore) at ``slots``: they are
-        quantized blocks from then on (a stale residual row of theirs goes back)."""
-        blocks = self._full_blocks(slots)
-        for b in blocks:
-            if self._res_of[b] >= 0:
-                self._free_rows.append(int(self._res_of[b]))
-                self._res_of[b] = -1
-        self._step_map = mx.array(self._res_of.astype(np.int32))
-        if not self.layout.key_channel:
-            super().put(slots, keys, values)
-            return
-        at = (slice(blocks[0], blocks[-1] + 1) if isinstance(slots, slice)
-              else mx.array(blocks, dtype=mx.int32))
-        for layer in range(self.layout.num_layers):
-            for part, new in zip(self.keys[layer], keys[layer], strict=True):
-                part[:, at] = new
-            self._put(self.values[layer], slots, values[layer])
-
-    def take_rows(self, block: int, count: int) -> tuple[list[mx.array], list[mx.array]]:
-        """Per layer K and V, the first ``count`` exact rows of ``block``, still filling
-        (swap: a sequence's newest block, which is in the side store)."""
-        row = int(self._res_of[block])
-        if row < 0 or not 0 < count < self.layout.block_size:
-            raise RuntimeError(f"KV block {block} is not a filling block with {count} rows")
-        # a gather, so the host copy is its own buffer, not a view the next write may reuse
-        at = mx.arange(row * self.layout.block_size, row * self.layout.block_size + count)
-        return [k[:, at] for k in self.res_keys], [v[:, at] for v in self.res_values]
-
-    def put_rows(self, block: int, keys: list[mx.array], values: list[mx.array]) -> None:
-        """Write rows from `take_rows` at the start of ``block`` (swap-in): a filling block
-        again, whose next write continues after them."""
-        if self._res_of[block] < 0:
-            self._res_of[block] = self._take_row()
-        start = int(self._res_of[block]) * self.layout.block_size
-        at = slice(start, start + keys[0].shape[1])
-        for layer in range(self.layout.num_layers):
-            self.res_keys[layer][:, at] = keys[layer]
-            self.res_values[layer][:, at] = values[layer]
-        self._step_map = mx.array(self._res_of.astype(np.int32))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole blocks (src -> dst) in every layer: a residual block's exact rows into

@@ -38,9 +38,10 @@ def qmm(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, *, group_s
 
 
 def kv_write(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
-    """``pool`` (H, S, D) with ``rows`` (H, N, D) written at ``slots`` (N,) as one op: what
-    ``pool[:, slots] = rows`` computes (rows cast to the pool's dtype), in place when the
-    pool is donated. Slots outside the pool are skipped."""
+    """``pool`` (H, S, ...) with ``rows`` (H, N, ...) written at ``slots`` (N,) as one op:
+    what ``pool[:, slots] = rows`` computes (float rows cast to a float pool's dtype; other
+    pools, such as quantized codes, take rows of their own dtype), in place when the pool is
+    donated. Slots outside the pool are skipped."""
     slots = slots.astype(mx.int32) if slots.dtype != mx.int32 else slots
     return build.require().kv_write(pool, slots, rows)
 

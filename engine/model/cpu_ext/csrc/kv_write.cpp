@@ -5,7 +5,8 @@
 // ~700 of a decode step's ~1,400 nodes at ~5 us of dispatch each. This is one
 // node. Like MLX's scatter, it updates the pool's buffer in place when the pool
 // is donated (the caller holds no other reference), else it copies it first.
-// Rows are converted to the pool's dtype with round-to-nearest-even, as astype.
+// Rows are converted to the pool's dtype with round-to-nearest-even, as astype; a pool
+// of another dtype (quantized codes) takes rows of its own dtype, copied as they are.
 #include <cstring>
 #include <stdexcept>
 
@@ -20,7 +21,9 @@ namespace {
 
 void write_rows(const mx::array& pool, const mx::array& slots, const mx::array& rows,
                 mx::array& out, bool donated) {
-  const int64_t H = pool.shape(0), S = pool.shape(1), D = pool.shape(2), N = rows.shape(1);
+  // a row: every element after the first two axes (a block of per-channel codes, say)
+  const int64_t H = pool.shape(0), S = pool.shape(1), N = rows.shape(1);
+  const int64_t D = int64_t(pool.size()) / (H * S);
   const size_t isz = pool.itemsize();
   char* dst = out.data<char>();
   std::vector<char> pool_buf;
@@ -67,14 +70,15 @@ void KvWrite::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& rows,
                    mx::StreamOrDevice s) {
-  if (pool.ndim() != 3 || rows.ndim() != 3 || slots.ndim() != 1)
-    throw std::invalid_argument("kv_write: pool (H, S, D), slots (N,), rows (H, N, D)");
-  if (rows.shape(0) != pool.shape(0) || rows.shape(2) != pool.shape(2) ||
-      rows.shape(1) != slots.shape(0))
-    throw std::invalid_argument("kv_write: rows must be (H, N, D) for a pool (H, S, D)");
+  bool fits = pool.ndim() >= 3 && rows.ndim() == pool.ndim() && slots.ndim() == 1 &&
+              rows.shape(0) == pool.shape(0) && rows.shape(1) == slots.shape(0);
+  for (int i = 2; fits && i < pool.ndim(); ++i) fits = rows.shape(i) == pool.shape(i);
+  if (!fits)
+    throw std::invalid_argument("kv_write: pool (H, S, ...), slots (N,), rows (H, N, ...)");
   if (slots.dtype() != mx::int32) throw std::invalid_argument("kv_write: slots must be int32");
-  if (!is_float_dtype(pool.dtype()) || !is_float_dtype(rows.dtype()))
-    throw std::invalid_argument("kv_write: pool and rows must be float32/float16/bfloat16");
+  const bool floats = is_float_dtype(pool.dtype()) && is_float_dtype(rows.dtype());
+  if (rows.dtype() != pool.dtype() && !floats)
+    throw std::invalid_argument("kv_write: rows must have the pool's dtype, or both be float");
   auto stream = mx::to_stream(s, mx::Device::cpu);
   return mx::array(pool.shape(), pool.dtype(), std::make_shared<KvWrite>(stream),
                    {pool, slots, rows});

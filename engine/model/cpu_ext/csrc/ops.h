@@ -40,8 +40,9 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
                           bool rotate_queries = false, bool unrotate_out = false,
                           int block_size = 0, mx::StreamOrDevice s = {});
 
-// `pool` (H, S, D) with rows (H, N, D) written at `slots` (N,): one node, in
-// place when the pool is donated (kv_write.cpp).
+// `pool` (H, S, ...) with rows (H, N, ...) written at `slots` (N,): one node, in place
+// when the pool is donated (kv_write.cpp). Float rows are cast to a float pool's dtype;
+// any other pool takes rows of its own dtype.
 mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& rows,
                    mx::StreamOrDevice s = {});
 
