@@ -42,6 +42,16 @@ def kv_writers(loaded) -> dict:
     return {"row_writer": kv_write, "quant_writer": kv_write_quant}
 
 
+def residual_writers(loaded) -> dict:
+    """`ResidualKVCache`'s writers: `kv_writers` and the one-op per-channel key quantization
+    of filled blocks, or none."""
+    if not loaded.cpu_ext:
+        return {**kv_writers(loaded), "channel_quant": None}
+    from engine.model.cpu_ext.ops import channel_quant
+
+    return {**kv_writers(loaded), "channel_quant": channel_quant}
+
+
 def kv_quant(config: EngineConfig, head_dim: int) -> tuple[QuantSpec | None, QuantSpec | None,
                                                           str | None, str | None]:
     """(K format, V format, a dtype override, a notice) from the config's bits.
@@ -181,7 +191,7 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
         raise KVChatError(f"the residual KV formats run sliding-window layers at head dim "
                           f"{dims} only (this model's is {layout.head_dim}); use --kv-bits")
     if layout.residual:
-        kv = ResidualKVCache(layout, num_blocks, kv_writers(loaded)["row_writer"])
+        kv = ResidualKVCache(layout, num_blocks, **residual_writers(loaded))
     else:
         kv = PagedKVCache(layout, num_blocks, **kv_writers(loaded), window=window,
                           windowed=windowed)

@@ -89,3 +89,28 @@ def test_the_row_writer_copies_blocks_of_codes_as_they_are(ext):
         ops.kv_write(pool, at, new.astype(mx.float16))
     with pytest.raises(ValueError, match="rows"):
         ops.kv_write(pool, at, new[:, :, :32])
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rotation", [0, 1])
+def test_channel_quant_equals_mlxs_ops_bit_for_bit(ext, dtype, bits, rotation):
+    """The one-op per-channel key quantization of filled residual blocks: the bytes
+    `quantize_channels` stores from the same (rotated) rows, a constant channel too."""
+    from engine.kvcache import channel_quant
+    from engine.kvcache import rotation as rot
+
+    H, R, bs, D = 3, 6, 16, 64
+    rng = np.random.default_rng(bits + rotation)
+    res = rng.standard_normal((H, R * bs, D)) * np.where(np.arange(D) % 13 == 0, 20.0, 1.0)
+    res[:, :, 5] = 0.75  # one channel constant over every block
+    res = mx.array(res.astype(np.float32)).astype(dtype)
+    at = mx.array([4, 1, 2], dtype=mx.int32)
+    got = ops.channel_quant(res, at, bs, bits, bool(rotation))
+    rows = res.reshape(H, R, bs, D)[:, at]
+    if rotation:
+        rows = rot.rotate(rows.reshape(H, -1, D)).reshape(rows.shape)
+    want = channel_quant.quantize_channels(rows, bits)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert mx.array_equal(g, w).item()

@@ -32,7 +32,7 @@ from engine.kvcache.prefix_key import salt_base
 from engine.kvcache.residual import ResidualKVCache
 from engine.model.loader import LoadedModel
 from engine.model.model_runner import PagedModel
-from engine.wiring import check_kv_budget, kv_writers
+from engine.wiring import check_kv_budget, kv_writers, residual_writers
 
 
 class Worker:
@@ -82,7 +82,7 @@ class Worker:
         self.ledger = BlockLedger(hello.num_blocks, layout.block_size)
         if layout.residual:  # as rank 0's, its filling blocks' rows freed by the ledger
             self.kv = ResidualKVCache(layout, hello.num_blocks,
-                                      kv_writers(self.loaded)["row_writer"],
+                                      **residual_writers(self.loaded),
                                       free_ids=self.ledger.free_ids)
         else:
             self.kv = PagedKVCache(layout, hello.num_blocks, **kv_writers(self.loaded))

@@ -42,11 +42,15 @@ class ResidualKVCache(ResidualTransfer, PagedKVCache):
     """A `PagedKVCache` whose blocks are quantized when they fill (see the module)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, row_writer=None, *,
+                 quant_writer=None, channel_quant=None,
                  free_ids: Callable[[], Iterable[int]] | None = None):
         if not (layout.residual and layout.k_quant and layout.v_quant):
             raise ValueError("a residual pool needs a residual layout quantizing K and V")
-        # row_writer (the extension's one-op `kv_write`) writes the side store's rows
-        super().__init__(layout, num_blocks, row_writer)
+        # the extension's one-op writes (`wiring.kv_writers`): row_writer the side store's
+        # rows and every store's blocks, quant_writer per-token rows, channel_quant the
+        # per-channel keys of filled blocks; without them MLX's indexing and ops
+        super().__init__(layout, num_blocks, row_writer, quant_writer=quant_writer)
+        self.channel_quant = channel_quant
         self.free_ids = free_ids  # the block manager's free blocks (wiring sets it)
         self._res_of = np.full(num_blocks, -1, dtype=np.int64)
         self._free_rows: list[int] = []
@@ -160,18 +164,28 @@ class ResidualKVCache(ResidualTransfer, PagedKVCache):
         H, bs, D = L.num_kv_heads, L.block_size, L.head_dim
         at = mx.array(rows, dtype=mx.int32)
         slots = mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32)
-        k = self.res_keys[layer].reshape(H, -1, bs, D)[:, at]  # (H, n, bs, D)
-        v = self.res_values[layer].reshape(H, -1, bs, D)[:, at].reshape(H, -1, D)
+        res_rows = mx.array([r * bs + i for r in rows for i in range(bs)], dtype=mx.int32)
+        k = self.res_keys[layer][:, res_rows]  # (H, n * bs, D)
         if L.key_channel:
-            if L.k_quant.rotation:  # rows rotated over the head dim, then grouped by channel
-                k = rotation.rotate(k.reshape(H, -1, D)).reshape(k.shape)
             ids = mx.array(blocks, dtype=mx.int32)
-            self.keys[layer] = self._store(self.keys[layer], ids,
-                                           channel_quant.quantize_channels(k, L.k_quant.bits))
+            if self.channel_quant is not None:
+                parts = self.channel_quant(self.res_keys[layer], at, bs, L.k_quant.bits,
+                                           bool(L.k_quant.rotation))
+            else:  # rows rotated over the head dim, then grouped by channel
+                k = rotation.rotate(k) if L.k_quant.rotation else k
+                parts = channel_quant.quantize_channels(k.reshape(H, -1, bs, D), L.k_quant.bits)
+            self.keys[layer] = self._store(self.keys[layer], ids, parts)
         else:
-            self.keys[layer] = self._store(self.keys[layer], slots,
-                                           _quantize(k.reshape(H, -1, D), L.k_quant))
-        self.values[layer] = self._store(self.values[layer], slots, _quantize(v, L.v_quant))
+            self.keys[layer] = self._quantized(self.keys[layer], slots, k, L.k_quant)
+        self.values[layer] = self._quantized(self.values[layer], slots,
+                                             self.res_values[layer][:, res_rows], L.v_quant)
+
+    def _quantized(self, store: tuple, slots: mx.array, rows: mx.array, quant) -> tuple:
+        """``store`` with ``rows`` quantized per token at ``slots``: the one-op quantized
+        write where there is one (bit for bit `_quantize`'s bytes)."""
+        if self.quant_writer is not None and self.row_writer is not None:
+            return self.quant_writer(store, slots, rows, quant)
+        return self._store(store, slots, _quantize(rows, quant))
 
     def _store(self, store: tuple, at: mx.array, parts) -> tuple:
         """``store``'s parts with ``parts`` written at ``at`` (their second axis): new arrays

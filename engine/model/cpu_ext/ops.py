@@ -46,6 +46,18 @@ def kv_write(pool: mx.array, slots: mx.array, rows: mx.array) -> mx.array:
     return build.require().kv_write(pool, slots, rows)
 
 
+def channel_quant(res: mx.array, at: mx.array, block_size: int, bits: int,
+                  rotation: bool) -> tuple[mx.array, mx.array, mx.array]:
+    """Per-channel key codes, scales and biases of the blocks whose residual rows are ``at``
+    in ``res`` (H, rows * block_size, D): one op, bit for bit what
+    `channel_quant.quantize_channels` stores from those rows (rotated first when asked)."""
+    from engine.kvcache import rotation as rot
+
+    signs = rot.signs(res.shape[-1]) if rotation else None
+    return tuple(build.require().channel_quant(res, at.astype(mx.int32), block_size=block_size,
+                                               bits=bits, signs=signs))
+
+
 def kv_write_quant(store: tuple[mx.array, mx.array, mx.array], slots: mx.array,
                    rows: mx.array, quant) -> tuple[mx.array, mx.array, mx.array]:
     """A quantized pool's (packed rows, scales, biases), each (H, S, ·), with ``rows``

@@ -93,6 +93,9 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "stream"_a = nb::none(),
         "pool (H, S, D) with rows (H, N, D) written at slots (N,): one op, in place when\n"
         "the pool is donated.");
+  m.def("channel_quant", &kvchat::channel_quant, "res"_a, "at"_a, nb::kw_only(),
+        "block_size"_a, "bits"_a, "signs"_a = nb::none(), "stream"_a = nb::none(),
+        "Per-channel key quantization of filled residual blocks -> [codes, scales, biases].");
   m.def(
       "layer_head",
       [](const mx::array& h, const mx::array& norm, const std::vector<mx::array>& qkv,

@@ -46,6 +46,14 @@ mx::array paged_attention(const mx::array& queries, const mx::array& k, const mx
 mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& rows,
                    mx::StreamOrDevice s = {});
 
+// Per-channel key quantization of the blocks a residual pool's write filled: residual
+// rows res (H, R * block_size, D) at block rows `at` (n,), rotated when signs are given ->
+// [codes (H, n, D, block_size * bits / 8) uint8, scales, biases (H, n, D) float16], bit for
+// bit `channel_quant.quantize_channels` of `rotation.rotate`'s rows (channel_quant.cpp).
+std::vector<mx::array> channel_quant(const mx::array& res, const mx::array& at, int block_size,
+                                     int bits, const std::optional<mx::array>& signs,
+                                     mx::StreamOrDevice s = {});
+
 // Each row's greedy token where it provably equals mlx-lm's
 // argmax(logits - logsumexp(logits)), else -1 (greedy.cpp): (rows, vocab) -> int32.
 mx::array greedy_pick(const mx::array& logits, mx::StreamOrDevice s = {});
