@@ -1,7 +1,7 @@
 """Decode on a float16 vs a quantized KV pool at a long context, side by side in one run.
 
     .venv/bin/python scripts/bench_kv_formats.py [--ctx 4096] [--rounds 3] [--gen 32]
-        [--only kernel|prefill|step|decode]
+        [--only kernel|prefill|step|decode|ttft]
         [--formats f16,q8,k8v4,q4,q8-kivi,k8v4-kivi,q4-kivi]
         [--streams N]
 
@@ -15,7 +15,10 @@
 4. decode: engine decode tok/s (``Engine.generate``, the prompt served from the prefix
    cache after the first round), --gen tokens, interleaved rounds, best and median; with
    --streams N, N sequences of --ctx tokens (each its own blocks) decoding together, their
-   generated tokens over the wall time.
+   generated tokens over the wall time;
+5. ttft: time to first token of a --ctx + 15-token prompt on a fresh engine per format:
+   cold, then the same prompt again (its full blocks from the prefix cache in RAM, the
+   last 15 tokens prefilled again), each round.
 
 Every section measures the formats interleaved, round after round: the build machines are
 shared 2-core VMs, and only figures taken side by side compare. The load average is printed.
@@ -126,8 +129,10 @@ def _prefill_case(name: str, L: int, ctx: int, rows: list[mx.array]) -> tuple[fl
     kivi = name.endswith("-kivi")
     layout = KVLayout(1, Hkv, D, bs, mx.float16, _quant(kb, name), _quant(vb, name),
                       residual=kivi, key_channel=kivi)
-    cache = (ResidualKVCache(layout, nb) if kivi else
-             PagedKVCache(layout, nb, ops.kv_write, quant_writer=ops.kv_write_quant))
+    writers = dict(quant_writer=ops.kv_write_quant)  # the engine's, as `wiring` gives them
+    cache = (ResidualKVCache(layout, nb, ops.kv_write, channel_quant=ops.channel_quant,
+                             **writers) if kivi else
+             PagedKVCache(layout, nb, ops.kv_write, **writers))
     for lo, hi in ((0, ctx - L), (ctx - L, ctx)):  # the chunk's write timed
         t = time.perf_counter()
         cache.write(0, mx.arange(lo, hi, dtype=mx.int32), *(r[:, lo:hi] for r in rows))
@@ -259,12 +264,31 @@ def bench_decode(engs: dict[str, Engine], ctx: int, gen: int, rounds: int,
     print(f"({load()})")
 
 
+def bench_ttft(names: list[str], ctx: int, rounds: int) -> None:
+    print(f"== time to first token, a {ctx + 15}-token prompt, a fresh engine per format: "
+          f"cold, then again from the prefix cache; {rounds} interleaved rounds ({load()})")
+    loaded = load_model()
+    ids = loaded.tokenizer.encode(TEXT)[:ctx + 15]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for r in range(rounds):
+        for name, eng in engines(names, ctx).items():
+            prompt = [1000 + r] + ids[1:]  # a new first token each round: nothing cached
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                eng.generate_text(prompt, params)
+                times.append(time.perf_counter() - t)
+            print(f"{name:9s} round {r}: cold {times[0]:6.2f} s, cached {times[1] * 1e3:6.1f} "
+                  f"/ {times[2] * 1e3:6.1f} ms", flush=True)
+            eng.shutdown()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ctx", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--gen", type=int, default=32)
-    p.add_argument("--only", choices=["kernel", "prefill", "step", "decode"])
+    p.add_argument("--only", choices=["kernel", "prefill", "step", "decode", "ttft"])
     p.add_argument("--formats", default="f16,q8,k8v4,q4")
     p.add_argument("--streams", type=int, default=1,
                    help="decode: this many sequences of --ctx tokens each, decoding together")
@@ -276,6 +300,8 @@ def main() -> None:
         bench_kernel(names, args.ctx, args.rounds)
     if args.only in (None, "prefill"):
         bench_prefill(names, args.ctx, args.rounds)
+    if args.only == "ttft":
+        bench_ttft(names, args.ctx, args.rounds)
     if args.only in ("step", "decode", None):
         engs = engines(names, args.ctx, args.streams)
         if args.only in (None, "step"):

@@ -165,18 +165,19 @@ class ResidualKVCache(ResidualTransfer, PagedKVCache):
         at = mx.array(rows, dtype=mx.int32)
         slots = mx.array([b * bs + i for b in blocks for i in range(bs)], dtype=mx.int32)
         res_rows = mx.array([r * bs + i for r in rows for i in range(bs)], dtype=mx.int32)
-        k = self.res_keys[layer][:, res_rows]  # (H, n * bs, D)
+        if L.key_channel and self.channel_quant is not None:  # gathered inside the op
+            parts = self.channel_quant(self.res_keys[layer], at, bs, L.k_quant.bits,
+                                       bool(L.k_quant.rotation))
+        elif L.key_channel:  # rows rotated over the head dim, then grouped by channel
+            k = self.res_keys[layer][:, res_rows]
+            k = rotation.rotate(k) if L.k_quant.rotation else k
+            parts = channel_quant.quantize_channels(k.reshape(H, -1, bs, D), L.k_quant.bits)
         if L.key_channel:
             ids = mx.array(blocks, dtype=mx.int32)
-            if self.channel_quant is not None:
-                parts = self.channel_quant(self.res_keys[layer], at, bs, L.k_quant.bits,
-                                           bool(L.k_quant.rotation))
-            else:  # rows rotated over the head dim, then grouped by channel
-                k = rotation.rotate(k) if L.k_quant.rotation else k
-                parts = channel_quant.quantize_channels(k.reshape(H, -1, bs, D), L.k_quant.bits)
             self.keys[layer] = self._store(self.keys[layer], ids, parts)
         else:
-            self.keys[layer] = self._quantized(self.keys[layer], slots, k, L.k_quant)
+            self.keys[layer] = self._quantized(self.keys[layer], slots,
+                                               self.res_keys[layer][:, res_rows], L.k_quant)
         self.values[layer] = self._quantized(self.values[layer], slots,
                                              self.res_values[layer][:, res_rows], L.v_quant)
 

@@ -74,7 +74,8 @@ mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::arra
               rows.shape(0) == pool.shape(0) && rows.shape(1) == slots.shape(0);
   for (int i = 2; fits && i < pool.ndim(); ++i) fits = rows.shape(i) == pool.shape(i);
   if (!fits)
-    throw std::invalid_argument("kv_write: pool (H, S, ...), slots (N,), rows (H, N, ...)");
+    throw std::invalid_argument("kv_write: rows must be (H, N, ...) for a pool (H, S, ...) "
+                                "and slots (N,)");
   if (slots.dtype() != mx::int32) throw std::invalid_argument("kv_write: slots must be int32");
   const bool floats = is_float_dtype(pool.dtype()) && is_float_dtype(rows.dtype());
   if (rows.dtype() != pool.dtype() && !floats)
