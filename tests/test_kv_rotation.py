@@ -119,3 +119,25 @@ def test_rotate_is_the_matrix_product_on_either_path(head_dim, path, monkeypatch
                                atol=1e-5)
     half = x.astype(mx.float16)
     assert rotation.rotate(half).dtype == mx.float16  # rounded back to the rows' dtype
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 96, 48, 40])
+def test_the_extensions_rotation_is_the_butterflies_bit_for_bit(head_dim):
+    """Stored rows must rotate back the same way forever: the extension's transform (vector
+    lanes where the blocks allow, else scalar) gives exactly the float32 butterflies of
+    `kvcache.rotation`'s definition, in their order."""
+    if rotation._extension() is None:
+        pytest.skip("CPU extension unavailable")
+    x = np.random.default_rng(head_dim).standard_normal((7, head_dim)).astype(np.float32)
+    signs = np.array(rotation.signs(head_dim))
+    n = rotation_block(head_dim)
+    y = x * signs
+    for b0 in range(0, head_dim, n):
+        length = 1
+        while length < n:
+            for i in range(b0, b0 + n, 2 * length):
+                a, b = y[:, i:i + length].copy(), y[:, i + length:i + 2 * length].copy()
+                y[:, i:i + length], y[:, i + length:i + 2 * length] = a + b, a - b
+            length *= 2
+    y = y * np.float32(1 / np.sqrt(np.float32(n)))
+    assert np.array_equal(np.array(rotation.rotate(mx.array(x))), y)

@@ -33,12 +33,15 @@ inline vf lane_stage(vf x) {
   return partner + sign * x;
 }
 
-void hadamard_scalar(float* y, int D, int n) {
-  for (int b0 = 0; b0 < D; b0 += n)
+// The butterflies of each block of n elements of y (count in all): floats, or vectors for
+// the stages between vectors.
+template <class T>
+void butterflies(T* y, int count, int n) {
+  for (int b0 = 0; b0 < count; b0 += n)
     for (int len = 1; len < n; len <<= 1)
       for (int i = b0; i < b0 + n; i += 2 * len)
         for (int j = i; j < i + len; ++j) {
-          const float a = y[j], b = y[j + len];
+          const T a = y[j], b = y[j + len];
           y[j] = a + b;
           y[j + len] = a - b;
         }
@@ -51,7 +54,7 @@ void hadamard_row(const float* x, float* y, int D, const float* signs, bool inve
   const float norm = 1.0f / std::sqrt(float(n));
   if (n % W != 0 || D > 256) {  // blocks narrower than a vector (or rows past 256): scalar
     for (int c = 0; c < D; ++c) y[c] = inverse ? x[c] : x[c] * signs[c];
-    hadamard_scalar(y, D, n);
+    butterflies(y, D, n);
     for (int c = 0; c < D; ++c) y[c] *= inverse ? norm * signs[c] : norm;
     return;
   }
@@ -64,14 +67,7 @@ void hadamard_row(const float* x, float* y, int D, const float* signs, bool inve
     if (!inverse) v[j] *= load(signs + j * W);
     v[j] = lane_stage<8>(lane_stage<4>(lane_stage<2>(lane_stage<1>(v[j]))));
   }
-  for (int b0 = 0; b0 < nv; b0 += bv)
-    for (int len = 1; len < bv; len <<= 1)
-      for (int i = b0; i < b0 + bv; i += 2 * len)
-        for (int j = i; j < i + len; ++j) {
-          const vf a = v[j], b = v[j + len];
-          v[j] = a + b;
-          v[j + len] = a - b;
-        }
+  butterflies(v, nv, bv);
   for (int j = 0; j < nv; ++j) {
     vf out = v[j] * splat(norm);
     if (inverse) out *= load(signs + j * W);
