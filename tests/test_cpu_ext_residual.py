@@ -275,3 +275,33 @@ def test_a_prefill_query_computes_alike_however_its_prompt_is_cut():
     bad = mx.array([[0, 1, 2, 3, 4, 10_000]], dtype=mx.int32)
     out = cpu_residual.launch(q[:, :, 80:], *kv.block_view(0), bad, [90], AttentionSpec(0.125))
     assert mx.all(mx.isnan(out)).item()
+
+
+def test_stores_as_kept_read_as_their_blocks():
+    """The layer stack passes the per-row stores 3-d as kept, (H, blocks * BS, .), with the
+    block size, so no reshape node stands between a write and the op: same bits as the
+    4-d views; a store whose rows do not fill whole blocks is refused."""
+    kv, table = make_pool(LENS, 4, 4, 1, seed=3)
+    kp, vp = kv.block_view(0)
+    q = mx.random.normal((len(LENS), 9, 1, 64), key=mx.random.key(8))
+    kq, vq = kp.quantized, vp.quantized
+    op = cpu_residual.build.require().paged_residual
+
+    def call(block_size, flat, **kw):
+        def view(a):
+            return a.reshape(a.shape[0], -1, a.shape[-1]) if flat else a
+        return op(
+            q, kq.data, kq.scales, kq.biases, view(vq.data), view(vq.scales), view(vq.biases),
+            view(kw.get("res_k", kp.residual)), view(kp.residual if "res_k" in kw
+                                                     else vp.residual),
+            kp.res_map.astype(mx.int32), table, mx.array(LENS, dtype=mx.int32), scale=0.125,
+            k_bits=4, v_bits=4, v_group=64, rotation=rotation.signs(64), rotate_k=True,
+            rotate_v=True, block_size=block_size)
+
+    assert mx.array_equal(call(BS, True), call(0, False)).item()
+    check(call(BS, True), oracle(q, kv, table, LENS, 0.125), 5e-5)
+    with pytest.raises(ValueError, match="other stores 3-d"):
+        call(BS, False)  # 4-d views where 3-d stores are declared
+    short = kp.residual.reshape(3, -1, 64)[:, :-1]  # one row short of whole blocks
+    with pytest.raises(ValueError, match="res_k and res_v"):
+        call(BS, True, res_k=short)

@@ -73,10 +73,12 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "k_scales"_a, "k_biases"_a, "v_rows"_a, "v_scales"_a, "v_biases"_a, "res_k"_a,
         "res_v"_a, "res_map"_a, "block_tables"_a, "context_lens"_a, nb::kw_only(), "scale"_a,
         "k_bits"_a, "v_bits"_a, "v_group"_a, "sinks"_a = nb::none(), "rotation"_a = nb::none(),
-        "rotate_k"_a = false, "rotate_v"_a = false, "window"_a = 0, "stream"_a = nb::none(),
+        "rotate_k"_a = false, "rotate_v"_a = false, "window"_a = 0, "block_size"_a = 0,
+        "stream"_a = nb::none(),
         "Attention of each sequence's L newest queries (decode: L = 1; prefill: causal) over\n"
         "a residual-format pool (engine/kvcache/residual.py): the blocks before a query's\n"
-        "own quantized (keys per channel, values per token), its own block exact.");
+        "own quantized (keys per channel, values per token), its own block exact; per-row\n"
+        "stores 3-d as kept (H, blocks * block_size, .) with block_size given.");
   m.def("rms_norm", &kvchat::rms_norm, "x"_a, "weight"_a, nb::kw_only(), "eps"_a,
         "stream"_a = nb::none(), "RMSNorm over the last axis (mx.fast.rms_norm), one op.");
   m.def("rope", &kvchat::rope, "x"_a, "offsets"_a, nb::kw_only(), "dims"_a, "traditional"_a,

@@ -22,11 +22,6 @@ const mx::array& stored(const mx::array& a, int size) {
   return a;
 }
 
-// (H, blocks * size, W) as (H, blocks, size, W), for the residual kernel.
-mx::array blocks_of(const mx::array& a, int size) {
-  return mx::reshape(stored(a, size), {a.shape(0), a.shape(1) / size, size, a.shape(2)});
-}
-
 size_t parts_of(int kind) {
   return kind == 0 ? 1 : kind == 1 ? 3 : 4;
 }
@@ -78,11 +73,11 @@ std::tuple<mx::array, LayerStack::Sides, LayerStack::Sides> LayerStack::run(
     } else {  // full blocks as stored; only the residual rows take this step's K/V
       k[3] = kv_write(k[3], slots, qkv[1]);
       v[3] = kv_write(v[3], slots, qkv[2]);
-      att = paged_residual(
-          qkv[0], k[0], k[1], k[2], blocks_of(v[0], block_size_), blocks_of(v[1], block_size_),
-          blocks_of(v[2], block_size_), blocks_of(k[3], block_size_),
-          blocks_of(v[3], block_size_), *kv.res_map, block_tables, context_lens, L.scale,
-          kv.k_bits, kv.v_bits, kv.v_group, none, rot, kv.rotate_k, kv.rotate_v);
+      att = paged_residual(qkv[0], k[0], k[1], k[2], stored(v[0], block_size_),
+                           stored(v[1], block_size_), stored(v[2], block_size_),
+                           stored(k[3], block_size_), stored(v[3], block_size_), *kv.res_map,
+                           block_tables, context_lens, L.scale, kv.k_bits, kv.v_bits,
+                           kv.v_group, none, rot, kv.rotate_k, kv.rotate_v, 0, block_size_);
     }
     h = layer_tail(h, att, L.o, L.post_norm, L.gate_up, L.down, L.post_eps, L.o_spec,
                    L.gate_up_spec, L.down_spec);

@@ -21,7 +21,7 @@ namespace {
 
 struct Flags {
   float scale;
-  int k_bits, v_bits, v_group, window;
+  int k_bits, v_bits, v_group, window, block_size;
   bool sinks, rotate_k, rotate_v;
 };
 
@@ -38,7 +38,7 @@ void run(const std::vector<mx::array>& in, mx::array& out, const Flags& f) {
   const int L = queries.shape(2);
   pb.Hkv = in[1].shape(0);
   pb.num_blocks = in[1].shape(1);
-  pb.BS = in[4].shape(2);
+  pb.BS = f.block_size > 0 ? f.block_size : in[4].shape(2);  // 3-d stores: (H, nb * BS, .)
   const int64_t q_size = int64_t(pb.B) * pb.Hq * L * pb.D;
   const float* q = rows_as_float(queries, q_buf);
   std::vector<float> qp(q, q + q_size), qk;
@@ -64,7 +64,7 @@ void run(const std::vector<mx::array>& in, mx::array& out, const Flags& f) {
   pb.res_k = row_major(in[7], bufs[7]);
   pb.res_v = row_major(in[8], bufs[8]);
   pb.res_elem = elem_of(in[7].dtype());
-  pb.nres = in[7].shape(1);
+  pb.nres = f.block_size > 0 ? in[7].shape(1) / pb.BS : in[7].shape(1);
   pb.res_map = static_cast<const int32_t*>(row_major(in[9], bufs[9]));
   pb.tables = static_cast<const int32_t*>(row_major(in[10], bufs[10]));
   pb.table_width = in[10].shape(1);
@@ -100,7 +100,8 @@ void PagedResidual::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
-  const Flags f{scale_, k_bits_, v_bits_, v_group_, window_, sinks_, rotate_k_, rotate_v_};
+  const Flags f{scale_, k_bits_, v_bits_, v_group_, window_, block_size_,
+                sinks_, rotate_k_, rotate_v_};
   encoder.dispatch([inputs, out, f]() mutable { guarded(out, [&] { run(inputs, out, f); }); });
 }
 
@@ -112,7 +113,7 @@ bool PagedResidual::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const PagedResidual&>(other);
   return scale_ == o.scale_ && k_bits_ == o.k_bits_ && v_bits_ == o.v_bits_ &&
          v_group_ == o.v_group_ && sinks_ == o.sinks_ && rotate_k_ == o.rotate_k_ &&
-         rotate_v_ == o.rotate_v_ && window_ == o.window_;
+         rotate_v_ == o.rotate_v_ && window_ == o.window_ && block_size_ == o.block_size_;
 }
 
 mx::array paged_residual(
@@ -122,12 +123,23 @@ mx::array paged_residual(
     const mx::array& res_map, const mx::array& block_tables, const mx::array& context_lens,
     float scale, int k_bits, int v_bits, int v_group, const std::optional<mx::array>& sinks,
     const std::optional<mx::array>& rotation, bool rotate_k, bool rotate_v, int window,
-    mx::StreamOrDevice s) {
+    int block_size, mx::StreamOrDevice s) {
   check(queries.ndim() == 4 && queries.shape(2) >= 1 && is_float_dtype(queries.dtype()),
         "queries must be float (B, Hq, L, D)");
   const int B = queries.shape(0), Hq = queries.shape(1), D = queries.shape(3);
-  check(k_codes.ndim() == 4 && v_rows.ndim() == 4, "pools must be 4-d");
-  const int Hkv = k_codes.shape(0), nb = k_codes.shape(1), BS = v_rows.shape(2);
+  check(block_size >= 0, "block_size must be >= 0");
+  // block_size > 0: the per-row stores 3-d as kept, (H, blocks * block_size, .); each is
+  // checked through its 4-d shape (H, blocks, block_size, .), the layout the kernel reads
+  const int rows_ndim = block_size > 0 ? 3 : 4;
+  check(k_codes.ndim() == 4 && v_rows.ndim() == rows_ndim && res_k.ndim() == rows_ndim,
+        block_size > 0 ? "k_codes must be 4-d, the other stores 3-d (H, blocks * block_size, .)"
+                       : "pools must be 4-d");
+  auto blocked = [block_size](const mx::array& a) {
+    if (block_size == 0 || a.ndim() != 3 || a.shape(1) % block_size != 0) return a.shape();
+    return mx::Shape({a.shape(0), a.shape(1) / block_size, block_size, a.shape(2)});
+  };
+  const int Hkv = k_codes.shape(0), nb = k_codes.shape(1);
+  const int BS = block_size > 0 ? block_size : v_rows.shape(2);
   check((D == kResidualHeadDims[0] || D == kResidualHeadDims[1]) && Hkv > 0 && Hq % Hkv == 0,
         "head dim must be 64 or 128 and Hq a multiple of Hkv");
   check(BS > 0 && BS % W == 0, "block size must be a multiple of 16");
@@ -139,15 +151,16 @@ mx::array paged_residual(
         "k_scales and k_biases must be float (Hkv, num_blocks, D)");
   check((v_bits == 4 || v_bits == 8) && v_group > 0 && v_group % 32 == 0 && D % v_group == 0 &&
             v_rows.dtype() == mx::uint32 &&
-            v_rows.shape() == mx::Shape({Hkv, nb, BS, D * v_bits / 32}),
+            blocked(v_rows) == mx::Shape({Hkv, nb, BS, D * v_bits / 32}),
         "v_rows must be packed uint32 (Hkv, num_blocks, block_size, D * v_bits / 32)");
   check(is_float_dtype(v_scales.dtype()) && v_biases.dtype() == v_scales.dtype() &&
-            v_scales.shape() == mx::Shape({Hkv, nb, BS, D / v_group}) &&
+            blocked(v_scales) == mx::Shape({Hkv, nb, BS, D / v_group}) &&
             v_biases.shape() == v_scales.shape(),
         "v_scales and v_biases must be float (Hkv, num_blocks, block_size, D / v_group)");
-  check(is_float_dtype(res_k.dtype()) && res_v.dtype() == res_k.dtype() && res_k.ndim() == 4 &&
-            res_k.shape(0) == Hkv && res_k.shape(2) == BS && res_k.shape(3) == D &&
-            res_v.shape() == res_k.shape(),
+  const mx::Shape res_shape = blocked(res_k);
+  check(is_float_dtype(res_k.dtype()) && res_v.dtype() == res_k.dtype() &&
+            res_shape.size() == 4 && res_shape[0] == Hkv && res_shape[2] == BS &&
+            res_shape[3] == D && res_v.shape() == res_k.shape(),
         "res_k and res_v must be float (Hkv, num_residual, block_size, D)");
   check(res_map.ndim() == 1 && res_map.shape(0) == nb && res_map.dtype() == mx::int32,
         "res_map must be int32 (num_blocks,)");
@@ -170,8 +183,8 @@ mx::array paged_residual(
   if (sinks) inputs.push_back(mx::astype(*sinks, mx::float32, stream));
   return mx::array(queries.shape(), queries.dtype(),
                    std::make_shared<PagedResidual>(stream, scale, k_bits, v_bits, v_group,
-                                                         window, bool(sinks), rotate_k,
-                                                         rotate_v),
+                                                   window, block_size, bool(sinks), rotate_k,
+                                                   rotate_v),
                    std::move(inputs));
 }
 

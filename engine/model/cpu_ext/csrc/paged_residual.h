@@ -22,7 +22,8 @@ namespace mx = mlx::core;
 // A row's own (newest) block is read exact where res_map maps it, every other block
 // quantized (the rule is by position); window > 0: a row sees its last `window` positions
 // only. rotate_k / rotate_v: the quantized side is stored
-// times R (`rotation`: R's (D,) signs); the residual rows never are.
+// times R (`rotation`: R's (D,) signs); the residual rows never are. block_size > 0: v_rows,
+// v_scales, v_biases, res_k and res_v come 3-d as stored, (H, blocks * block_size, .).
 mx::array paged_residual(
     const mx::array& queries, const mx::array& k_codes, const mx::array& k_scales,
     const mx::array& k_biases, const mx::array& v_rows, const mx::array& v_scales,
@@ -31,15 +32,15 @@ mx::array paged_residual(
     float scale, int k_bits, int v_bits, int v_group,
     const std::optional<mx::array>& sinks = std::nullopt,
     const std::optional<mx::array>& rotation = std::nullopt, bool rotate_k = false,
-    bool rotate_v = false, int window = 0, mx::StreamOrDevice s = {});
+    bool rotate_v = false, int window = 0, int block_size = 0, mx::StreamOrDevice s = {});
 
 class PagedResidual : public mx::UnaryPrimitive {
  public:
   PagedResidual(mx::Stream stream, float scale, int k_bits, int v_bits, int v_group,
-                      int window, bool sinks, bool rotate_k, bool rotate_v)
+                int window, int block_size, bool sinks, bool rotate_k, bool rotate_v)
       : mx::UnaryPrimitive(stream), scale_(scale), k_bits_(k_bits), v_bits_(v_bits),
-        v_group_(v_group), window_(window), sinks_(sinks), rotate_k_(rotate_k),
-        rotate_v_(rotate_v) {}
+        v_group_(v_group), window_(window), block_size_(block_size), sinks_(sinks),
+        rotate_k_(rotate_k), rotate_v_(rotate_v) {}
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   const char* name() const override {
@@ -49,7 +50,7 @@ class PagedResidual : public mx::UnaryPrimitive {
 
  private:
   float scale_;
-  int k_bits_, v_bits_, v_group_, window_;
+  int k_bits_, v_bits_, v_group_, window_, block_size_;
   bool sinks_, rotate_k_, rotate_v_;
 };
 
