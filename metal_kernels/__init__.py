@@ -7,6 +7,8 @@
   (split-K) variant for long contexts: partial softmax per partition of
   tokens, one threadgroup serving all query heads of a KV head (shared K/V
   loads), then a merge of the partitions;
+- `paged_residual.metal`: decode over a residual-format pool (keys per channel within a
+  block, values per token, each row's own block exact from the residual rows);
 - `metal_backend.h` / `cuda_backend.h`: per-backend builtins and helpers;
 - `common.h`: backend-neutral helpers, placed after the backend header,
   among them the K/V row reader that dequantizes in registers.

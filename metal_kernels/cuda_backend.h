@@ -50,6 +50,11 @@ PA_FN float pa_exp(float x) {
   return expf(x);
 }
 
+// A quiet NaN: a kernel's answer for a call it cannot read (a bad block id).
+PA_FN float pa_nan() {
+  return __int_as_float(0x7fc00000);
+}
+
 PA_FN float pa_to_float(float x) {
   return x;
 }

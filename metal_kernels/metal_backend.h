@@ -15,6 +15,11 @@ PA_FN float pa_exp(float x) {
   return metal::exp(x);
 }
 
+// A quiet NaN: a kernel's answer for a call it cannot read (a bad block id).
+PA_FN float pa_nan() {
+  return as_type<float>(0x7fc00000u);
+}
+
 template <typename U>
 PA_FN float pa_to_float(U x) {
   return static_cast<float>(x);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <bit>
 #include <cmath>
 
 #include "shim_runtime.h"
@@ -79,6 +80,7 @@ inline float __bfloat162float(__nv_bfloat16 b) { return float(b); }
 inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
 inline float __expf(float x) { return std::exp(x); }
+inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
 // expf comes from <cmath> (global namespace).
 
 namespace cuda::std {

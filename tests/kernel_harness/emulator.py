@@ -142,6 +142,7 @@ _CUDA_TYPES = {
     mx.int32: "int32_t",
     mx.int64: "int64_t",
     mx.uint32: "uint32_t",
+    mx.uint8: "uint8_t",
 }
 _TYPE_STRINGS = {mx.float16: "float16_t", mx.bfloat16: "bfloat16_t", mx.float32: "float"}
 

@@ -12,6 +12,7 @@ from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.model import backend
 from engine.model.attention import cpu, cpu_residual, reference, residual, routes
 from engine.model.attention.gpu import abi, one_pass, two_pass
+from engine.model.attention.gpu import residual as gpu_residual
 from engine.model.attention.guard import GUARD
 from engine.model.attention.spec import AttentionSpec, PagedCall, Pool
 
@@ -58,6 +59,10 @@ KERNEL_PATHS: dict[str, KernelPath] = {
                            _gpu_variant("one_pass")),
     "two_pass": KernelPath(_gpu_ready, lambda *a: two_pass.paged_decode_two_pass(*a),
                            _gpu_variant("two_pass")),
+    # the pool's own rotation is met inside the launch, as on the CPU
+    "gpu_residual": KernelPath(gpu_residual.supports,
+                               lambda *a, **kw: gpu_residual.launch(*a, **kw),
+                               gpu_residual.variant_key, rotates=True),
 }
 """Route path -> kernel; "reference" and "view_sdpa" are the reference itself."""
 

@@ -41,7 +41,7 @@ class Route:
     kinds: tuple[str, ...]  # of KINDS
     when: str
     path: str  # "reference", "view_sdpa" (the reference over a view), "cpu", "cpu_residual",
-    # "one_pass", "two_pass"
+    # "one_pass", "two_pass", "gpu_residual"
     reason: str
     applies: Callable[[PagedCall], bool] = field(default=lambda call: True, compare=False)
 
@@ -53,6 +53,11 @@ ROUTES = (
           "newest block exact; a chunk: the flash prefill kernel over the chunk's blocks "
           "as batch rows (`attention/cpu_residual.py`)",
           lambda call: call.residual),
+    Route(GPU, ("decode",), "a residual KV format with keys per channel (-kivi)",
+          "gpu_residual", "one pass (a threadgroup per query head and sequence) that reads "
+          "the per-channel key codes and per-token value codes in registers and the row's "
+          "own block exact (`attention/gpu/residual.py`); no split-K variant for long "
+          "contexts yet", lambda call: call.residual),
     Route(("cpu", *GPU), KINDS, "a residual KV format (full blocks quantized, the newest exact)",
           "reference", "no other kernel reads the residual layout yet: the reference "
           "(`attention/residual.py`) dequantizes the blocks it reads and takes each query's "

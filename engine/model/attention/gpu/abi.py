@@ -140,18 +140,11 @@ def variant_key(
     )
 
 
-def kernel_inputs(
-    queries: mx.array,
-    k_pool: Pool,
-    v_pool: Pool,
-    block_tables: mx.array,
-    context_lens: Sequence[int] | mx.array,
-    scale: float | AttentionSpec | mx.array,
-) -> list[mx.array]:
-    """The kernel's inputs in INPUT_NAMES order (lengths and scale as small arrays).
-
-    An `AttentionSpec` brings its window (``attn_window``, 0 = none) and sinks
-    (``attn_sinks``, one logit per query head; one `NO_SINK` placeholder without)."""
+def small_inputs(context_lens: Sequence[int] | mx.array, scale: float | AttentionSpec | mx.array,
+                 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """(context_lens, scale, attn_window, attn_sinks) as the kernels take them: int32
+    lengths, a 1-element float32 scale, the window (0 = none) and one sink logit per query
+    head (one `NO_SINK` placeholder without); an `AttentionSpec` brings window and sinks."""
     if not isinstance(context_lens, mx.array):
         context_lens = mx.array([int(n) for n in context_lens], dtype=mx.int32)
     window, sinks = 0, None
@@ -161,24 +154,27 @@ def kernel_inputs(
         scale = mx.array([float(scale)], dtype=mx.float32)
     sinks = (mx.array([NO_SINK], dtype=mx.float32) if sinks is None
              else sinks.astype(mx.float32).reshape(-1))
-    k_rows, k_scales, k_biases = _side_inputs(k_pool)
-    v_rows, v_scales, v_biases = _side_inputs(v_pool)
     # scale is a 1-element array, not a 0-d one: Metal binds 0-d inputs by
     # reference but CUDA by pointer, and one body must index it the same way.
-    return [
-        queries,
-        k_rows,
-        v_rows,
-        block_tables.astype(mx.int32),
-        context_lens.astype(mx.int32),
-        scale.astype(mx.float32).reshape(1),
-        k_scales,
-        k_biases,
-        v_scales,
-        v_biases,
-        mx.array([int(window)], dtype=mx.int32),
-        sinks,
-    ]
+    return (context_lens.astype(mx.int32), scale.astype(mx.float32).reshape(1),
+            mx.array([int(window)], dtype=mx.int32), sinks)
+
+
+def kernel_inputs(
+    queries: mx.array,
+    k_pool: Pool,
+    v_pool: Pool,
+    block_tables: mx.array,
+    context_lens: Sequence[int] | mx.array,
+    scale: float | AttentionSpec | mx.array,
+) -> list[mx.array]:
+    """The kernel's inputs in INPUT_NAMES order (lengths and scale as small arrays,
+    `small_inputs`)."""
+    lens, scale, window, sinks = small_inputs(context_lens, scale)
+    k_rows, k_scales, k_biases = _side_inputs(k_pool)
+    v_rows, v_scales, v_biases = _side_inputs(v_pool)
+    return [queries, k_rows, v_rows, block_tables.astype(mx.int32), lens, scale,
+            k_scales, k_biases, v_scales, v_biases, window, sinks]
 
 
 def check_launchable(queries: mx.array, k_pool: Pool, v_pool: Pool) -> str:
