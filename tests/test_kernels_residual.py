@@ -151,3 +151,13 @@ def test_the_real_metal_kernel_by_the_rule(k_bits, v_bits, rot):
     kp, vp = kv.block_view(0)
     check(gpu_residual.launch(q, kp, vp, table, LENS, 0.125), oracle(q, kv, table, LENS, 0.125),
           mx.float32)
+
+
+def test_the_body_passes_the_msl_lint():
+    """What g++ accepts but Metal rejects, lane-divergent simd_sum, threadgroup memory at
+    the engine's tiling and the largest head dim."""
+    from kernel_harness import msl_lint
+
+    text = kernel_header("metal") + read_source("paged_residual.metal")
+    assert msl_lint.lint_msl(text) == []
+    assert msl_lint.threadgroup_bytes(text, {"NSG": 8, "D": 256}) <= msl_lint.MAX_THREADGROUP_BYTES
