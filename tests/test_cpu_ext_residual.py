@@ -205,8 +205,8 @@ def test_decode_routes_to_the_op_and_the_dispatcher_runs_it():
     q = mx.random.normal((len(LENS), 9, 1, 64), key=mx.random.key(6))
     call = PagedCall(q, kp, vp, table, tuple(LENS), AttentionSpec(0.125))
     assert routes.route(call, "cpu").path == "cpu_residual" and cpu_residual.supports(call)
-    for backend in ("metal", "cuda"):
-        assert routes.route(call, backend).path == "reference"
+    for backend in ("metal", "cuda"):  # the GPU kernel (tests/test_kernels_residual.py)
+        assert routes.route(call, backend).path == "gpu_residual"
     chunk = PagedCall(mx.zeros((1, 9, 4, 64)), kp, vp, table[:1], (5,), AttentionSpec(0.125))
     assert routes.route(chunk, "cpu").path == "cpu_residual" and cpu_residual.supports(chunk)
     out = paged_attention(q, kp, vp, table, LENS, 0.125)  # first launch: checked, then kept

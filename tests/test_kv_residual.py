@@ -152,9 +152,10 @@ def test_residual_pools_route_to_the_cpu_ops_or_their_reference():
     chunk = PagedCall(mx.zeros((1, 4, 3, D), mx.float16), *kv.block_view(0),
                       mx.zeros((1, 1), mx.int32), (3,), AttentionSpec(1.0))
     for backend in ("cpu", "metal", "cuda"):
-        # the CPU extension reads the layout (tests/test_cpu_ext_residual.py); no GPU kernel
-        want = "cpu_residual" if backend == "cpu" else "reference"
-        for c in (call, chunk):
+        # the CPU extension reads the layout (tests/test_cpu_ext_residual.py), a GPU's decode
+        # kernel its decodes (tests/test_kernels_residual.py); a GPU's chunks the reference
+        for c, gpu_path in ((call, "gpu_residual"), (chunk, "reference")):
+            want = "cpu_residual" if backend == "cpu" else gpu_path
             row = routes.route(c, backend)
             assert row.path == want and "residual" in row.when
 

@@ -53,11 +53,12 @@ def supports(call: PagedCall) -> bool:
             and vq.scales.dtype in abi.SUPPORTED_DTYPES)
 
 
-def template_args(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks, *,
+def template_args(dtype: mx.Dtype, k_pool: ResidualBlocks, v_pool: ResidualBlocks, *,
                   num_simdgroups: int = abi.NUM_SIMDGROUPS) -> list[tuple[str, Any]]:
-    """Template parameters, in the body's order: T, D, BS, NSG, KB, VB, VG."""
+    """Template parameters, in the body's order: T (the queries' dtype as launched), D, BS,
+    NSG, KB, VB, VG."""
     vq = v_pool.quantized.quant
-    return [("T", queries.dtype), ("D", queries.shape[-1]), ("BS", k_pool.shape[2]),
+    return [("T", dtype), ("D", k_pool.shape[3]), ("BS", k_pool.shape[2]),
             ("NSG", num_simdgroups), ("KB", k_pool.quantized.bits), ("VB", vq.bits),
             ("VG", vq.group_size)]
 
@@ -106,7 +107,7 @@ def launch_args(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlock
     inputs = kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
     q = inputs[0]
     grid, threadgroup = launch_dims(q)
-    return dict(inputs=inputs, template=template_args(q, k_pool, v_pool), grid=grid,
+    return dict(inputs=inputs, template=template_args(q.dtype, k_pool, v_pool), grid=grid,
                 threadgroup=threadgroup, output_shapes=[q.shape], output_dtypes=[q.dtype])
 
 
@@ -133,11 +134,11 @@ def launch(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks,
 def variant_key(call: PagedCall) -> tuple:
     """What selects a distinct compiled kernel: template values and input dtypes."""
     k, v = call.k_pool, call.v_pool
-    q = call.queries.astype(mx.float32) if k.rotated else call.queries
+    dtype = mx.float32 if k.rotated else call.queries.dtype  # rotated queries: float32
     arrays = [k.quantized.data, k.quantized.scales, v.quantized.data, v.quantized.scales,
               k.residual]
     # inputs of fewer than 8 elements are bound as constant memory: another kernel
     small = (k.res_map.size < 8, call.block_tables.size < 8, call.batch < 8,
              call.queries.shape[1] < 8)
-    return ("gpu_residual", tuple(template_args(q, k, v)), k.rotated, v.rotated,
+    return ("gpu_residual", tuple(template_args(dtype, k, v)), k.rotated, v.rotated,
             tuple(a.dtype for a in arrays), small)
