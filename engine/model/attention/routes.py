@@ -59,7 +59,8 @@ ROUTES = (
           "own block exact (`attention/gpu/residual.py`); no split-K variant for long "
           "contexts yet", lambda call: call.residual),
     Route(("cpu", *GPU), KINDS, "a residual KV format (full blocks quantized, the newest exact)",
-          "reference", "no other kernel reads the residual layout yet: the reference "
+          "reference", "no kernel reads the layout for these calls (a GPU's prefill chunks "
+          "and verify rows, no extension on the CPU): the reference "
           "(`attention/residual.py`) dequantizes the blocks it reads and takes each query's "
           "own block exact", lambda call: call.residual),
     Route(("cpu",), KINDS, "one sequence whose pools are plain and of the queries' dtype",
