@@ -229,6 +229,19 @@ const float* stored_space(const ResidualProblem& pb, const float* x, float* tmp,
   return out;
 }
 
+// A row of the stored value space back to a plain one: 4-bit element order undone, then
+// times R^T (`stored_space`'s inverse).
+void plain_space(const ResidualProblem& pb, const float* x, float* tmp, float* out) {
+  if (pb.v.bits == 4) {
+    unpermute4(x, tmp, pb.D);
+    x = tmp;
+  }
+  if (pb.rotate_v)
+    hadamard_row(x, out, pb.D, pb.signs, true);
+  else
+    std::copy_n(x, pb.D, out);
+}
+
 void run_residual_decode(const ResidualProblem& pb, float* out /* (B, Hq, D) */) {
   std::vector<Task> tasks;  // a sequence's partitions of one head chunk next to each other
   int64_t elements = 0;
@@ -265,15 +278,7 @@ void run_residual_decode(const ResidualProblem& pb, float* out /* (B, Hq, D) */)
       const int q_head = k.h * group + k.hc * H + g;
       decode_task::merge_head(k.parts, g, D, pb.sinks == nullptr ? nullptr : pb.sinks + q_head,
                               [&](int part) { return partial(t + part); }, row.data());
-      if (pb.v.bits == 4) {
-        unpermute4(row.data(), tmp.data(), D);
-        std::swap(row, tmp);
-      }
-      float* dst = out + (int64_t(k.b) * pb.Hq + q_head) * D;
-      if (pb.rotate_v)
-        hadamard_row(row.data(), dst, D, pb.signs, true);
-      else
-        std::copy(row.begin(), row.end(), dst);
+      plain_space(pb, row.data(), tmp.data(), out + (int64_t(k.b) * pb.Hq + q_head) * D);
     }
   }
 }

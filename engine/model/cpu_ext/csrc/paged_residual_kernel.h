@@ -67,4 +67,7 @@ inline vf channel_codes(const uint8_t* codes, int bits, int c) {
 // 4-bit element order; may return x itself, else one of tmp / out.
 const float* stored_space(const ResidualProblem& pb, const float* x, float* tmp, float* out);
 
+// The inverse: a row x of the stored value space into out as a plain row (tmp: D floats).
+void plain_space(const ResidualProblem& pb, const float* x, float* tmp, float* out);
+
 }  // namespace kvchat

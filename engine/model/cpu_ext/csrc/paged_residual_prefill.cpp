@@ -199,20 +199,11 @@ void prefill_sequence(const ResidualProblem& pb, int b, int L, const float* q, f
   fp.window = pb.window;
   fp.sinks = pb.sinks;
   run_prefill(fp, os);
-  std::vector<float> row(D), tmp(D);
+  std::vector<float> row(D);
   for (int hq = 0; hq < Hq; ++hq)
-    for (int p = 0; p < L; ++p) {
-      const float* o = os + slot((front + p) / BS, hq, (front + p) % BS);
-      float* dst = out + (int64_t(hq) * L + p) * D;
-      if (pb.v.bits == 4) {
-        unpermute4(o, row.data(), D);
-        o = row.data();
-      }
-      if (pb.rotate_v)
-        hadamard_row(o, dst, D, pb.signs, true);
-      else
-        std::copy_n(o, D, dst);
-    }
+    for (int p = 0; p < L; ++p)
+      plain_space(pb, os + slot((front + p) / BS, hq, (front + p) % BS), row.data(),
+                  out + (int64_t(hq) * L + p) * D);
 }
 
 }  // namespace
