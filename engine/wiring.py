@@ -202,8 +202,10 @@ def build_kv(loaded: LoadedModel, config: EngineConfig) -> EngineParts:
     store = None
     if config.prefix_cache and config.disk_cache:
         root = Path(config.disk_cache_dir).expanduser() if config.disk_cache_dir else None
+        # blocks are written once no sequence holds the pool: a write took CPU from decode
         store = DiskPrefixStore(root, budget_bytes=config.disk_budget_bytes,
-                                default_ttl_s=config.disk_ttl_s, max_pending=256)
+                                default_ttl_s=config.disk_ttl_s, max_pending=256,
+                                hold=lambda: bool(blocks.block_tables))
     base = salt_base(model_fingerprint=loaded.fingerprint,
                      tokenizer_fingerprint=loaded.tokenizer_fingerprint,
                      chat_template=getattr(loaded.tokenizer, "chat_template", None),

@@ -86,6 +86,76 @@ def test_writer_thread_runs_nicer_than_its_caller():
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # only its own
 
 
+def wait_until(cond, timeout=10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_hold_keeps_items_waiting_until_it_lifts():
+    busy, seen = threading.Event(), []
+    busy.set()
+    w = BackgroundWriter(seen.append, max_pending=8, hold=busy.is_set, max_hold_s=60)
+    assert w.submit((1,)) and w.submit((2,))
+    time.sleep(0.3)
+    assert seen == [] and w.pending == 2  # the engine is computing: nothing written
+    busy.clear()
+    assert wait_until(lambda: seen == [1, 2])  # idle: written without a flush
+    assert w.held == 1 and w.pending == 0  # only the first waited; the second found it idle
+    w.close()
+
+
+def test_a_held_item_is_written_after_max_hold_s():
+    seen = []
+    w = BackgroundWriter(seen.append, max_pending=8, hold=lambda: True, max_hold_s=0.3)
+    t = time.monotonic()
+    assert w.submit((1,))
+    assert wait_until(lambda: seen == [1])
+    assert time.monotonic() - t >= 0.3 and w.held == 1
+    w.close()
+
+
+def test_flush_and_close_lift_the_hold():
+    seen = []
+    w = BackgroundWriter(seen.append, max_pending=8, hold=lambda: True, max_hold_s=600)
+    assert w.submit((1,))
+    t = time.monotonic()
+    assert w.flush(timeout=10) and seen == [1]
+    assert time.monotonic() - t < 5
+    assert w.submit((2,)) and w.submit((3,))
+    w.close()  # drains what is held
+    assert seen == [1, 2, 3] and time.monotonic() - t < 5
+
+
+def test_a_half_full_queue_is_not_held():
+    seen = []
+    w = BackgroundWriter(seen.append, max_pending=4, hold=lambda: True, max_hold_s=600)
+    assert w.submit((0,))
+    time.sleep(0.2)
+    assert seen == []
+    assert w.submit((1,)) and w.submit((2,))  # 2 of 4 queued behind the held one
+    assert wait_until(lambda: seen == [0])  # written now, or new blocks would be dropped
+    time.sleep(0.2)
+    assert seen == [0] and w.pending == 2  # one queued again: held again
+    w.close()
+    assert seen == [0, 1, 2]
+
+
+def test_a_failing_hold_does_not_stop_the_writes():
+    seen = []
+
+    def hold():
+        raise RuntimeError("the engine went away")
+
+    w = BackgroundWriter(seen.append, max_pending=4, hold=hold, max_hold_s=600)
+    assert w.submit((1,))
+    assert wait_until(lambda: seen == [1])
+    w.close()
+
+
 # ---- behind the store ------------------------------------------------------------------------
 
 

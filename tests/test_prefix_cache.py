@@ -6,6 +6,7 @@ import inspect
 import itertools
 import os
 import textwrap
+import time
 
 import pytest
 from test_disk_quant import FORMATS, IDS, prefill, prefix_cache
@@ -84,6 +85,25 @@ def test_tenants_never_share_blocks(tiny_model, tmp_path):
     _, alice = run(fresh, ids, tenant="alice")
     assert alice.cache_source == "disk"
     fresh.shutdown()
+
+
+def test_disk_writes_wait_until_no_sequence_holds_the_pool(tiny_model, tmp_path):
+    # a write took CPU from the decode beside it (2 cores): blocks persist once it is idle
+    engine = disk_engine(tiny_model, tmp_path, block_size=4)
+    store = engine.prefix.store
+    h = engine.submit(list(range(400, 440)), SamplingParams(max_tokens=100, ignore_eos=True))
+    events = iter(h)
+    while next(events).token is None:  # the prompt is in: its 10 blocks are queued
+        pass
+    time.sleep(0.3)
+    s = store.stats()
+    assert (s.writes, s.pending_writes) == (0, 10)  # the sequence still holds its blocks
+    assert engine.cancel(h.request_id) and not engine.blocks.block_tables
+    end = time.monotonic() + 10
+    while store.stats().writes < 10 and time.monotonic() < end:  # no flush: idle is enough
+        time.sleep(0.01)
+    assert store.stats().writes == 10
+    engine.shutdown()
 
 
 def test_permission_version_bump_makes_old_blocks_unreachable(tiny_model, tmp_path):

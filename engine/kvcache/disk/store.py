@@ -46,12 +46,14 @@ class DiskPrefixStore:
         clock (Callable[[], float]): unix time for created / expires / last used.
         expire_at_open (bool): delete expired entries when opening; False indexes them so
             that ``purge(expired_only=True)`` counts them. Default: ``True``.
+        hold (Callable[[], bool], optional): queued writes wait while it is True (the
+            engine computing), up to `writer.MAX_HOLD_S` each (`BackgroundWriter`).
     """
 
     def __init__(self, root: Path | None = None, *, budget_bytes: int = 2 << 30,
                  default_ttl_s: float = 24 * 3600, tenant_ttl_s: dict[str, float] | None = None,
                  max_pending: int = 64, clock: Callable[[], float] = time.time,
-                 expire_at_open: bool = True):
+                 expire_at_open: bool = True, hold: Callable[[], bool] | None = None):
         self.files = EntryFiles(Path(root) if root is not None else cache_root() / "prefix")
         self.root = self.files.root
         self.budget_bytes = budget_bytes
@@ -61,7 +63,7 @@ class DiskPrefixStore:
         self._lock = threading.Lock()  # catalog, writing; also held for renames and deletions
         self._catalog = Catalog(self.files, budget_bytes)
         self._writing: set[bytes] = set()  # blocks a `put` is writing now
-        self._writer = BackgroundWriter(self.put, max_pending)
+        self._writer = BackgroundWriter(self.put, max_pending, hold=hold)
         self._reader: ThreadPoolExecutor | None = None  # `prefetch`, started on first use
         now = self._clock() if expire_at_open else -math.inf
         with self._lock:
