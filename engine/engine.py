@@ -167,12 +167,12 @@ class Engine(PromptMixin, EngineLoop):
         self.prefix.maybe_sweep()
         with self._lock:
             inbox_empty = not self._inbox
-        spec = self.speculator.active  # drafts follow the last token: read it, unless idle_ahead
-        if self.executor.in_flight and not (inbox_empty and self.scheduler.can_plan_ahead() and (
-                not spec or self.speculator.idle_ahead(self.scheduler.running))):
+        spec = self.speculator.active  # drafts follow the last token: nothing may be in flight
+        if self.executor.in_flight and (spec or not (inbox_empty
+                                                     and self.scheduler.can_plan_ahead())):
             for outcome in self.executor.resolve():
                 self._apply(outcome)
-        if spec and not self.executor.in_flight:
+        if spec:
             self.speculator.assign(self.scheduler.running)
         plan = self.scheduler.schedule()
         self._admitted(plan)

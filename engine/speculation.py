@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 from engine.draft_model import DraftModel
 from engine.kvcache.block_manager import BlockManager
-from engine.lookup import LookupIndex
 from engine.metrics import MetricsRecorder
 from engine.model.loader import LoadedModel, load_model
 from engine.pacing import StepPacer, ema
@@ -47,6 +46,31 @@ class SpecConfig:
             raise ValueError("max_draft must be in 1..16")
         if not 1 <= self.min_ngram <= self.max_ngram <= 8:
             raise ValueError("need 1 <= min_ngram <= max_ngram <= 8")
+
+
+class LookupIndex:
+    """Where each n-gram of a token list last ended, kept up to date as tokens are added."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in ``last_end``
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
+        suffix n-gram of ``ids`` (none if no suffix of ``min_n`` tokens occurred)."""
+        end = len(ids) - 1
+        for e in range(self.indexed, end):  # every n-gram ending before the last token
+            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
+                self.last_end[tuple(ids[e - n + 1:e + 1])] = e
+        self.indexed = max(self.indexed, end)
+        if k <= 0:
+            return []
+        for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
+            e = self.last_end.get(tuple(ids[len(ids) - n:]))
+            if e is not None:
+                return ids[e + 1:e + 1 + k]
+        return []
 
 
 @dataclass(slots=True)
@@ -144,20 +168,9 @@ class Speculator:
         rows plus the accepted drafts, its cost fixed + per-token x tokens. Greedily add the
         draft with the highest acceptance while that raises the step's expected tokens per
         second."""
-        taken = self._take(cands, rows) if cands else None
-        if taken is None:  # unmeasured: a plain step measures what it costs
-            return {}
-        self.idle_steps = 0 if taken else self.idle_steps + 1
-        if not taken and self.idle_steps % PROBE_EVERY == 0:  # keep the cost measured
-            s = max(cands, key=lambda s: self.states[s].accept_rate)
-            taken[s] = 1
-        return {s: cands[s][:n] for s, n in taken.items()}
-
-    def _take(self, cands: dict[int, list[int]], rows: int) -> dict[int, int] | None:
-        """How many of each candidate's drafts `_allot` would verify (None: unmeasured)."""
         fit = self.cost.fit(rows)
-        if not cands or fit is None:
-            return None
+        if not cands or fit is None:  # unmeasured: a plain step measures what it costs
+            return {}
         seconds, per = fit
         tokens = float(rows)
         heap = [(-self.states[s].accept_rate, s, 1) for s in cands]
@@ -172,33 +185,11 @@ class Speculator:
             taken[s] = i
             if i < len(cands[s]):
                 heapq.heappush(heap, (-(p * self.states[s].follow_rate), s, i + 1))
-        return taken
-
-    def idle_ahead(self, running: list[Request]) -> bool:
-        """With a plain step in flight (its tokens unread): whether the next step would
-        verify no drafts, judged on the tokens known so far (one behind). Then it may be
-        launched ahead, unread, as plain decoding is (worth ~1.3x on this CPU), where
-        waiting for the token to draft from would make speculation slower than plain on
-        answers that do not quote. Each sequence's guess of the unread token is kept as a
-        shadow (its rate stays measured); every `PROBE_EVERY`-th idle step says no, so the
-        probe runs. Lookup only (a draft model's guesses need its own forward)."""
-        if not self.active or self.draft is not None or self.config.fixed:
-            return False
-        ready = [r for r in running if r.decoder.speculable and not r.num_dropped]
-        if any(r.in_prefill or r.request_id not in self.states for r in ready):
-            return False
-        cands: dict[int, list[int]] = {}
-        for r in ready:
-            room = r.max_new - r.stats.generation_tokens - 1
-            draft = self.states[r.request_id].index.propose(r.all_ids, min(
-                self.config.max_draft, room))
-            if draft:
-                cands[r.request_id] = draft
-        if self._take(cands, len(ready)) or (self.idle_steps + 1) % PROBE_EVERY == 0:
-            return False
-        self.idle_steps += 1
-        self.shadow = {s: d[0] for s, d in cands.items()}
-        return True
+        self.idle_steps = 0 if taken else self.idle_steps + 1
+        if not taken and self.idle_steps % PROBE_EVERY == 0:  # keep the cost measured
+            s = max(cands, key=lambda s: self.states[s].accept_rate)
+            taken[s] = 1
+        return {s: cands[s][:n] for s, n in taken.items()}
 
     def _plan_draft(self, decoding: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """One draft length for the batch (the draft model decodes the sequences together):

@@ -11,10 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.kvcache.block_manager import BlockManager
-from engine.lookup import LookupIndex
 from engine.pacing import StepPacer
 from engine.sampling import SamplingParams
-from engine.speculation import SpecConfig, SpecCost, Speculator
+from engine.speculation import LookupIndex, SpecConfig, SpecCost, Speculator
 from engine.verify import accepted_greedy, accepted_sampled, rows, target_logits
 
 

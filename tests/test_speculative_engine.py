@@ -70,30 +70,6 @@ def test_lookup_alone_engages_and_equals_plain(quick_model, plain):
     check_clean(engine)
 
 
-def test_steps_without_drafts_run_ahead_with_plain_tokens(quick_model, plain, monkeypatch):
-    """Where no draft would pay, lookup launches its plain steps ahead, unread, as plain
-    decoding does, instead of reading each token to draft from; the tokens stay plain
-    decoding's, and each sequence's rate stays measured on its guess of the unread token."""
-    from engine.executor import StepExecutor
-
-    monkeypatch.setattr(Speculator, "_take", lambda self, cands, rows: {})  # drafts never pay
-    chained, can_chain = [], StepExecutor._can_chain
-    monkeypatch.setattr(StepExecutor, "_can_chain",
-                        lambda self, plan: chained.append(can_chain(self, plan)) or chained[-1])
-    observed, observe = [], Speculator.observe
-    monkeypatch.setattr(Speculator, "observe", lambda self, seq, tried, accepted: (
-        observed.append(tried), observe(self, seq, tried, accepted)))
-    ids, ref = plain
-    engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8,
-                                              speculate="lookup"))
-    if not engine.executor.pipeline:
-        pytest.skip("decode is not pipelined here (no CPU extension)")
-    assert run(engine, ids[:1]) == ref[:1] and run(engine, ids) == ref
-    assert sum(chained) > GEN // 2, chained  # most steps launched ahead
-    assert len(observed) > GEN  # guesses checked against the tokens read, ahead or not
-    check_clean(engine)
-
-
 def test_batched_every_draft_equals_plain(quick_model, plain, every_draft):
     ids, ref = plain
     engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8,
