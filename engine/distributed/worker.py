@@ -91,7 +91,8 @@ class Worker:
             c, m = self.config, self.loaded
             store = DiskPrefixStore(rank_store_dir(c.disk_cache_dir, self.rank),
                                     budget_bytes=c.disk_budget_bytes,
-                                    default_ttl_s=c.disk_ttl_s, max_pending=256)
+                                    default_ttl_s=c.disk_ttl_s, max_pending=256,
+                                    hold=lambda: bool((self.ledger.refs > 0).any()))  # as rank 0
             base = salt_base(model_fingerprint=m.fingerprint,
                              tokenizer_fingerprint=m.tokenizer_fingerprint,
                              chat_template=getattr(m.tokenizer, "chat_template", None),
