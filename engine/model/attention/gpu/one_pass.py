@@ -56,8 +56,10 @@ def launch_dims(
     return (threads, num_q_heads, B), (threads, 1, 1)
 
 
-def _launch(kernel: KernelFn, inputs: list[mx.array], template: list[tuple[str, Any]], *,
-            num_simdgroups: int = NUM_SIMDGROUPS, verbose: bool = False) -> mx.array:
+def launch_kernel(kernel: KernelFn, inputs: list[mx.array], template: list[tuple[str, Any]],
+                  *, num_simdgroups: int = NUM_SIMDGROUPS, verbose: bool = False) -> mx.array:
+    """One launch of a one-threadgroup-per-(query head, sequence) kernel whose first input
+    is the queries and whose one output has their shape and dtype."""
     queries = inputs[0]
     grid, threadgroup = launch_dims(queries, num_simdgroups=num_simdgroups)
     return kernel(
@@ -96,4 +98,4 @@ def paged_decode_attention(
     backend = check_launchable(queries, k_pool, v_pool)
     inputs = kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
     template = template_args(queries, k_pool, v_pool)
-    return _launch(_paged_decode_kernel(backend), inputs, template)
+    return launch_kernel(_paged_decode_kernel(backend), inputs, template)

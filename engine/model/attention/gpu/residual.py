@@ -23,7 +23,7 @@ from engine.kvcache.quantized_blocks import QuantizedBlocks
 from engine.kvcache.residual_blocks import ResidualBlocks
 from engine.model import backend
 from engine.model.attention.gpu import abi
-from engine.model.attention.gpu.one_pass import launch_dims
+from engine.model.attention.gpu.one_pass import launch_kernel
 from engine.model.attention.spec import AttentionSpec, PagedCall
 from metal_kernels import kernel_header, read_source
 
@@ -100,17 +100,6 @@ def _kernel(backend: str):
     return make_kernel(backend)
 
 
-def launch_args(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks,
-                block_tables: mx.array, context_lens: Sequence[int] | mx.array,
-                scale: float | AttentionSpec) -> dict[str, Any]:
-    """Everything one launch passes the kernel callable, by keyword."""
-    inputs = kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
-    q = inputs[0]
-    grid, threadgroup = launch_dims(q)
-    return dict(inputs=inputs, template=template_args(q.dtype, k_pool, v_pool), grid=grid,
-                threadgroup=threadgroup, output_shapes=[q.shape], output_dtypes=[q.dtype])
-
-
 def launch(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks,
            block_tables: mx.array, context_lens: Sequence[int] | mx.array,
            scale: float | AttentionSpec, **_) -> mx.array:
@@ -124,8 +113,8 @@ def launch(queries: mx.array, k_pool: ResidualBlocks, v_pool: ResidualBlocks,
     if not supports(call):
         raise ValueError("paged_residual: not a decode over a residual pool with keys per "
                          f"channel the kernel reads (queries {queries.shape} {queries.dtype})")
-    out = _kernel(name)(**launch_args(queries, k_pool, v_pool, block_tables, context_lens,
-                                      scale))[0]
+    inputs = kernel_inputs(queries, k_pool, v_pool, block_tables, context_lens, scale)
+    out = launch_kernel(_kernel(name), inputs, template_args(inputs[0].dtype, k_pool, v_pool))
     if v_pool.rotated:
         out = rotation.unrotate(out.astype(mx.float32))
     return out.astype(queries.dtype)
