@@ -10,6 +10,7 @@ import time
 
 import pytest
 from test_disk_quant import FORMATS, IDS, prefill, prefix_cache
+from test_disk_writer import wait_until
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.kvcache.block_manager import BlockManager
@@ -99,10 +100,7 @@ def test_disk_writes_wait_until_no_sequence_holds_the_pool(tiny_model, tmp_path)
     s = store.stats()
     assert (s.writes, s.pending_writes) == (0, 10)  # the sequence still holds its blocks
     assert engine.cancel(h.request_id) and not engine.blocks.block_tables
-    end = time.monotonic() + 10
-    while store.stats().writes < 10 and time.monotonic() < end:  # no flush: idle is enough
-        time.sleep(0.01)
-    assert store.stats().writes == 10
+    assert wait_until(lambda: store.stats().writes == 10)  # no flush: idle is enough
     engine.shutdown()
 
 
