@@ -27,6 +27,7 @@ namespace kvchat {
 
 namespace {
 
+using decode_task::kSpan;
 using decode_task::Partial;
 using decode_task::softmax_block;
 
@@ -46,34 +47,6 @@ int first_seen(const ResidualProblem& pb, int b) {
 int parts_of(const ResidualProblem& pb, int b) {  // over the blocks from its window's first
   const int blocks = (pb.lens[b] + pb.BS - 1) / pb.BS - first_seen(pb, b) / pb.BS;
   return std::clamp((blocks + kPartitionBlocks - 1) / kPartitionBlocks, 1, kMaxParts);
-}
-
-// Scores of a quantized block's BS tokens for G heads into p (G rows, `stride` apart).
-template <int G>
-void channel_scores(const ResidualProblem& pb, int64_t blk_id, const float* qk, float* qs,
-                    float* p, int stride) {
-  const int D = pb.D;
-  const int64_t param0 = blk_id * D;
-  float cst[G];
-  for (int g = 0; g < G; ++g) {
-    vf c{};
-    for (int d = 0; d < D; d += W) {
-      const vf q = load(qk + size_t(g) * D + d);
-      store(qs + size_t(g) * D + d, q * load_any(pb.k_scales, pb.k_elem, param0 + d));
-      c += q * load_any(pb.k_biases, pb.k_elem, param0 + d);
-    }
-    cst[g] = hsum(c);
-  }
-  const uint8_t* base = pb.k_codes + param0 * pb.k_width;
-  for (int c = 0; c < pb.BS / W; ++c) {
-    vf acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = splat(cst[g]);
-    for (int d = 0; d < D; ++d) {
-      const vf codes = channel_codes(base + int64_t(d) * pb.k_width, pb.k_bits, c);
-      for (int g = 0; g < G; ++g) acc[g] += splat(qs[size_t(g) * D + d]) * codes;
-    }
-    for (int g = 0; g < G; ++g) store(p + size_t(g) * stride + c * W, acc[g]);
-  }
 }
 
 // The quantized block after `blk` (if it is in [.., blk1) and in the pool) fetched into the
@@ -104,10 +77,14 @@ void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts
   const int blk0 = std::min(blocks, first + part * per_part), blk1 = std::min(blocks, blk0 + per_part);
   const float* qp = pb.q + (int64_t(b) * pb.Hq + q_head0) * D;
   const float* qk = pb.qk + (int64_t(b) * pb.Hq + q_head0) * D;
+  // Quantized blocks in spans of up to kSpan, scored together and then normalized by one
+  // online-softmax step (as the plain kernels do: its reductions, exp and rescale were paid
+  // per 16 rows); the row's own exact block alone.
+  const int stride = kSpan * BS;
   thread_local std::vector<float> scratch;
-  scratch.resize(size_t(G) * (BS + D) + 3 * size_t(D));
-  float* p = scratch.data();  // G x BS scores, then probabilities
-  float* qs = p + size_t(G) * BS;  // G x D: queries times a block's channel scales
+  scratch.resize(size_t(G) * (stride + D) + 3 * size_t(D));
+  float* p = scratch.data();  // G x stride scores, then probabilities
+  float* qs = p + size_t(G) * stride;  // G x D: queries times a block's channel scales
   float* row = qs + size_t(G) * D;
   float* tmp = row + D;
   float* moved = tmp + D;
@@ -118,20 +95,30 @@ void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts
     l[g] = 0.0f;
     for (int j = 0; j < NV; ++j) acc[g][j] = vf{};
   }
-  for (int blk = blk0; blk < blk1; ++blk) {
-    const int32_t phys = pb.tables[int64_t(b) * pb.table_width + blk];
-    const int32_t mapped = phys >= 0 && phys < pb.num_blocks ? pb.res_map[phys] : pb.nres;
-    if (mapped >= pb.nres) {  // an id outside the pool or the side store: report, never read
-      for (int g = 0; g < G; ++g) st.l[g] = nan();
-      return;
+  const int own = (len - 1) / BS;  // the row's own block: read exact, from the side store
+  for (int blk = blk0; blk < blk1;) {
+    int n = 0;  // the span: blocks blk .. blk + n - 1
+    int64_t ids[kSpan];
+    int32_t res = -1;
+    while (n < kSpan && blk + n < blk1 && (n == 0 || blk + n != own)) {
+      const int32_t phys = pb.tables[int64_t(b) * pb.table_width + blk + n];
+      const int32_t mapped = phys >= 0 && phys < pb.num_blocks ? pb.res_map[phys] : pb.nres;
+      if (mapped >= pb.nres) {  // an id outside the pool or the side store: report, never read
+        for (int g = 0; g < G; ++g) st.l[g] = nan();
+        return;
+      }
+      // the rule is by position: only the row's own block is exact. An earlier block still
+      // mapped was filled this step by this row's sequence (a verify step's drafts) and is
+      // quantized by this step's write, as plain decoding reads it.
+      ids[n] = int64_t(h) * pb.num_blocks + phys;
+      prefetch_next(pb, b, h, blk + n, blk1);
+      if (blk + n++ == own) {
+        res = mapped;
+        break;
+      }
     }
-    // the rule is by position: only the row's own block is exact. An earlier block still
-    // mapped was filled this step by this row's sequence (a verify step's drafts) and is
-    // quantized by this step's write, as plain decoding reads it.
-    const int32_t res = blk == (len - 1) / BS ? mapped : -1;
-    prefetch_next(pb, b, h, blk, blk1);
-    const int r0 = std::max(0, seen - blk * BS), r1 = std::min(BS, len - blk * BS);
-    const int64_t blk_id = int64_t(h) * pb.num_blocks + phys;
+    const int r0 = std::max(0, seen - blk * BS), r1 = std::min(BS, len - (blk + n - 1) * BS);
+    const int hi = (n - 1) * BS + r1;  // the span's scores: [r0, hi) of each head's row
     const int64_t res_row0 = (int64_t(h) * pb.nres + res) * BS;
     if (res >= 0) {
       for (int r = r0; r < r1; ++r) {
@@ -140,26 +127,27 @@ void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts
         for (int g = 0; g < G; ++g) {
           vf dot{};
           for (int j = 0; j < NV; ++j) dot += load(qp + size_t(g) * D + j * W) * k[j];
-          p[size_t(g) * BS + r] = hsum(dot);
+          p[size_t(g) * stride + r] = hsum(dot);
         }
       }
     } else {
-      channel_scores<G>(pb, blk_id, qk, qs, p, BS);
+      for (int i = 0; i < n; ++i) channel_scores<G>(pb, ids[i], qk, qs, p + i * BS, stride);
     }
     for (int g = 0; g < G; ++g) {
-      const float alpha = softmax_block(p + size_t(g) * BS, r0, r1, m[g], l[g]);
+      const float alpha = softmax_block(p + size_t(g) * stride, r0, hi, m[g], l[g]);
       if (alpha != 1.0f) {
         for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] * alpha;
         for (float& x : bias[g]) x *= alpha;
       }
     }
+    blk += n;
     if (res >= 0) {  // sum p v over the exact rows, then into the stored space once a head
       vf sum[G][NV] = {};
       for (int r = r0; r < r1; ++r) {
         vf v[NV];
         for (int j = 0; j < NV; ++j) v[j] = load_any(pb.res_v, pb.res_elem, (res_row0 + r) * D + j * W);
         for (int g = 0; g < G; ++g) {
-          const vf pr = splat(p[size_t(g) * BS + r]);
+          const vf pr = splat(p[size_t(g) * stride + r]);
           for (int j = 0; j < NV; ++j) sum[g][j] = sum[g][j] + pr * v[j];
         }
       }
@@ -170,16 +158,20 @@ void attend(const ResidualProblem& pb, int b, int h, int hc, int part, int parts
       }
       continue;
     }
-    if constexpr (decode_task::kIntKeys) {  // (p s) v_int, the biases summed apart
-      decode_task::value_block<NV, G>(pb.v, blk_id * BS, r0, r1, p, BS, acc, bias);
-      continue;
-    }
-    for (int r = r0; r < r1; ++r) {
-      vf v[NV];
-      decode_task::load_row<NV>(pb.v, blk_id * BS + r, v);
-      for (int g = 0; g < G; ++g) {
-        const vf pr = splat(p[size_t(g) * BS + r]);
-        for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] + pr * v[j];
+    for (int i = 0; i < n; ++i) {
+      const int a = i == 0 ? r0 : 0, z = i == n - 1 ? r1 : BS;
+      float* pi = p + i * BS;
+      if constexpr (decode_task::kIntKeys) {  // (p s) v_int, the biases summed apart
+        decode_task::value_block<NV, G>(pb.v, ids[i] * BS, a, z, pi, stride, acc, bias);
+        continue;
+      }
+      for (int r = a; r < z; ++r) {
+        vf v[NV];
+        decode_task::load_row<NV>(pb.v, ids[i] * BS + r, v);
+        for (int g = 0; g < G; ++g) {
+          const vf pr = splat(pi[size_t(g) * stride + r]);
+          for (int j = 0; j < NV; ++j) acc[g][j] = acc[g][j] + pr * v[j];
+        }
       }
     }
   }

@@ -63,6 +63,34 @@ inline vf channel_codes(const uint8_t* codes, int bits, int c) {
   return bytes_to_float(first);
 }
 
+// Scores of a quantized block's BS tokens for G heads into p (G rows, `stride` apart).
+template <int G>
+inline void channel_scores(const ResidualProblem& pb, int64_t blk_id, const float* qk, float* qs,
+                    float* p, int stride) {
+  const int D = pb.D;
+  const int64_t param0 = blk_id * D;
+  float cst[G];
+  for (int g = 0; g < G; ++g) {
+    vf c{};
+    for (int d = 0; d < D; d += W) {
+      const vf q = load(qk + size_t(g) * D + d);
+      store(qs + size_t(g) * D + d, q * load_any(pb.k_scales, pb.k_elem, param0 + d));
+      c += q * load_any(pb.k_biases, pb.k_elem, param0 + d);
+    }
+    cst[g] = hsum(c);
+  }
+  const uint8_t* base = pb.k_codes + param0 * pb.k_width;
+  for (int c = 0; c < pb.BS / W; ++c) {
+    vf acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = splat(cst[g]);
+    for (int d = 0; d < D; ++d) {
+      const vf codes = channel_codes(base + int64_t(d) * pb.k_width, pb.k_bits, c);
+      for (int g = 0; g < G; ++g) acc[g] += splat(qs[size_t(g) * D + d]) * codes;
+    }
+    for (int g = 0; g < G; ++g) store(p + size_t(g) * stride + c * W, acc[g]);
+  }
+}
+
 // An exact value row x (or a sum of them) in the quantized rows' space: times R, then
 // 4-bit element order; may return x itself, else one of tmp / out.
 const float* stored_space(const ResidualProblem& pb, const float* x, float* tmp, float* out);
