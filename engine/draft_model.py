@@ -101,7 +101,7 @@ class DraftModel:
         steps = 1
         while order:
             picked = greedy.exact(logits)
-            mx.eval(picked, self.kv.keys, self.kv.values)
+            mx.eval(picked, *self.kv.arrays)
             for seq, tok in zip(order, picked.tolist(), strict=True):
                 drafts[seq].append(tok)
             if len(drafts[order[0]]) >= k:
@@ -115,7 +115,7 @@ class DraftModel:
             logits = self.runner.forward_packed(pack([], rows), self.kv)
             steps += 1
         if not order:
-            mx.eval(self.kv.keys, self.kv.values)
+            mx.eval(*self.kv.arrays)
         self.step_s = ema(self.step_s, (time.perf_counter() - t) / steps)
         return drafts
 

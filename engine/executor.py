@@ -159,7 +159,7 @@ class StepExecutor:
             with prefill_scratch_on_cpu():  # a chunk's scratch: see there
                 self.runner(batch, self.kv, logits=False, interrupt=self._interrupt([req]),
                             group=self.pacer.layer_group(n))
-                mx.eval(self.kv.keys, self.kv.values)
+                mx.eval(*self.kv.arrays)
             self._timed("prefill", n, time.perf_counter() - t)
             return Outcome(req, computed=n)
         except StepInterrupted:
@@ -190,7 +190,7 @@ class StepExecutor:
                     batch, self.kv, interrupt=self._interrupt(reqs),
                     group=self.pacer.layer_group(batch.num_tokens))
                 picked = self._verify([r for r, _ in dec], logits) if dec else []
-                mx.eval(self.kv.keys, self.kv.values)
+                mx.eval(*self.kv.arrays)
         except StepInterrupted:
             return out
         except Exception as e:  # noqa: BLE001 - the packed forward failed: all of it
@@ -233,7 +233,7 @@ class StepExecutor:
                     tokens = greedy.lazy(logits, fast=self.fast_chain)
                     self.recorder.rebuilt_steps += 1
                 del snap  # held, the pool's old arrays would be copied, not written in place
-                mx.async_eval(tokens, self.kv.keys, self.kv.values)
+                mx.async_eval(tokens, *self.kv.arrays)
                 self.flight = Flight(reqs, tokens, t, logits)
                 return out
             picked = self._pick(reqs, logits)
@@ -256,7 +256,7 @@ class StepExecutor:
         rows = [j for r, a in spec if r in argmax for j in range(a, a + 1 + len(r.draft))]
         targets = iter(greedy.tokens(
             verify.masked(logits[mx.array(rows)], verify.stacked(masks, argmax, logits.shape[-1])),
-            fast=self.fast_greedy, wait=(self.kv.keys, self.kv.values)) if rows else [])
+            fast=self.fast_greedy, wait=self.kv.arrays) if rows else [])
         verified: list[Outcome] = []
         for r, a in spec:
             try:
@@ -284,7 +284,7 @@ class StepExecutor:
                 for j, e in failed.items():
                     out[rows[j]] = Outcome(reqs[rows[j]], error=error_text(e))
             tokens = greedy.tokens(some, fast=self.fast_greedy,
-                                   wait=(self.kv.keys, self.kv.values))
+                                   wait=self.kv.arrays)
             for i, tok in zip(rows, tokens, strict=True):
                 out[i] = out[i] or Outcome(reqs[i], 1, tok)
         return logprobs.attach([o if o is not None else self._sample(r, logits[i:i + 1])

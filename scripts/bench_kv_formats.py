@@ -193,7 +193,7 @@ def bench_step(engs: dict[str, Engine], ctx: int, rounds: int) -> None:
             plan = eng.blocks.append(sid, len(chunk))
             eng.runner(build_batch(eng.blocks, [sid], mx.array([chunk], dtype=mx.int32),
                                    [plan.slots]), eng.kv, logits=False)
-            mx.eval(eng.kv.keys, eng.kv.values)
+            mx.eval(*eng.kv.arrays)
         state[name] = [sid, 5, 0, []]
 
     def step(name: str, eng: Engine, count: bool) -> float:
@@ -207,7 +207,7 @@ def bench_step(engs: dict[str, Engine], ctx: int, rounds: int) -> None:
             t = time.perf_counter()
             logits = logits + 0
         y = mx.argmax(logits, axis=-1)
-        mx.eval(y, eng.kv.keys, eng.kv.values)
+        mx.eval(y, *eng.kv.arrays)
         state[name][1] = int(y.item())
         return time.perf_counter() - t
 

@@ -9,6 +9,8 @@ whatever the chunking), and that the engine's runs are stable and give every blo
 
 from __future__ import annotations
 
+import io
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -207,6 +209,28 @@ def test_engine_runs_are_stable_and_give_every_block_back(default_model_ext, pro
     assert not blocks.block_tables and blocks.num_free_blocks == blocks.num_blocks
     batched.kv.reclaim()
     assert batched.kv.num_residual_blocks == 0
+
+
+def evaluated(a: mx.array) -> bool:
+    """Whether ``a`` is computed (its graph is one node), not a lazy expression."""
+    out = io.StringIO()
+    mx.export_to_dot(out, a)
+    return "->" not in out.getvalue()
+
+
+def test_a_prefill_chunk_leaves_no_write_lazy(default_model_ext, prompts):
+    # a chunk without a token writes only residual rows; left lazy, the next step computed
+    # the chunk too, and its in-place writes found the pool still held by the chunk's
+    # attention and copied it (a first decode after a cached prompt: 100 ms, pool-sized)
+    engine = Engine(default_model_ext, EngineConfig(**{**KIVI, "prefill_chunk": 8}))
+    handle = engine.submit(prompts[0], P16)  # 41 tokens in chunks of 8: no block fills first
+    engine.step()
+    assert engine.scheduler.running[0].num_computed == 8
+    kv = engine.kv
+    stores = [a for parts in kv.keys + kv.values for a in parts] + kv.res_keys + kv.res_values
+    assert len(stores) == 8 * len(kv.keys)  # 3 parts a side, and the residual rows
+    assert all(evaluated(a) for a in stores)
+    assert len([e for e in handle if e.token is not None]) == 16
 
 
 def test_engine_refuses_what_the_residual_formats_do_not_carry(default_model_ext):

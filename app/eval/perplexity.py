@@ -105,7 +105,7 @@ def score_text(engine: Engine, ids: list[int], *, chunk: int = 512,
             logp = logits - logz[:, None]
             kl = None if reference is None else kl_divergence(reference.logprobs[start // chunk],
                                                               logp)
-            mx.eval(nll, top1, engine.kv.keys, engine.kv.values, *([kl] if kl is not None else []))
+            mx.eval(nll, top1, *engine.kv.arrays, *([kl] if kl is not None else []))
             out.nll += nll.tolist()
             out.top1 += top1.tolist()
             if kl is not None:

@@ -45,7 +45,7 @@ def _prefill(engine, piece: list[int]) -> None:
     import mlx.core as mx
 
     engine.runner(_batch(engine, piece), engine.kv, logits=False)
-    mx.eval(engine.kv.keys, engine.kv.values)
+    mx.eval(*engine.kv.arrays)
 
 
 def _score(engine, piece: list[int], targets: list[int], out) -> None:
@@ -58,7 +58,7 @@ def _score(engine, piece: list[int], targets: list[int], out) -> None:
     logits = logits.astype(mx.float32)
     picked = mx.take_along_axis(logits, mx.array(targets)[:, None], axis=-1)[:, 0]
     nll, top1 = mx.logsumexp(logits, axis=-1) - picked, mx.argmax(logits, axis=-1)
-    mx.eval(nll, top1, engine.kv.keys, engine.kv.values)
+    mx.eval(nll, top1, *engine.kv.arrays)
     out.nll += nll.tolist()
     out.top1 += top1.tolist()
 

@@ -127,7 +127,7 @@ class PipelineRunner(_Runner):
         local = _local(kv)
         # an interrupt stops here, before anything is sent: the other ranks never see it
         h = self.stage.hidden(batch, local, interrupt=interrupt, group=group)
-        mx.eval(h, local.keys, local.values)
+        mx.eval(h, *local.arrays)
         self.leader.wrote(batch.slots)
         msg = self.leader.exchange(op, payload, h, what=f"running a {op.name} on the "
                                                         "other ranks")
@@ -158,7 +158,7 @@ class TensorRunner(_Runner):
         with link.watchdog.guard(f"running a {op.name} with the other ranks"):
             h = self.stage.hidden(batch, local)
             out = self.stage.logits(batch, h) if want else None
-            link.eval(out if out is not None else h, local.keys, local.values,
+            link.eval(out if out is not None else h, *local.arrays,
                       what=f"a {op.name} forward")
         self.leader.wrote(batch.slots)
         return out

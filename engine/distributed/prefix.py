@@ -135,7 +135,7 @@ class LeaderPrefixCache(PrefixCache):
             restored.append(block)
         self.leader.post(Op.RESTORE_COMMIT, np.asarray(restored, np.int32))
         if restored:
-            mx.eval(self.kv.keys, self.kv.values)
+            mx.eval(*self.kv.arrays)
             self.disk_hits += len(restored)
         return len(restored)
 
@@ -193,7 +193,7 @@ class RankStore:
             self.kv.put(self._slots(int(block)), *block_stores(arrays, self.kv.layout))
         self._stash = []
         if len(blocks):
-            mx.eval(self.kv.keys, self.kv.values)
+            mx.eval(*self.kv.arrays)
 
     def close(self) -> None:
         self.store.close()

@@ -171,16 +171,16 @@ class Worker:
                 self.link.send(self.link.next, Message(msg.op, msg.seq, msg.payload,
                                                        msg.ledger))
             h = self.stage.hidden(batch, kv)
-            self.link.eval(h, kv.keys, kv.values, what=f"a {msg.op.name} forward")
+            self.link.eval(h, *kv.arrays, what=f"a {msg.op.name} forward")
             return
         h = self.stage.hidden(batch, kv, msg.tensor)
         if not self.link.is_last:
-            mx.eval(h, kv.keys, kv.values)
+            mx.eval(h, *kv.arrays)
             self.link.send(self.link.next, Message(msg.op, msg.seq, msg.payload, msg.ledger,
                                                    h))
             return
         out = self.stage.logits(batch, h) if want else mx.zeros((1,), mx.int32)
-        mx.eval(out, kv.keys, kv.values)
+        mx.eval(out, *kv.arrays)
         self.link.send(self.link.next, Message(Op.REPLY, msg.seq, tensor=out))
 
     def report(self) -> RankReport:

@@ -199,6 +199,12 @@ class PagedKVCache:
                  for a in store]
         return QuantizedBlocks(*parts, quant, L.head_dim)
 
+    @property
+    def arrays(self) -> tuple:
+        """Every store a step writes: evaluating these finishes the step's K/V (a write left
+        lazy would hold the pool and make the next step's writes copy it)."""
+        return self.keys, self.values
+
     def snapshot(self) -> tuple[list[Store], list[Store]] | None:
         """The stores as they are, for `restore`: a built step's graph dropped undoes its
         writes. None where a write changes a store in place (MLX's indexing)."""

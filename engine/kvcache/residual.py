@@ -197,6 +197,11 @@ class ResidualKVCache(ResidualTransfer, PagedKVCache):
             return store
         return tuple(self.row_writer(a, at, new) for a, new in zip(store, parts, strict=True))
 
+    @property
+    def arrays(self) -> tuple:
+        """The stores and the residual rows: a prefill chunk writes only the latter."""
+        return self.keys, self.values, self.res_keys, self.res_values
+
     def snapshot(self) -> tuple | None:
         """The stores and the residual rows' bookkeeping as they are, for `restore`: a
         chained decode step rebuilt with other tokens plans its slots again from them. None
