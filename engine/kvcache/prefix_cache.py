@@ -172,7 +172,7 @@ class PrefixCache:
         for i, block in enumerate(ids, start=first):
             self.blocks.register(block, seq.hashes[i], self._block_tokens(token_ids, i))
         seq.registered += len(ids)
-        mx.eval(self.kv.keys, self.kv.values)  # the batch's host copies can go now
+        mx.eval(*self.kv.arrays)  # the batch's host copies can go now
         return len(ids)
 
     def on_computed(self, seq_id: int, seq: SeqPrefix, token_ids: Sequence[int],

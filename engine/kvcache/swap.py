@@ -73,8 +73,7 @@ class HostSwap:
             self.kv.put(mx.array(slots[:whole], dtype=mx.int32), saved.keys, saved.values)
         if saved.rows is not None:
             self.kv.put_rows(slots[whole] // self.kv.layout.block_size, *saved.rows)
-        mx.eval(self.kv.keys, self.kv.values, getattr(self.kv, "res_keys", []),
-                getattr(self.kv, "res_values", []))
+        mx.eval(*self.kv.arrays)
         self.drop(saved)
 
     def drop(self, saved: SwappedKV | None) -> None:
