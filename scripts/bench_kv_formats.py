@@ -103,7 +103,7 @@ def bench_kernel(names: list[str], ctx: int, rounds: int) -> None:
         # fill in a write are still read exact in that step (`kvcache.residual`)
         cache.write(0, slots[:-1], rows_k[:, :-1], rows_v[:, :-1])
         cache.write(0, slots[-1:], rows_k[:, -1:], rows_v[:, -1:])
-        mx.eval(cache.keys, cache.values)
+        mx.eval(*cache.arrays)
         k, v = cache.block_view(0)
         kernel = cpu_residual.launch if kivi else cpu.paged_decode
         cases[name] = (partial(kernel, q, k, v, table, [ctx], 0.125),
@@ -136,7 +136,7 @@ def _prefill_case(name: str, L: int, ctx: int, rows: list[mx.array]) -> tuple[fl
     for lo, hi in ((0, ctx - L), (ctx - L, ctx)):  # the chunk's write timed
         t = time.perf_counter()
         cache.write(0, mx.arange(lo, hi, dtype=mx.int32), *(r[:, lo:hi] for r in rows))
-        mx.eval(cache.keys, cache.values)
+        mx.eval(*cache.arrays)
         wrote = (time.perf_counter() - t) * 1e6
     k, v = cache.block_view(0)
     kernel = cpu_residual.launch if kivi else cpu.paged_prefill
