@@ -65,8 +65,8 @@ inline vf channel_codes(const uint8_t* codes, int bits, int c) {
 
 // Scores of a quantized block's BS tokens for G heads into p (G rows, `stride` apart).
 template <int G>
-inline void channel_scores(const ResidualProblem& pb, int64_t blk_id, const float* qk, float* qs,
-                    float* p, int stride) {
+inline void channel_scores(const ResidualProblem& pb, int64_t blk_id, const float* qk,
+                           float* qs, float* p, int stride) {
   const int D = pb.D;
   const int64_t param0 = blk_id * D;
   float cst[G];
