@@ -15,9 +15,9 @@ from __future__ import annotations
 ALPHA = 0.3  # EMA weight of the newest measurement
 
 
-def ema(old: float | None, new: float) -> float:
-    """The moving average ``old`` (None: nothing yet) with ``new`` at weight ALPHA."""
-    return new if old is None else (1 - ALPHA) * old + ALPHA * new
+def ema(old: float | None, new: float, weight: float = ALPHA) -> float:
+    """The moving average ``old`` (None: nothing yet) with ``new`` at ``weight``."""
+    return new if old is None else (1 - weight) * old + weight * new
 
 
 class StepPacer:

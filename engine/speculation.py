@@ -25,6 +25,9 @@ from engine.request import Request
 
 MODES = ("off", "lookup", "draft")
 PROBE_EVERY = 8  # steps between one-draft probes while drafts are measured not to pay
+# EMA weight of a draft's outcome in the acceptance rates: a lone hit in a paraphrase
+# should not turn drafting back on at once (the pacer's 0.3 did: measured in the README)
+ACCEPT_WEIGHT = 0.15
 
 
 @dataclass(slots=True)
@@ -224,12 +227,12 @@ class Speculator:
         if st is None or tried == 0:
             return
         first = min(accepted, 1)
-        st.accept_rate = ema(st.accept_rate, first)
-        self.prior = ema(self.prior, first)
+        st.accept_rate = ema(st.accept_rate, first, ACCEPT_WEIGHT)
+        self.prior = ema(self.prior, first, ACCEPT_WEIGHT)
         if tried > 1:  # the drafts after a held first one
             follow = (accepted - first) / (tried - 1)
-            st.follow_rate = ema(st.follow_rate, follow)
-            self.prior_follow = ema(self.prior_follow, follow)
+            st.follow_rate = ema(st.follow_rate, follow, ACCEPT_WEIGHT)
+            self.prior_follow = ema(self.prior_follow, follow, ACCEPT_WEIGHT)
 
     def forget(self, seq: int) -> SpecState | None:
         """Drop a finished sequence's state (and its draft-model blocks); returns it."""

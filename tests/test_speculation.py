@@ -199,10 +199,10 @@ def test_first_drafts_and_the_drafts_after_a_held_one_are_measured_apart():
     sp.plan([(0, copying(), 10)])
     st = sp.states[0]
     st.accept_rate, st.follow_rate = 0.5, 0.5
-    sp.observe(0, 4, 3)  # the first held, then 2 of the 3 tried after it
-    assert st.accept_rate == pytest.approx(0.65) and st.follow_rate == pytest.approx(0.55)
+    sp.observe(0, 4, 3)  # the first held, then 2 of the 3 tried after it (weight 0.15)
+    assert st.accept_rate == pytest.approx(0.575) and st.follow_rate == pytest.approx(0.525)
     sp.observe(0, 1, 0)  # the first failed: nothing after it was tried
-    assert st.accept_rate == pytest.approx(0.455) and st.follow_rate == pytest.approx(0.55)
+    assert st.accept_rate == pytest.approx(0.48875) and st.follow_rate == pytest.approx(0.525)
     # a 30 % first draft whose spans run on: worth four drafts where 0.3^i gave up after one
     st.accept_rate, st.follow_rate = 0.3, 0.95
     assert sp.plan([(0, copying(), 10)]) == {0: [3, 4, 5, 6]}
