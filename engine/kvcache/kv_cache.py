@@ -277,4 +277,4 @@ class PagedKVCache:
         dst = mx.array([d * bs + i for _, d in copies for i in range(bs)])
         keys, values = self.take(src)
         self.put(dst, keys, values)
-        mx.eval(self.keys, self.values)
+        mx.eval(*self.arrays)

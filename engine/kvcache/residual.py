@@ -269,4 +269,4 @@ class ResidualKVCache(ResidualTransfer, PagedKVCache):
                 self._put(self.values[layer], dst,
                           tuple(a[:, src] for a in self.values[layer]))
         self._step_map = mx.array(self._res_of.astype(np.int32))
-        mx.eval(self.keys, self.values, self.res_keys, self.res_values)
+        mx.eval(*self.arrays)
