@@ -24,7 +24,8 @@ ENV_COMPILER = "KVCHAT_CXX"
 BUILD_TIMEOUT_S = 600  # one compiler run; a loaded 2-core machine can be slow
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("qmm.cpp", "qmm_tiled.cpp", "qmm_tiled_lanes.cpp", "qmm_tiled_int8.cpp",
-           "qmm_tiled_int8_lanes.cpp", "kv_write.cpp", "kv_write_quant.cpp", "qgemm.cpp",
+           "qmm_tiled_int8_lanes.cpp", "kv_write.cpp", "kv_write_quant.cpp", "kv_write_sides.cpp",
+           "qgemm.cpp",
            "channel_quant.cpp",
            "paged_attention.cpp", "paged_decode_kernel.cpp", "paged_prefill_kernel.cpp",
            "paged_residual.cpp", "paged_residual_kernel.cpp",

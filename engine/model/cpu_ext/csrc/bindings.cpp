@@ -8,6 +8,7 @@
 
 #include "gemma_tail.h"
 #include "kernels.h"
+#include "kv_write_parts.h"
 #include "kv_write_quant.h"
 #include "layer_ops.h"
 #include "layer_stack.h"
@@ -194,6 +195,22 @@ NB_MODULE(_kvchat_cpu_ext, m) {
         "stream"_a = nb::none(),
         "One part (0 packed rows, 1 scales, 2 biases) of a quantized pool (H, S, W) with rows\n"
         "(H, N, D) (rotated by `rotation` first) quantized and written at slots (N,): one op.");
+  m.def(
+      "kv_write_sides",
+      [](const std::vector<mx::array>& keys, const std::vector<mx::array>& values,
+         const mx::array& slots, const mx::array& k_rows, const mx::array& v_rows,
+         const std::optional<mx::array>& rotation, int k_bits, int k_group, bool rotate_k,
+         int v_bits, int v_group, bool rotate_v, mx::StreamOrDevice s) {
+        return kvchat::kv_write_sides(keys, values, slots, k_rows, v_rows, rotation,
+                                      {k_bits, k_group, rotate_k}, {v_bits, v_group, rotate_v},
+                                      s);
+      },
+      "keys"_a, "values"_a, "slots"_a, "k_rows"_a, "v_rows"_a, "rotation"_a = nb::none(),
+      nb::kw_only(), "k_bits"_a = 0, "k_group"_a = 0, "rotate_k"_a = false, "v_bits"_a = 0,
+      "v_group"_a = 0, "rotate_v"_a = false, "stream"_a = nb::none(),
+      "A layer's K and V stores (each [pool] float, or [packed rows, scales, biases]) with\n"
+      "rows (H, N, D) written at slots (N,): one op for both sides, each array in place\n"
+      "when nothing else holds it -> the keys' arrays then the values'.");
   m.def("hadamard", &kvchat::hadamard, "x"_a, "signs"_a, nb::kw_only(), "inverse"_a = false,
         "stream"_a = nb::none(),
         "x (..., D) times kvchat's K/V rotation R (inverse: R^T), given R's (D,) signs: one op.");

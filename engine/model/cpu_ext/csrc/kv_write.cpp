@@ -12,15 +12,14 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "kv_write_parts.h"
 #include "ops.h"
 #include "tensor.h"
 
 namespace kvchat {
 
-namespace {
-
-void write_rows(const mx::array& pool, const mx::array& slots, const mx::array& rows,
-                mx::array& out, bool donated) {
+void write_float_rows(const mx::array& pool, const mx::array& slots, const mx::array& rows,
+                      mx::array& out, bool donated) {
   // a row: every element after the first two axes (a block of per-channel codes, say)
   const int64_t H = pool.shape(0), S = pool.shape(1), N = rows.shape(1);
   const int64_t D = int64_t(pool.size()) / (H * S);
@@ -51,8 +50,6 @@ void write_rows(const mx::array& pool, const mx::array& slots, const mx::array& 
         std::memcpy(dst + (h * S + s[i]) * row, src + (h * N + i) * row, row);
 }
 
-}  // namespace
-
 void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const mx::array& pool = inputs[0];
   const bool donated = share_if_donated(pool, out);
@@ -60,7 +57,7 @@ void KvWrite::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   for (auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
   encoder.dispatch([pool, slots = inputs[1], rows = inputs[2], out, donated]() mutable {
-    write_rows(pool, slots, rows, out, donated);
+    write_float_rows(pool, slots, rows, out, donated);
   });
 }
 
@@ -68,8 +65,7 @@ void KvWrite::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("KvchatKvWrite runs on the CPU only");
 }
 
-mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& rows,
-                   mx::StreamOrDevice s) {
+void check_float_write(const mx::array& pool, const mx::array& slots, const mx::array& rows) {
   bool fits = pool.ndim() >= 3 && rows.ndim() == pool.ndim() && slots.ndim() == 1 &&
               rows.shape(0) == pool.shape(0) && rows.shape(1) == slots.shape(0);
   for (int i = 2; fits && i < pool.ndim(); ++i) fits = rows.shape(i) == pool.shape(i);
@@ -80,6 +76,11 @@ mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::arra
   const bool floats = is_float_dtype(pool.dtype()) && is_float_dtype(rows.dtype());
   if (rows.dtype() != pool.dtype() && !floats)
     throw std::invalid_argument("kv_write: rows must have the pool's dtype, or both be float");
+}
+
+mx::array kv_write(const mx::array& pool, const mx::array& slots, const mx::array& rows,
+                   mx::StreamOrDevice s) {
+  check_float_write(pool, slots, rows);
   auto stream = mx::to_stream(s, mx::Device::cpu);
   return mx::array(pool.shape(), pool.dtype(), std::make_shared<KvWrite>(stream),
                    {pool, slots, rows});

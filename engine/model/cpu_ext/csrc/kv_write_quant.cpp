@@ -20,6 +20,7 @@
 #include <stdexcept>
 
 #include "kernels.h"
+#include "kv_write_parts.h"
 #include "kv_write_quant.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -80,11 +81,11 @@ void quantize_row(const float* x, int D, int bits, int group, Elem e, uint32_t* 
   }
 }
 
-// Writes the rows into the parts of `outs` (null: a part not written): outs[0] packed rows,
-// outs[1] scales, outs[2] biases; each part's old contents copied first unless donated.
-void write_parts(const mx::array* pools, const mx::array& slots, const mx::array& rows,
-                 const mx::array* rotation, mx::array* const* outs, const bool* donated,
-                 const QuantWrite& q) {
+}  // namespace
+
+void write_quant_parts(const mx::array* pools, const mx::array& slots, const mx::array& rows,
+                       const mx::array* rotation, mx::array* const* outs, const bool* donated,
+                       const QuantWrite& q) {
   // rotation: the (D,) signs of kvchat's rotation; its Hadamard blocks are D's largest
   // power-of-two divisor wide (`quant.rotation_block`)
   const int64_t N = rows.shape(1);
@@ -130,8 +131,6 @@ void write_parts(const mx::array* pools, const mx::array& slots, const mx::array
     }
 }
 
-}  // namespace
-
 void KvWriteQuant::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const mx::array& pool = inputs[0];
   const bool donated = share_if_donated(pool, out);
@@ -145,7 +144,7 @@ void KvWriteQuant::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
       bool don[3] = {false, false, false};
       don[q.part] = donated;
       const mx::array pools[3] = {in[0], in[0], in[0]};
-      write_parts(pools, in[1], in[2], in.size() > 3 ? &in[3] : nullptr, outs, don, q);
+      write_quant_parts(pools, in[1], in[2], in.size() > 3 ? &in[3] : nullptr, outs, don, q);
     } catch (...) {  // an exception must not leave a dispatched task; the rows stay unwritten
     }
   });
@@ -155,9 +154,7 @@ void KvWriteQuant::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("KvchatKvWriteQuant runs on the CPU only");
 }
 
-namespace {
-
-void check_part(const mx::array& pool, const mx::array& slots, const mx::array& rows,
+void check_quant_part(const mx::array& pool, const mx::array& slots, const mx::array& rows,
                 const std::optional<mx::array>& rotation, int part, int bits, int group) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("kv_write_quant: bits must be 4 or 8");
   if (part < 0 || part > 2) throw std::invalid_argument("kv_write_quant: part is 0, 1 or 2");
@@ -177,12 +174,10 @@ void check_part(const mx::array& pool, const mx::array& slots, const mx::array& 
     throw std::invalid_argument("kv_write_quant: rotation must be D float32 signs");
 }
 
-}  // namespace
-
 mx::array kv_write_quant(const mx::array& pool, const mx::array& slots, const mx::array& rows,
                          const std::optional<mx::array>& rotation, int part, int bits, int group,
                          mx::StreamOrDevice s) {
-  check_part(pool, slots, rows, rotation, part, bits, group);
+  check_quant_part(pool, slots, rows, rotation, part, bits, group);
   auto stream = mx::to_stream(s, mx::Device::cpu);
   std::vector<mx::array> inputs{pool, slots, rows};
   if (rotation) inputs.push_back(*rotation);

@@ -1,13 +1,15 @@
 // See layer_stack.h. Each layer's nodes are the ones the Python runner makes for an
 // extension layer (model_runner._block with `ExtLayer`, `PagedKVCache.write`, the
 // attention route's CPU kernel), built by the same C++ functions with the same arguments,
-// so the outputs are the same bits.
+// so the outputs are the same bits; only the K/V writes differ, one `kv_write_sides` node
+// where the runner makes one per stored array (the same bytes, 1-5 fewer nodes a layer).
 #include "layer_stack.h"
 
 #include <stdexcept>
+#include <utility>
 
 #include "mlx/ops.h"
-#include "kv_write_quant.h"
+#include "kv_write_parts.h"
 #include "ops.h"
 #include "paged_residual.h"
 
@@ -24,6 +26,21 @@ const mx::array& stored(const mx::array& a, int size) {
 
 size_t parts_of(int kind) {
   return kind == 0 ? 1 : kind == 1 ? 3 : 4;
+}
+
+// Arrays [first, last) of each side's list written with this step's rows, as one node.
+void write_both(std::vector<mx::array>& k, std::vector<mx::array>& v, std::pair<int, int> at,
+                const mx::array& slots, const mx::array& k_rows, const mx::array& v_rows,
+                const std::optional<mx::array>& rotation, SideFormat kf, SideFormat vf) {
+  const auto [first, last] = at;
+  const std::vector<mx::array> ks(k.begin() + first, k.begin() + last),
+      vs(v.begin() + first, v.begin() + last);
+  auto out = kv_write_sides(ks, vs, slots, k_rows, v_rows, rotation, kf, vf);
+  const size_t n = ks.size();
+  for (size_t i = 0; i < n; ++i) {
+    k[first + i] = out[i];
+    v[first + i] = out[n + i];
+  }
 }
 
 }  // namespace
@@ -51,18 +68,13 @@ std::tuple<mx::array, LayerStack::Sides, LayerStack::Sides> LayerStack::run(
       throw std::invalid_argument("layer_stack: each side's arrays as its kind stores them");
     mx::array att = qkv[0];
     if (kv.kind == 0) {
-      k[0] = kv_write(k[0], slots, qkv[1]);
-      v[0] = kv_write(v[0], slots, qkv[2]);
+      write_both(k, v, {0, 1}, slots, qkv[1], qkv[2], none, {}, {});
       att = paged_attention(qkv[0], stored(k[0], block_size_), stored(v[0], block_size_),
                             block_tables, context_lens, L.scale, none, none, 0, 0, none, none,
                             0, 0, 0, none, none, false, false, block_size_);
     } else if (kv.kind == 1) {
-      for (int p = 0; p < 3; ++p) {
-        k[p] = kv_write_quant(k[p], slots, qkv[1], kv.rotate_k ? kv.rotation : none, p,
-                              kv.k_bits, kv.k_group);
-        v[p] = kv_write_quant(v[p], slots, qkv[2], kv.rotate_v ? kv.rotation : none, p,
-                              kv.v_bits, kv.v_group);
-      }
+      write_both(k, v, {0, 3}, slots, qkv[1], qkv[2], rot, {kv.k_bits, kv.k_group, kv.rotate_k},
+                 {kv.v_bits, kv.v_group, kv.rotate_v});
       for (int p = 0; p < 3; ++p) {  // every part as kept: whole blocks
         stored(k[p], block_size_);
         stored(v[p], block_size_);
@@ -71,8 +83,7 @@ std::tuple<mx::array, LayerStack::Sides, LayerStack::Sides> LayerStack::run(
                             kv.k_bits, kv.k_group, v[1], v[2], kv.v_bits, kv.v_group, 0, none,
                             rot, kv.rotate_k, kv.rotate_v, block_size_);
     } else {  // full blocks as stored; only the residual rows take this step's K/V
-      k[3] = kv_write(k[3], slots, qkv[1]);
-      v[3] = kv_write(v[3], slots, qkv[2]);
+      write_both(k, v, {3, 4}, slots, qkv[1], qkv[2], none, {}, {});
       att = paged_residual(qkv[0], k[0], k[1], k[2], stored(v[0], block_size_),
                            stored(v[1], block_size_), stored(v[2], block_size_),
                            stored(k[3], block_size_), stored(v[3], block_size_), *kv.res_map,

@@ -1,0 +1,136 @@
+// A step's K and V rows written into every array of a layer's stores as one node.
+//
+// A decode step of the default model is a few hundred small nodes, and on these CPUs each
+// node costs ~7-9 us of MLX's scheduling however little it computes: a float pool's two
+// writes (K, V) and a per-token quantized pool's six (three parts a side) were ~1.1 ms of a
+// ~5 ms step for the latter. Here they are one node with an output per array. MLX does
+// not donate the inputs of a multi-output primitive (each output keeps its own copy of the
+// inputs, so `is_donatable`'s count is never 1); `sole_input` applies the same rule counting
+// those copies: an array nobody else holds is written in place, any other is copied first.
+#include <cstring>
+#include <stdexcept>
+
+#include "kv_write_parts.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "tensor.h"
+
+namespace kvchat {
+
+namespace {
+
+// MLX's `array::is_donatable` for an input of a primitive with `outputs` outputs: its only
+// holders are those outputs' input lists, and no other array shares its buffer.
+bool sole_input(const mx::array& a, size_t outputs) {
+  // mx::array is one shared_ptr to its description; MLX exposes no count of its holders
+  static_assert(sizeof(mx::array) == sizeof(std::shared_ptr<void>), "mx::array layout");
+  const auto& desc = *reinterpret_cast<const std::shared_ptr<void>*>(&a);
+  const auto& data = a.data_shared_ptr();
+  return a.flags().row_contiguous && size_t(desc.use_count()) == outputs && data &&
+         data.use_count() == 1 && data->is_owned();
+}
+
+size_t parts(const SideFormat& f) {
+  return f.bits ? 3 : 1;
+}
+
+// One side's arrays (pools .. pools + parts) into outs, donated[i] for each.
+void write_side(const mx::array* pools, mx::array* outs, const bool* donated,
+                const SideFormat& f, const mx::array& slots, const mx::array& rows,
+                const mx::array* rotation) {
+  if (f.bits == 0) {
+    write_float_rows(pools[0], slots, rows, outs[0], donated[0]);
+    return;
+  }
+  mx::array* out[3] = {&outs[0], &outs[1], &outs[2]};
+  write_quant_parts(pools, slots, rows, f.rotate ? rotation : nullptr, out, donated,
+                    QuantWrite{0, f.bits, f.group});
+}
+
+}  // namespace
+
+void KvWriteSides::eval_cpu(const std::vector<mx::array>& inputs,
+                            std::vector<mx::array>& outputs) {
+  const size_t n = outputs.size();
+  bool donated[6] = {};
+  for (size_t i = 0; i < n; ++i) {
+    donated[i] = sole_input(inputs[i], n);
+    if (donated[i])
+      outputs[i].copy_shared_buffer(inputs[i]);
+    else
+      outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
+  }
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) encoder.set_input_array(a);
+  for (auto& o : outputs) encoder.set_output_array(o);
+  encoder.dispatch([in = inputs, outs = outputs, k = k_, v = v_,
+                    don = std::vector<bool>(donated, donated + n)]() mutable {
+    try {
+      const size_t nk = parts(k), n = outs.size();
+      const mx::array* rot = in.size() > n + 3 ? &in[n + 3] : nullptr;
+      bool d[6] = {};
+      for (size_t i = 0; i < n; ++i) d[i] = don[i];
+      write_side(in.data(), outs.data(), d, k, in[n], in[n + 1], rot);
+      write_side(in.data() + nk, outs.data() + nk, d + nk, v, in[n], in[n + 2], rot);
+    } catch (...) {  // an exception must not leave a dispatched task; the rows stay unwritten
+    }
+  });
+}
+
+void KvWriteSides::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("KvchatKvWriteSides runs on the CPU only");
+}
+
+bool KvWriteSides::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const KvWriteSides&>(other);
+  auto same = [](const SideFormat& a, const SideFormat& b) {
+    return a.bits == b.bits && a.group == b.group && a.rotate == b.rotate;
+  };
+  return same(k_, o.k_) && same(v_, o.v_);
+}
+
+namespace {
+
+void check_side(const std::vector<mx::array>& store, const mx::array& slots,
+                const mx::array& rows, const std::optional<mx::array>& rotation,
+                const SideFormat& f) {
+  if (store.size() != parts(f))
+    throw std::invalid_argument("kv_write_sides: a float side is one array, a quantized one "
+                                "three (packed rows, scales, biases)");
+  if (f.bits == 0) {
+    check_float_write(store[0], slots, rows);
+    return;
+  }
+  if (f.rotate && !rotation)
+    throw std::invalid_argument("kv_write_sides: a rotated side needs R's signs");
+  for (int p = 0; p < 3; ++p)
+    check_quant_part(store[p], slots, rows, f.rotate ? rotation : std::nullopt, p, f.bits,
+                     f.group);
+}
+
+}  // namespace
+
+std::vector<mx::array> kv_write_sides(const std::vector<mx::array>& keys,
+                                      const std::vector<mx::array>& values,
+                                      const mx::array& slots, const mx::array& k_rows,
+                                      const mx::array& v_rows,
+                                      const std::optional<mx::array>& rotation, SideFormat k,
+                                      SideFormat v, mx::StreamOrDevice s) {
+  check_side(keys, slots, k_rows, rotation, k);
+  check_side(values, slots, v_rows, rotation, v);
+  std::vector<mx::array> inputs(keys);
+  inputs.insert(inputs.end(), values.begin(), values.end());
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (const auto& a : inputs) {
+    shapes.push_back(a.shape());
+    dtypes.push_back(a.dtype());
+  }
+  inputs.insert(inputs.end(), {slots, k_rows, v_rows});
+  if ((k.rotate || v.rotate) && rotation) inputs.push_back(*rotation);
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  return mx::array::make_arrays(std::move(shapes), dtypes,
+                                std::make_shared<KvWriteSides>(stream, k, v), inputs);
+}
+
+}  // namespace kvchat
