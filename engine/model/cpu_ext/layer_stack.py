@@ -8,9 +8,10 @@ outputs are the same bits; a layer's K/V writes are one node there (`kv_write_si
 the same bytes; MLX schedules each node at ~7-9 us on these CPUs, so 29 fewer nodes a
 step on a float pool, 145 on a quantized one, measured 4-11 % faster steps). It applies
 where that graph is the whole story: every layer an `ExtLayer` with plain attention (no
-window, no sinks); pools the extension writes, float, quantized per token or residual -kivi (a residual step that fills a block, and
-residual prefills, are built layer by layer); and the attention route's CPU kernel for
-the call, already validated by the guard (`attention.validated_kernel`).
+window, no sinks); pools the extension writes, float, quantized per token or residual -kivi
+(a residual step that fills a block, and residual prefills, are built layer by layer); and
+the attention route's CPU kernel for the call, already validated by the guard
+(`attention.validated_kernel`).
 ``KVCHAT_LAYER_STACK=0`` turns it off (to compare).
 """
 
