@@ -34,12 +34,14 @@ from engine.shifting import ContextShifter
 
 def kv_writers(loaded) -> dict:
     """`PagedKVCache`'s writers: the CPU extension's one-op K/V writes (plain and quantized
-    stores) when the model runs on it, else none (MLX's indexing and `mx.quantize`)."""
+    stores, and both sides of a layer at once) when the model runs on it, else none (MLX's
+    indexing and `mx.quantize`)."""
     if not loaded.cpu_ext:
-        return {"row_writer": None, "quant_writer": None}
-    from engine.model.cpu_ext.ops import kv_write, kv_write_quant
+        return {"row_writer": None, "quant_writer": None, "sides_writer": None}
+    from engine.model.cpu_ext.ops import kv_write, kv_write_quant, kv_write_sides
 
-    return {"row_writer": kv_write, "quant_writer": kv_write_quant}
+    return {"row_writer": kv_write, "quant_writer": kv_write_quant,
+            "sides_writer": kv_write_sides}
 
 
 def residual_writers(loaded) -> dict:

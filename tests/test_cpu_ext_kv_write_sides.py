@@ -102,3 +102,46 @@ def test_bad_stores_are_refused(ext):
         ext.kv_write_sides(store(q), store(None), at, rows, rows, k_bits=4, k_group=64)
     with pytest.raises(ValueError, match="rows must be"):
         ext.kv_write_sides(store(None), store(None), at, mx.zeros((H, 2, D)), rows)
+
+
+LAYOUTS = {
+    "f16": dict(),
+    "q8 rotated": dict(k_quant=QuantSpec(8, 64, 1), v_quant=QuantSpec(8, 64, 1)),
+    "k8v4 not rotated": dict(k_quant=QuantSpec(8, 64, 0), v_quant=QuantSpec(4, 32, 0)),
+    "q4-kivi": dict(k_quant=QuantSpec(4, 64, 1), v_quant=QuantSpec(4, 64, 1), residual=True,
+                    key_channel=True),
+}
+
+
+@pytest.mark.parametrize("fmt", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_the_pools_write_both_sides_in_one_op_with_the_same_bytes(ext, fmt):
+    """`PagedKVCache.write` (and a residual pool's residual rows) through `kv_write_sides`:
+    the bytes the one-op writes store side by side, blocks filled and quantized on the way."""
+    from engine.kvcache.kv_cache import KVLayout, PagedKVCache
+    from engine.kvcache.residual import ResidualKVCache
+
+    layout = KVLayout(2, H, D, 4, mx.float16, **fmt)
+    kind = ResidualKVCache if layout.residual else PagedKVCache
+    writers = dict(quant_writer=ops.kv_write_quant) | (
+        {"channel_quant": ops.channel_quant} if layout.residual else {})
+    pools = [kind(layout, 8, ops.kv_write, **writers, sides_writer=s)
+             for s in (None, ops.kv_write_sides)]
+    rng = np.random.default_rng(3)
+    for at in ([0, 1, 2], [3], [12, 13], [14, 15, 16, 17, 18]):  # rows filling blocks 0 and 3
+        slots = mx.array(at, dtype=mx.int32)
+        k, v = (mx.array(rng.standard_normal((H, len(at), D)).astype(np.float16))
+                for _ in range(2))
+        for kv in pools:
+            for layer in range(2):
+                kv.write(layer, slots, k, v)
+    plain, one = ((np.array(a) for a in kv_arrays(kv)) for kv in pools)
+    for a, b in zip(plain, one, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def kv_arrays(kv) -> list[mx.array]:
+    out = []
+    for side in kv.arrays:
+        for store in side:
+            out += list(store) if isinstance(store, tuple) else [store]
+    return out

@@ -106,6 +106,8 @@ def _quantize(rows: mx.array, q: QuantSpec) -> tuple[mx.array, mx.array, mx.arra
 RowWriter = Callable[[mx.array, mx.array, mx.array], mx.array]
 # (quantized store, slots, rows, format) -> the store with the rows written
 QuantWriter = Callable[[tuple, mx.array, mx.array, QuantSpec], tuple]
+# (K store, V store, slots, K rows, V rows, K format, V format) -> both stores written
+SidesWriter = Callable[..., tuple]
 
 
 class PagedKVCache:
@@ -114,18 +116,22 @@ class PagedKVCache:
     ``row_writer(pool, slots, rows)``, when given, returns ``pool`` with ``rows`` written at
     ``slots`` for plain (unquantized) stores: the CPU extension's one-op `kv_write`, where
     MLX's indexing builds ~12 nodes per write. ``quant_writer`` does the same for a
-    quantized store (the extension's `kv_write_quant`, bit for bit `_quantize`).
+    quantized store (the extension's `kv_write_quant`, bit for bit `_quantize`), and
+    ``sides_writer`` both sides of a layer at once (`kv_write_sides`: one node, same bytes;
+    a write node costs a decode step more than its work, measured in the README).
     """
 
     def __init__(self, layout: KVLayout, num_blocks: int, row_writer: RowWriter | None = None,
                  *, window: WindowBlocks | None = None, windowed: Sequence[bool] = (),
-                 quant_writer: QuantWriter | None = None):
+                 quant_writer: QuantWriter | None = None,
+                 sides_writer: SidesWriter | None = None):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.layout = layout
         self.num_blocks = num_blocks
         self.row_writer = row_writer
         self.quant_writer = quant_writer
+        self.sides_writer = sides_writer
         # sliding-window layers keep rows only for the blocks a window covers
         self.window = window
         self.windowed = [bool(w) and window is not None for w in windowed] or \
@@ -236,6 +242,10 @@ class PagedKVCache:
         """Store ``keys``/``values`` of shape (kv_heads, N, head_dim) at ``slots``."""
         L = self.layout
         slots = self.slots_for(layer, slots)
+        if self.sides_writer is not None and not L.key_channel:
+            self.keys[layer], self.values[layer] = self.sides_writer(
+                self.keys[layer], self.values[layer], slots, keys, values, L.k_quant, L.v_quant)
+            return
         for stores, rows, quant in ((self.keys, keys, L.k_quant),
                                     (self.values, values, L.v_quant)):
             if quant and self.quant_writer is not None:

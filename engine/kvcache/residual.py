@@ -42,14 +42,16 @@ class ResidualKVCache(ResidualTransfer, PagedKVCache):
     """A `PagedKVCache` whose blocks are quantized when they fill (see the module)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, row_writer=None, *,
-                 quant_writer=None, channel_quant=None,
+                 quant_writer=None, channel_quant=None, sides_writer=None,
                  free_ids: Callable[[], Iterable[int]] | None = None):
         if not (layout.residual and layout.k_quant and layout.v_quant):
             raise ValueError("a residual pool needs a residual layout quantizing K and V")
         # the extension's one-op writes (`wiring.kv_writers`): row_writer the side store's
         # rows and every store's blocks, quant_writer per-token rows, channel_quant the
-        # per-channel keys of filled blocks; without them MLX's indexing and ops
-        super().__init__(layout, num_blocks, row_writer, quant_writer=quant_writer)
+        # per-channel keys of filled blocks, sides_writer both sides' residual rows; without
+        # them MLX's indexing and ops
+        super().__init__(layout, num_blocks, row_writer, quant_writer=quant_writer,
+                         sides_writer=sides_writer)
         self.channel_quant = channel_quant
         self.free_ids = free_ids  # the block manager's free blocks (wiring sets it)
         self._res_of = np.full(num_blocks, -1, dtype=np.int64)
@@ -151,11 +153,15 @@ class ResidualKVCache(ResidualTransfer, PagedKVCache):
         and quantize every block this write fills."""
         L = self.layout
         rslots, filled, rows = self._plan(slots)
-        for store, new in ((self.res_keys, keys), (self.res_values, values)):
-            if self.row_writer is not None:  # one node, in place: the list holds the array
-                store[layer] = self.row_writer(store[layer], rslots, new)
-            else:
-                store[layer][:, rslots] = new.astype(L.dtype)
+        if self.sides_writer is not None:  # one node, in place: the lists hold the arrays
+            self.res_keys[layer], self.res_values[layer] = self.sides_writer(
+                self.res_keys[layer], self.res_values[layer], rslots, keys, values, None, None)
+        else:
+            for store, new in ((self.res_keys, keys), (self.res_values, values)):
+                if self.row_writer is not None:
+                    store[layer] = self.row_writer(store[layer], rslots, new)
+                else:
+                    store[layer][:, rslots] = new.astype(L.dtype)
         if filled:
             self._quantize_blocks(layer, filled, rows)
 

@@ -75,6 +75,27 @@ def kv_write_quant(store: tuple[mx.array, mx.array, mx.array], slots: mx.array,
                                     group=quant.group_size) for i, part in enumerate(store))
 
 
+def kv_write_sides(keys, values, slots: mx.array, k_rows: mx.array, v_rows: mx.array,
+                   k_quant, v_quant) -> tuple:
+    """A layer's K and V stores (each an array, or a quantized side's (packed rows, scales,
+    biases) as its ``QuantSpec`` says) with the rows (H, N, D) written at ``slots``, as one
+    op for both sides: the bytes `kv_write` / `kv_write_quant` store side by side, each
+    array in place when nothing else holds it."""
+    from engine.kvcache import rotation
+
+    slots = slots.astype(mx.int32) if slots.dtype != mx.int32 else slots
+    kw, signs = {}, None
+    for side, q in (("k", k_quant), ("v", v_quant)):
+        if q is not None:
+            kw |= {f"{side}_bits": q.bits, f"{side}_group": q.group_size,
+                   f"rotate_{side}": bool(q.rotation)}
+            signs = rotation.signs(k_rows.shape[-1]) if q.rotation else signs
+    ks, vs = (list(x) if isinstance(x, tuple) else [x] for x in (keys, values))
+    out = build.require().kv_write_sides(ks, vs, slots, k_rows, v_rows, signs, **kw)
+    k, v = out[:len(ks)], out[len(ks):]
+    return (tuple(k) if k_quant else k[0]), (tuple(v) if v_quant else v[0])
+
+
 def greedy_pick(logits: mx.array) -> mx.array:
     """(rows, vocab) float logits -> (rows,) int32: each row's greedy token where it provably
     equals mlx-lm's ``argmax(logits - logsumexp(logits))`` (see csrc/greedy.cpp), else -1."""
