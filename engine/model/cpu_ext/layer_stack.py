@@ -4,9 +4,9 @@ The runner builds each layer's four nodes (`ExtLayer.head`, the K/V writes, page
 attention, `ExtLayer.tail`) in Python at ~50 us a layer: ~1.5 ms of a ~12 ms decode
 step of the default model, with both cores idle meanwhile. `LayerStack.run` builds the
 same nodes, by the same C++ functions with the same arguments, in one call, so the
-outputs are the same bits; a layer's K/V writes are one node there (`kv_write_sides`:
-the same bytes; MLX schedules each node at ~7-9 us on these CPUs, so 29 fewer nodes a
-step on a float pool, 145 on a quantized one, measured 4-11 % faster steps). It applies
+outputs are the same bits (a layer's K/V writes are one `kv_write_sides` node in both,
+where they were one node per stored array: 29 fewer nodes a step on a float pool, 145 on
+a per-token quantized one, 1.5-5 % and 7-13 % faster steps in the README's A/B). It applies
 where that graph is the whole story: every layer an `ExtLayer` with plain attention (no
 window, no sinks); pools the extension writes, float, quantized per token or residual -kivi
 (a residual step that fills a block, and residual prefills, are built layer by layer); and

@@ -155,7 +155,7 @@ void KvWriteQuant::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 }
 
 void check_quant_part(const mx::array& pool, const mx::array& slots, const mx::array& rows,
-                const std::optional<mx::array>& rotation, int part, int bits, int group) {
+                      const std::optional<mx::array>& rotation, int part, int bits, int group) {
   if (bits != 4 && bits != 8) throw std::invalid_argument("kv_write_quant: bits must be 4 or 8");
   if (part < 0 || part > 2) throw std::invalid_argument("kv_write_quant: part is 0, 1 or 2");
   if (rows.ndim() != 3 || pool.ndim() != 3 || slots.ndim() != 1 || slots.dtype() != mx::int32 ||

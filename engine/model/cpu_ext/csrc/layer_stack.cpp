@@ -1,8 +1,8 @@
 // See layer_stack.h. Each layer's nodes are the ones the Python runner makes for an
 // extension layer (model_runner._block with `ExtLayer`, `PagedKVCache.write`, the
 // attention route's CPU kernel), built by the same C++ functions with the same arguments,
-// so the outputs are the same bits; only the K/V writes differ, one `kv_write_sides` node
-// where the runner makes one per stored array (the same bytes, 1-5 fewer nodes a layer).
+// so the outputs are the same bits (a layer's K/V writes: one `kv_write_sides` node, as
+// the pool's `sides_writer` makes them).
 #include "layer_stack.h"
 
 #include <stdexcept>

@@ -1,7 +1,6 @@
 // A step's run of llama-family layers built in C++ (layer_stack.cpp): the same
 // graph the runner builds layer by layer in Python (`layer_head`, the K/V writes,
-// `paged_attention`, `layer_tail`), node for node but for the K/V writes (one node for
-// every stored array), without ~50 us of Python per layer.
+// `paged_attention`, `layer_tail`), node for node, without ~50 us of Python per layer.
 #pragma once
 
 #include <optional>
