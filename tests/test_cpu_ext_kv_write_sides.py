@@ -69,7 +69,7 @@ def test_a_store_held_elsewhere_is_copied_not_written(ext):
                              mx.ones((H, 1, D)), mx.ones((H, 1, D)), **fmt("k", q))
     mx.eval(*out)
     assert all(not np.array(a).any() for a in held)  # the old arrays untouched
-    assert all(np.array(a)[:, 3].any() for a in out[1:])  # scales... and the float pool
+    assert all(np.array(a)[:, 3].any() for a in out[1:])  # scales, biases, float pool
 
 
 def test_a_store_nobody_else_holds_is_written_in_place(ext):
@@ -142,6 +142,6 @@ def test_the_pools_write_both_sides_in_one_op_with_the_same_bytes(ext, fmt):
 def kv_arrays(kv) -> list[mx.array]:
     out = []
     for side in kv.arrays:
-        for store in side:
-            out += list(store) if isinstance(store, tuple) else [store]
+        for st in side:
+            out += list(st) if isinstance(st, tuple) else [st]
     return out
