@@ -4,32 +4,19 @@
 // (three parts a side), each a few rows' work: the 116 extra write nodes of a q8 decode step
 // of the default model measured ~0.8-1.1 ms of a ~5 ms step. Here they are one node with an
 // output per array (measured in the README: float16 steps 1.5-5 % faster, q8/q4 7-13 %).
-// MLX does not donate the inputs of a multi-output primitive (each output keeps its own copy
-// of the inputs, so `is_donatable`'s count is never 1); `sole_input` applies the same rule
-// counting those copies: an array nobody else holds is written in place, any other is
-// copied first.
+// Each array nobody else holds is written in place, any other copied first
+// (`share_if_donated`, counting the copies of the inputs a multi-output primitive keeps).
+#include <array>
 #include <cstring>
 #include <stdexcept>
 
 #include "kv_write_parts.h"
-#include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "tensor.h"
 
 namespace kvchat {
 
 namespace {
-
-// MLX's `array::is_donatable` for an input of a primitive with `outputs` outputs: its only
-// holders are those outputs' input lists, and no other array shares its buffer.
-bool sole_input(const mx::array& a, size_t outputs) {
-  // mx::array is one shared_ptr to its description; MLX exposes no count of its holders
-  static_assert(sizeof(mx::array) == sizeof(std::shared_ptr<void>), "mx::array layout");
-  const auto& desc = *reinterpret_cast<const std::shared_ptr<void>*>(&a);
-  const auto& data = a.data_shared_ptr();
-  return a.flags().row_contiguous && size_t(desc.use_count()) == outputs && data &&
-         data.use_count() == 1 && data->is_owned();
-}
 
 size_t parts(const SideFormat& f) {
   return f.bits ? 3 : 1;
@@ -53,26 +40,17 @@ void write_side(const mx::array* pools, mx::array* outs, const bool* donated,
 void KvWriteSides::eval_cpu(const std::vector<mx::array>& inputs,
                             std::vector<mx::array>& outputs) {
   const size_t n = outputs.size();
-  bool donated[6] = {};
-  for (size_t i = 0; i < n; ++i) {
-    donated[i] = sole_input(inputs[i], n);
-    if (donated[i])
-      outputs[i].copy_shared_buffer(inputs[i]);
-    else
-      outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
-  }
+  std::array<bool, 6> donated{};  // at most three arrays a side
+  for (size_t i = 0; i < n; ++i) donated[i] = share_if_donated(inputs[i], outputs[i], n);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (auto& a : inputs) encoder.set_input_array(a);
   for (auto& o : outputs) encoder.set_output_array(o);
-  encoder.dispatch([in = inputs, outs = outputs, k = k_, v = v_,
-                    don = std::vector<bool>(donated, donated + n)]() mutable {
+  encoder.dispatch([in = inputs, outs = outputs, k = k_, v = v_, d = donated]() mutable {
     try {
       const size_t nk = parts(k), n = outs.size();
       const mx::array* rot = in.size() > n + 3 ? &in[n + 3] : nullptr;
-      bool d[6] = {};
-      for (size_t i = 0; i < n; ++i) d[i] = don[i];
-      write_side(in.data(), outs.data(), d, k, in[n], in[n + 1], rot);
-      write_side(in.data() + nk, outs.data() + nk, d + nk, v, in[n], in[n + 2], rot);
+      write_side(in.data(), outs.data(), d.data(), k, in[n], in[n + 1], rot);
+      write_side(in.data() + nk, outs.data() + nk, d.data() + nk, v, in[n], in[n + 2], rot);
     } catch (...) {  // an exception must not leave a dispatched task; the rows stay unwritten
     }
   });

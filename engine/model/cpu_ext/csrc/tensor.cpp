@@ -64,8 +64,24 @@ const float* rows_as_float(const mx::array& a, std::vector<float>& scratch) {
   return scratch.data();
 }
 
-bool share_if_donated(const mx::array& pool, mx::array& out) {
-  const bool donated = pool.flags().row_contiguous && pool.is_donatable();
+namespace {
+
+// MLX's `array::is_donatable` for an input of a primitive with `outputs` outputs: its only
+// holders are those outputs' input lists, and no other array shares its buffer.
+bool sole_input(const mx::array& a, size_t outputs) {
+  if (outputs == 1) return a.is_donatable();
+  // mx::array is one shared_ptr to its description; MLX exposes no count of its holders
+  static_assert(sizeof(mx::array) == sizeof(std::shared_ptr<void>), "mx::array layout");
+  const auto& desc = *reinterpret_cast<const std::shared_ptr<void>*>(&a);
+  const auto& data = a.data_shared_ptr();
+  return size_t(desc.use_count()) == outputs && data && data.use_count() == 1 &&
+         data->is_owned();
+}
+
+}  // namespace
+
+bool share_if_donated(const mx::array& pool, mx::array& out, size_t outputs) {
+  const bool donated = pool.flags().row_contiguous && sole_input(pool, outputs);
   if (donated)
     out.copy_shared_buffer(pool);
   else

@@ -31,7 +31,10 @@ const void* row_major(const mx::array& a, std::vector<char>& scratch);
 // Give `out` (a pool's updated copy) the pool's own buffer when the pool can be
 // updated in place (row-contiguous, donated: its caller holds no other reference),
 // else a new one; returns whether it is the pool's (the caller copies the pool if not).
-bool share_if_donated(const mx::array& pool, mx::array& out);
+// `outputs`: of the primitive whose input `pool` is. MLX never donates a multi-output
+// primitive's inputs (each output keeps its own copy of the input list, so
+// `is_donatable`'s count is never 1); its rule is applied counting those copies.
+bool share_if_donated(const mx::array& pool, mx::array& out, size_t outputs = 1);
 
 // A row-major array of `shape` over `base`'s buffer from element `offset` on, no copy:
 // a stacked array's slice, or the first rows of a buffer.
