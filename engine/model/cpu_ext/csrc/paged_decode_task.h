@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 
+#include "hsums.h"
 #include "paged_decode_kernel.h"
 #include "pool.h"
 
@@ -222,11 +223,14 @@ void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st)
       for (int r = sp.r0[i]; r < sp.r1[i]; ++r) {
         vf k[NV];
         load_row<NV>(pb.k, sp.row0[i] + r, k);
+        vf dot[G];
         for (int g = 0; g < G; ++g) {
-          vf dot{};
-          for (int j = 0; j < NV; ++j) dot += q[g][j] * k[j];
-          pi[size_t(g) * stride + r] = hsum(dot);
+          dot[g] = vf{};
+          for (int j = 0; j < NV; ++j) dot[g] += q[g][j] * k[j];
         }
+        float s[G];
+        hsums<G>(dot, s);  // the G sums together: ~3 shuffles and adds a head, not ~8
+        for (int g = 0; g < G; ++g) pi[size_t(g) * stride + r] = s[g];
       }
       mask_folded(pb, b, q_head0, G, sp.blk[i] * BS, sp.r0[i], sp.r1[i], pi, stride);
     }

@@ -219,12 +219,13 @@ void qmm_tiled(const QuantWeights& q, const float* x, int64_t M, float* y) {
   pool.run(int(plan.x_tasks), [&](int i) {
     quantize_rows(x, q.K, q.group, i * x_per, std::min(M, (i + 1) * x_per), qx);
   });
-  const int tasks = plan.tasks, per_task = (tiles + tasks - 1) / tasks;
+  const int tasks = plan.tasks;
   if (plan.lanes) return tiled::qmm_lanes(q, qx, M, y, tasks);
   const int m_blocks = int((M + kRowBlock - 1) / kRowBlock);
   pool.run(tasks, [&](int task) {
-    const int t1 = std::min(tiles, (task + 1) * per_task);
-    for (int t = task * per_task; t < t1; ++t)
+    int t0, t1;
+    tiled::task_tiles(tiles, tasks, task, t0, t1);
+    for (int t = t0; t < t1; ++t)
       for (int mb = 0; mb < m_blocks; ++mb)
         KVCHAT_BY_BITS(q.bits, tile_rows)(
             q, qx, t, int64_t(mb) * kRowBlock,

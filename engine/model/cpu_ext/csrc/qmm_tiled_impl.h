@@ -164,6 +164,15 @@ void walk_lanes(const QuantWeights& q, int64_t M, int t0, int t1, float* y, Unpa
 // `tasks` runs of tiles on the pool (1: the calling thread alone).
 void qmm_lanes(const QuantWeights& q, const QuantX& qx, int64_t M, float* y, int tasks);
 
+// Task `task`'s tiles [t0, t1) of `tiles` split over `tasks`: the first tiles % tasks tasks
+// take one more. Tasks are claimed in order as threads free up, so the larger go first:
+// ceil-sized runs left 36 tiles (576 outputs) as 7 x 5 + 1, one thread 20, the other 16.
+inline void task_tiles(int tiles, int tasks, int task, int& t0, int& t1) {
+  const int base = tiles / tasks, extra = tiles % tasks;
+  t0 = task * base + std::min(task, extra);
+  t1 = t0 + base + (task < extra ? 1 : 0);
+}
+
 // How qmm_tiled splits one product: tasks over tiles, over x rows, which kernel, and
 // how far ahead the rows kernel prefetches.
 struct Plan {

@@ -126,12 +126,13 @@ void qmm_int8(const QuantWeights& q, const float* x, int64_t M, float* y, const 
   pool.run(int(plan.x_tasks), [&](int i) {
     quantize_rows8(x, q.K, q.group, i * x_per, std::min(M, (i + 1) * x_per), qx);
   });
-  const int tiles = q.N / kTile, per_task = (tiles + plan.tasks - 1) / plan.tasks;
+  const int tiles = q.N / kTile;
   if (plan.lanes) return qmm_int8_lanes(q, qx, M, y, plan.tasks, ib);
   const int m_blocks = int((M + kRowBlock - 1) / kRowBlock);
   pool.run(plan.tasks, [&](int task) {
-    const int t1 = std::min(tiles, (task + 1) * per_task);
-    for (int t = task * per_task; t < t1; ++t)
+    int t0, t1;
+    task_tiles(tiles, plan.tasks, task, t0, t1);
+    for (int t = t0; t < t1; ++t)
       for (int mb = 0; mb < m_blocks; ++mb)
         (ib ? KVCHAT_BY_BITS(q.bits, rows8_ib) : KVCHAT_BY_BITS(q.bits, rows8_f))(
             q, qx, t, int64_t(mb) * kRowBlock,

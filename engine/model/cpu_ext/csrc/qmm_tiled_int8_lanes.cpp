@@ -143,7 +143,7 @@ void lanes8_f(const QuantWeights& q, const LaneX8& lx, int64_t M, int t0, int t1
 void qmm_int8_lanes(const QuantWeights& q, const QuantX8& qx, int64_t M, float* y, int tasks,
                     bool ib) {
   auto& pool = ThreadPool::instance();
-  const int tiles = q.N / kTile, per_task = (tiles + tasks - 1) / tasks;
+  const int tiles = q.N / kTile;
   const int64_t blocks = (M + kLanes - 1) / kLanes;
   thread_local LaneX8 lanes_kept;
   LaneX8& lx = lanes_kept;
@@ -158,7 +158,8 @@ void qmm_int8_lanes(const QuantWeights& q, const QuantX8& qx, int64_t M, float* 
     lane_layout8(qx, M, q.K, q.G, i * b_per, std::min(blocks, (i + 1) * b_per), lx);
   });
   pool.run(tasks, [&](int task) {
-    const int t0 = task * per_task, t1 = std::min(tiles, (task + 1) * per_task);
+    int t0, t1;
+    task_tiles(tiles, tasks, task, t0, t1);
     ib ? KVCHAT_BY_BITS(q.bits, lanes8_ib)(q, lx, M, t0, t1, y)
        : KVCHAT_BY_BITS(q.bits, lanes8_f)(q, lx, M, t0, t1, y);
   });

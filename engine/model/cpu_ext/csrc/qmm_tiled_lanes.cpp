@@ -130,7 +130,6 @@ void tiles_lanes(const QuantWeights& q, const LaneX& lx, int64_t M, int t0, int 
 void qmm_lanes(const QuantWeights& q, const QuantX& qx, int64_t M, float* y, int tasks) {
   auto& pool = ThreadPool::instance();
   const int tiles = q.N / kTile;
-  const int per_task = (tiles + tasks - 1) / tasks;
   const int64_t blocks = (M + kLanes - 1) / kLanes;
   thread_local LaneX kept;  // reused: see qmm_tiled
   LaneX& lx = kept;
@@ -143,7 +142,8 @@ void qmm_lanes(const QuantWeights& q, const QuantX& qx, int64_t M, float* y, int
     lane_layout(qx, M, q.K, q.G, i * b_per, std::min(blocks, (i + 1) * b_per), lx);
   });
   pool.run(tasks, [&](int task) {
-    const int t0 = task * per_task, t1 = std::min(tiles, (task + 1) * per_task);
+    int t0, t1;
+    task_tiles(tiles, tasks, task, t0, t1);
     KVCHAT_BY_BITS(q.bits, tiles_lanes)(q, lx, M, t0, t1, y);
   });
 }
