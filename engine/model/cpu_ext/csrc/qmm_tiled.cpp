@@ -153,7 +153,6 @@ void tile_rows(const QuantWeights& q, const QuantX& qx, int t, int64_t m0, int64
       for (int64_t b = 0; b < gbytes; b += 64)  // never faults, even past the end
         _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(wg) + pf + b),
                      _MM_HINT_T0);
-    for (int r = 0; r < rows; ++r) isum[r] = _mm512_setzero_si512();
     for (int q0 = 0; q0 < quads; q0 += kQuadsPerChunk) {
       // widened once per chunk, used by every row of x (prefill has hundreds)
       __m512i wlo[kQuadsPerChunk], whi[kQuadsPerChunk];
@@ -172,8 +171,9 @@ void tile_rows(const QuantWeights& q, const QuantX& qx, int t, int64_t m0, int64
           lo1 = _mm512_dpwssd_epi32(lo1, wlo[j + 1], x1);
           hi1 = _mm512_dpwssd_epi32(hi1, whi[j + 1], x1);
         }
-        isum[r] = _mm512_add_epi32(
-            isum[r], row_sums(_mm512_add_epi32(lo0, lo1), _mm512_add_epi32(hi0, hi1)));
+        // set by the group's first chunk: zeroing isum first was a memset call a group
+        const __m512i sum = row_sums(_mm512_add_epi32(lo0, lo1), _mm512_add_epi32(hi0, hi1));
+        isum[r] = q0 == 0 ? sum : _mm512_add_epi32(isum[r], sum);
       }
     }
     if (q.kquant && g % 8 == 0) {  // a K-quant block's steps serve its 8 groups
