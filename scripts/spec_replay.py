@@ -14,9 +14,10 @@ against an oracle, at a fixed cost per verified draft.
    best occurrence of any suffix length (what any n-gram lookup could).
 
 Ratios are tokens per unit cost against plain decoding (one unit a token): what lookup
-can gain at this cost per draft, and how much of it the policy gets. The replay reproduces
-the engine's step and acceptance counts with a fixed cost (measured: 162 decode steps, 116
-of ~235 drafts accepted); the real engine's costs are measured and noisy.
+can gain at this cost per draft, and how much of it the policy gets. With the first token
+counted as a decode step, the replay reproduced the engine's counts at a fixed cost (162
+decode steps, 116 of ~235 drafts accepted, against the engine's 162 and 116 / 234); the
+real engine's costs are measured and noisy.
 """
 
 from __future__ import annotations
