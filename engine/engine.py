@@ -167,13 +167,14 @@ class Engine(PromptMixin, EngineLoop):
         self.prefix.maybe_sweep()
         with self._lock:
             inbox_empty = not self._inbox
-        spec = self.speculator.active  # drafts follow the last token: nothing may be in flight
-        if self.executor.in_flight and (spec or not (inbox_empty
-                                                     and self.scheduler.can_plan_ahead())):
+        spec = self.speculator.active  # drafts follow the last token: read a flight first
+        if self.executor.in_flight and (  # (unless the next step can have no drafts)
+                not (inbox_empty and self.scheduler.can_plan_ahead())
+                or spec and self.speculator.may_draft(self.scheduler.running)):
             for outcome in self.executor.resolve():
                 self._apply(outcome)
         if spec:
-            self.speculator.assign(self.scheduler.running)
+            self.speculator.assign(self.scheduler.running, lagging=self.executor.in_flight)
         plan = self.scheduler.schedule()
         self._admitted(plan)
         for outcome in self.executor.run(plan):
@@ -209,7 +210,7 @@ class Engine(PromptMixin, EngineLoop):
             if o.drafted:  # the rejected drafts' slots go back; their K/V is never read
                 self.blocks.truncate(req.request_id, o.drafted - len(o.more))
             if o.token is not None and self.speculator.active:
-                self.speculator.settle(req, o.token, len(o.more))
+                self.speculator.settle(req, [o.token, *o.more])
             self.executor.fault(req, "token" if o.token is not None else "computed")
             # accepted drafts are not in all_ids yet: their blocks register next step
             self.prefix.on_computed(req.request_id, req.prefix, req.all_ids,

@@ -18,10 +18,12 @@ from dataclasses import dataclass, field
 
 from engine.draft_model import DraftModel
 from engine.kvcache.block_manager import BlockManager
+from engine.lookup import LookupIndex
 from engine.metrics import MetricsRecorder
 from engine.model.loader import LoadedModel, load_model
-from engine.pacing import StepPacer, ema
+from engine.pacing import ema
 from engine.request import Request
+from engine.spec_cost import SpecCost
 
 MODES = ("off", "lookup", "draft")
 PROBE_EVERY = 8  # steps between one-draft probes while drafts are measured not to pay
@@ -51,31 +53,6 @@ class SpecConfig:
             raise ValueError("need 1 <= min_ngram <= max_ngram <= 8")
 
 
-class LookupIndex:
-    """Where each n-gram of a token list last ended, kept up to date as tokens are added."""
-
-    def __init__(self, min_n: int, max_n: int):
-        self.min_n, self.max_n = min_n, max_n
-        self.last_end: dict[tuple[int, ...], int] = {}
-        self.indexed = 0  # n-grams ending before this position are in ``last_end``
-
-    def propose(self, ids: list[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
-        suffix n-gram of ``ids`` (none if no suffix of ``min_n`` tokens occurred)."""
-        end = len(ids) - 1
-        for e in range(self.indexed, end):  # every n-gram ending before the last token
-            for n in range(self.min_n, min(self.max_n, e + 1) + 1):
-                self.last_end[tuple(ids[e - n + 1:e + 1])] = e
-        self.indexed = max(self.indexed, end)
-        if k <= 0:
-            return []
-        for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
-            e = self.last_end.get(tuple(ids[len(ids) - n:]))
-            if e is not None:
-                return ids[e + 1:e + 1 + k]
-        return []
-
-
 @dataclass(slots=True)
 class SpecState:
     """One sequence's speculation: its lookup index and its measured acceptance."""
@@ -85,38 +62,6 @@ class SpecState:
     # EMA of how often a draft held once the one before it had: a copied span goes on, so
     # later drafts hold far more often than first ones (not the first rate's powers)
     follow_rate: float = 0.5
-
-
-@dataclass(slots=True)
-class SpecCost:
-    """What decode steps cost, measured: a plain step of ``rows`` sequences (an average per
-    batch size), and each verified draft token on top (the extra seconds of a step with
-    drafts over a plain step of as many rows). Until a draft was timed, a draft token is
-    taken to cost what a prompt token costs in the pacer's prefill measurements."""
-
-    pacer: StepPacer
-    warmup: int = 3  # the engine's first decode steps (allocation, first calls) are not timed
-    plain: dict[int, float] = field(default_factory=dict)  # rows -> seconds of a plain step
-    per_draft: float | None = None
-
-    def observe(self, rows: int, drafts: int, seconds: float) -> None:
-        """A decode step of ``rows`` sequences that also verified ``drafts`` tokens."""
-        if self.warmup > 0:
-            self.warmup -= 1
-        elif not drafts:
-            self.plain[rows] = ema(self.plain.get(rows), seconds)
-        elif rows in self.plain:  # noise can make one sample negative: their mean is not
-            self.per_draft = ema(self.per_draft, (seconds - self.plain[rows]) / drafts)
-
-    def fit(self, rows: int) -> tuple[float, float] | None:
-        """(seconds of a plain step of ``rows``, seconds per draft token), once measured."""
-        step = self.plain.get(rows)
-        if step is None and self.plain:  # the nearest batch size measured
-            step = self.plain[min(self.plain, key=lambda r: abs(r - rows))]
-        per = self.per_draft if self.per_draft is not None else self.pacer.per_token_s
-        if step is None or per is None:
-            return None
-        return step, max(per, 1e-6)
 
 
 @dataclass(slots=True)
@@ -134,15 +79,39 @@ class Speculator:
     # the first draft of a sequence that verifies none this step: checked against the
     # token it gets, so a sequence's rate keeps being measured while it does not speculate
     shadow: dict[int, int] = field(default_factory=dict)
+    # the draft after a sequence's last verified one: if all of them hold, the step's own
+    # token says whether it would have too, so the follow rate stays measured while one
+    # draft a step is all that pays (else a low estimate is never tried again)
+    shadow_next: dict[int, int] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
         return self.config.mode != "off"
 
-    def plan(self, decoding: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+    def may_draft(self, running: list[Request]) -> bool:
+        """Whether the next step could give any of ``running`` drafts, whatever lookup
+        finds: if not, it is a plain step, which may be launched before the step in flight
+        is read (`assign` with ``lagging``)."""
+        c, ready = self.config, self._ready(running)
+        if not ready or self.draft is not None or c.fixed:
+            return bool(ready)
+        fit = self.cost.fit(len(ready))
+        if fit is None or (self.idle_steps + 1) % PROBE_EVERY == 0:
+            return True  # unmeasured (steps read one at a time measure it), or a probe
+        # as if lookup found max_draft tokens for each: are they worth the chained step?
+        taken, tokens, seconds = self._fill({r.request_id: c.max_draft for r in ready},
+                                            len(ready), fit)
+        chained = self.cost.chained_step(len(ready))
+        return bool(taken) and (chained is None or tokens / seconds > len(ready) / chained)
+
+    def plan(self, decoding: list[tuple[int, list[int], int]], *,
+             lagging: bool = False) -> dict[int, list[int]]:
         """Drafts for sequences given as (id, all token ids, tokens it may still produce
-        after the next one); sequences left out of the result feed no drafts."""
+        after the next one); sequences left out of the result feed no drafts. ``lagging``:
+        the ids lack a token still in flight, so there are no drafts, only each sequence's
+        guess at that token (`shadow`)."""
         self.shadow.clear()
+        self.shadow_next.clear()
         if not self.active or not decoding:
             return {}
         c = self.config
@@ -155,12 +124,18 @@ class Speculator:
             return self._plan_draft(decoding)
         cands: dict[int, list[int]] = {}
         for seq, ids, room in decoding:
-            draft = self.states[seq].index.propose(ids, min(c.max_draft, room))
+            draft = self.states[seq].index.propose(ids, 1 if lagging else min(c.max_draft, room))
             if draft:
                 cands[seq] = draft
-        drafts = ({s: d[:c.fixed] for s, d in cands.items()} if c.fixed
-                  else self._allot(cands, len(decoding)))
+        if lagging:
+            self.idle_steps += 1
+            drafts = {}
+        else:
+            drafts = ({s: d[:c.fixed] for s, d in cands.items()} if c.fixed
+                      else self._allot(cands, len(decoding)))
         self.shadow = {s: d[0] for s, d in cands.items() if s not in drafts}
+        self.shadow_next = {s: cands[s][len(d)] for s, d in drafts.items()
+                            if len(d) < len(cands[s])}
         return drafts
 
     def _allot(self, cands: dict[int, list[int]], rows: int) -> dict[int, list[int]]:
@@ -174,9 +149,20 @@ class Speculator:
         fit = self.cost.fit(rows)
         if not cands or fit is None:  # unmeasured: a plain step measures what it costs
             return {}
-        seconds, per = fit
-        tokens = float(rows)
-        heap = [(-self.states[s].accept_rate, s, 1) for s in cands]
+        taken = self._fill({s: len(d) for s, d in cands.items()}, rows, fit)[0]
+        self.idle_steps = 0 if taken else self.idle_steps + 1
+        if not taken and self.idle_steps % PROBE_EVERY == 0:  # keep the cost measured
+            s = max(cands, key=lambda s: self.states[s].accept_rate)
+            taken[s] = 1
+        return {s: cands[s][:n] for s, n in taken.items()}
+
+    def _fill(self, lengths: dict[int, int], rows: int, fit: tuple[float, float]
+              ) -> tuple[dict[int, int], float, float]:
+        """`_allot`'s choice for sequences with ``lengths`` drafts on offer: (drafts taken
+        per sequence, the step's expected tokens, its expected seconds)."""
+        (seconds, per), tokens = fit, float(rows)
+        heap = [(-self.states[s].accept_rate if s in self.states else -self.prior, s, 1)
+                for s in lengths]
         heapq.heapify(heap)
         taken: dict[int, int] = {}
         while heap:
@@ -186,13 +172,10 @@ class Speculator:
                 break
             tokens, seconds = tokens + p, seconds + per
             taken[s] = i
-            if i < len(cands[s]):
-                heapq.heappush(heap, (-(p * self.states[s].follow_rate), s, i + 1))
-        self.idle_steps = 0 if taken else self.idle_steps + 1
-        if not taken and self.idle_steps % PROBE_EVERY == 0:  # keep the cost measured
-            s = max(cands, key=lambda s: self.states[s].accept_rate)
-            taken[s] = 1
-        return {s: cands[s][:n] for s, n in taken.items()}
+            if i < lengths[s]:
+                follow = self.states[s].follow_rate if s in self.states else self.prior_follow
+                heapq.heappush(heap, (-(p * follow), s, i + 1))
+        return taken, tokens, seconds
 
     def _plan_draft(self, decoding: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """One draft length for the batch (the draft model decodes the sequences together):
@@ -220,17 +203,21 @@ class Speculator:
         rooms = {s: room for s, _, room in ready}
         return {s: d[:rooms[s]] for s, d in drafts.items() if d}
 
-    def observe(self, seq: int, tried: int, accepted: int) -> None:
+    def observe(self, seq: int, tried: int, accepted: int, after: int | None = None) -> None:
         """``accepted`` of ``tried`` drafts of ``seq`` held (or would have); drafts are
-        tried in order up to the first that fails."""
+        tried in order up to the first that fails. ``after``: the token that followed when
+        all of them held, checked against the unverified draft after them (`shadow_next`)."""
         st = self.states.get(seq)
         if st is None or tried == 0:
             return
         first = min(accepted, 1)
         st.accept_rate = ema(st.accept_rate, first, ACCEPT_WEIGHT)
         self.prior = ema(self.prior, first, ACCEPT_WEIGHT)
+        held, guess = accepted - first, self.shadow_next.pop(seq, None)
+        if accepted == tried and after is not None and guess is not None:
+            held, tried = held + (guess == after), tried + 1
         if tried > 1:  # the drafts after a held first one
-            follow = (accepted - first) / (tried - 1)
+            follow = held / (tried - 1)
             st.follow_rate = ema(st.follow_rate, follow, ACCEPT_WEIGHT)
             self.prior_follow = ema(self.prior_follow, follow, ACCEPT_WEIGHT)
 
@@ -240,13 +227,20 @@ class Speculator:
             self.draft.forget(seq)
         return self.states.pop(seq, None)
 
-    def assign(self, running: list[Request]) -> None:
-        """Set the drafts each running request verifies in the next step (none for one that
-        prefills, or whose grammar or logits processors would have to follow the drafts)."""
-        ready = [r for r in running if not r.in_prefill and r.decoder.speculable
-                 and not r.num_dropped]  # a context-shifted sequence decodes one at a time
+    @staticmethod
+    def _ready(running: list[Request]) -> list[Request]:
+        """The requests that may verify drafts (none that prefills, or whose grammar or
+        logits processors would have to follow the drafts)."""
+        return [r for r in running if not r.in_prefill and r.decoder.speculable
+                and not r.num_dropped]  # a context-shifted sequence decodes one at a time
+
+    def assign(self, running: list[Request], lagging: bool = False) -> None:
+        """Set the drafts each running request verifies in the next step; ``lagging``:
+        a step is in flight (its tokens unread), so none (`plan`)."""
+        ready = self._ready(running)
         drafts = self.plan([(r.request_id, r.all_ids,
-                             r.max_new - r.stats.generation_tokens - 1) for r in ready])
+                             r.max_new - r.stats.generation_tokens - 1) for r in ready],
+                           lagging=lagging)
         for r in running:
             r.draft = drafts.get(r.request_id, [])
             end = next((i for i, t in enumerate(r.draft) if t in r.decoder.eos), None)
@@ -255,9 +249,12 @@ class Speculator:
             g = r.decoder.grammar
             if r.draft and g is not None:  # only what the grammar takes can be verified
                 r.draft = r.draft[:g.accepts(r.draft)]
+            if len(r.draft) < len(drafts.get(r.request_id, ())):  # not what was planned
+                self.shadow_next.pop(r.request_id, None)
 
-    def settle(self, req: Request, token: int, accepted: int) -> None:
-        """A step of ``req`` gave ``token`` first, and ``accepted`` of its drafts held."""
+    def settle(self, req: Request, tokens: list[int]) -> None:
+        """A step of ``req`` gave ``tokens``: its drafts that held, then one of its own."""
+        token, accepted = tokens[0], len(tokens) - 1
         guess = self.shadow.pop(req.request_id, None)
         if not req.draft:
             if guess is not None:
@@ -267,7 +264,8 @@ class Speculator:
         s.spec_proposed += len(req.draft)
         s.spec_accepted += accepted
         # drafts after the first rejected one were never tried: the rate is per tried draft
-        self.observe(req.request_id, accepted + (accepted < len(req.draft)), accepted)
+        self.observe(req.request_id, accepted + (accepted < len(req.draft)), accepted,
+                     tokens[-1])
         if self.recorder is not None:
             self.recorder.spec_proposed += len(req.draft)
             self.recorder.spec_accepted += accepted

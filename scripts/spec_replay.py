@@ -28,7 +28,8 @@ import os
 
 import engine  # noqa: F401  (OpenBLAS before mlx.core)
 from engine.pacing import StepPacer
-from engine.speculation import SpecConfig, SpecCost, Speculator
+from engine.spec_cost import SpecCost
+from engine.speculation import SpecConfig, Speculator
 
 
 def answers(path: str) -> list[tuple[list[int], list[int]]]:
@@ -66,8 +67,9 @@ def policy(data, cost: float, max_new: int = 64) -> tuple[float, int, int, int]:
             while a < len(draft) and i + a < len(answer) and draft[a] == answer[i + a]:
                 a += 1
             guess = sp.shadow.pop(seq, None)
-            if draft:
-                sp.observe(seq, a + (a < len(draft)), a)
+            if draft:  # the engine's `settle`: the token after all-held drafts is known too
+                sp.observe(seq, a + (a < len(draft)), a,
+                           answer[i + a] if i + a < len(answer) else None)
             elif guess is not None:
                 sp.observe(seq, 1, int(guess == answer[i]))
             n = min(a + 1, len(answer) - i)

@@ -11,9 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.kvcache.block_manager import BlockManager
+from engine.lookup import LookupIndex
 from engine.pacing import StepPacer
 from engine.sampling import SamplingParams
-from engine.speculation import LookupIndex, SpecConfig, SpecCost, Speculator
+from engine.spec_cost import SpecCost
+from engine.speculation import PROBE_EVERY, SpecConfig, Speculator
 from engine.verify import accepted_greedy, accepted_sampled, rows, target_logits
 
 
@@ -90,6 +92,54 @@ def test_shadow_measurement_turns_speculation_back_on():
             break
     assert drafts[0][0] == 3 and steps > 1
     assert sp.states[0].accept_rate > 0.016 / 0.036
+
+
+def test_the_draft_after_the_verified_ones_is_measured_too():
+    """When every verified draft held, the step's own token says whether the next (not
+    verified) draft would have: a follow rate measured low rises again, so more than one
+    draft a step can come back (it was never tried while only one paid)."""
+    sp = speculator(0.020, 0.004)
+    sp.prior, sp.prior_follow = 0.9, 0.1
+    assert sp.plan([(0, copying(), 10)]) == {0: [3]}
+    assert sp.shadow_next == {0: 4}
+    for steps in range(1, 12):  # noqa: B007 - the guess past the draft keeps coming true
+        sp.observe(0, 1, 1, after=4)
+        drafts = sp.plan([(0, copying(), 10)])[0]
+        if len(drafts) > 1:
+            break
+    assert steps > 1 and drafts[:2] == [3, 4]
+    n, before = len(drafts), sp.states[0].follow_rate
+    assert sp.shadow_next[0] == copying()[2 + n]
+    sp.observe(0, n, n, after=-1)  # all held, the token after did not: n - 1 of n held
+    assert sp.states[0].follow_rate == pytest.approx(before + 0.15 * ((n - 1) / n - before))
+    sp.plan([(0, copying(), 10)])
+    before = sp.states[0].follow_rate
+    sp.observe(0, 1, 0, after=4)  # the first draft failed: nothing is learnt past it
+    assert sp.states[0].follow_rate == before
+
+
+def test_a_step_that_can_have_no_drafts_may_run_ahead():
+    """`may_draft` says whether the next step could verify drafts whatever lookup finds:
+    not when no sequence's drafts would pay, nor when they would not beat a plain step
+    launched ahead (chained: its measured cost); yes when unmeasured and for the probes.
+    A lagging plan (the last token still in flight) drafts nothing and guesses that token."""
+    req = SimpleNamespace(request_id=0, in_prefill=False, num_dropped=0,
+                          decoder=SimpleNamespace(speculable=True))
+    assert speculator(None, None).may_draft([req])  # unmeasured: read each step
+    sp = speculator(0.020, 0.002)
+    sp.prior = sp.prior_follow = 0.9
+    assert sp.may_draft([req]) and not sp.may_draft([])
+    sp.prior = sp.prior_follow = 0.5  # two drafts pay: 1.75 tokens in 0.026 s
+    assert sp.may_draft([req])
+    sp.cost.observe(1, 0, 0.022 / 1.5, chained=True)  # but 1 in 0.0147 s chained is more
+    assert sp.cost.chained_step(4) == pytest.approx(0.022 / 1.5)
+    assert not sp.may_draft([req])
+    sp.cost.chained.clear()
+    sp.prior = 0.05  # a 5 % draft does not pay for its 0.002 s on a 0.022 s step
+    assert not sp.may_draft([req])
+    assert sp.plan([(0, copying(), 10)], lagging=True) == {} and sp.shadow == {0: 3}
+    sp.idle_steps = PROBE_EVERY - 1
+    assert sp.may_draft([req])  # the probe's step reads the token first
 
 
 def test_one_token_lookup_and_end_tokens():
