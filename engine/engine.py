@@ -167,14 +167,13 @@ class Engine(PromptMixin, EngineLoop):
         self.prefix.maybe_sweep()
         with self._lock:
             inbox_empty = not self._inbox
-        spec = self.speculator.active  # drafts follow the last token: read a flight first
-        if self.executor.in_flight and (  # (unless the next step can have no drafts)
-                not (inbox_empty and self.scheduler.can_plan_ahead())
-                or spec and self.speculator.may_draft(self.scheduler.running)):
+        spec = self.speculator.active  # drafts follow the last token: nothing may be in flight
+        if self.executor.in_flight and (spec or not (inbox_empty
+                                                     and self.scheduler.can_plan_ahead())):
             for outcome in self.executor.resolve():
                 self._apply(outcome)
         if spec:
-            self.speculator.assign(self.scheduler.running, lagging=self.executor.in_flight)
+            self.speculator.assign(self.scheduler.running)
         plan = self.scheduler.schedule()
         self._admitted(plan)
         for outcome in self.executor.run(plan):

@@ -49,7 +49,8 @@ class StepExecutor:
         self.runner, self.kv, self.blocks, self.recorder = runner, kv, blocks, recorder
         self.pacer = pacer or StepPacer(len(runner.layers))
         self.fault_hook: FaultHook | None = None  # tests: may raise for (request, phase)
-        self.unwanted = unwanted  # all of these unwanted: stop between layer groups (or None)
+        # True when none of these requests is wanted any more: their forward may stop
+        self.unwanted = unwanted  # between layer groups (None: forwards run to the end)
         self.pipeline = pipeline  # launch greedy decodes ahead (see `run`)
         self.fast_greedy = fast_greedy  # the CPU extension's greedy pick (`engine.greedy`)
         self.flight: Flight | None = None
@@ -57,9 +58,9 @@ class StepExecutor:
         self.fast_chain = fast_greedy and kv.snapshot() is not None  # else mlx-lm's argmax:
         self.chain_rows = 1 if fast_greedy and not self.fast_chain else None  # 0.6 ms a row
         self._repicked: list[int] | None = None  # the last resolve's tokens, if it settled any
-        self._read_at: float | None = None  # when the last flight's tokens were read
         self._last: dict[int, int] = {}  # tokens read from a flight, not yet applied
-        self.on_decode: Callable[..., None] | None = None  # `SpecCost.observe` (decode steps)
+        # times every decode-only step: (sequences, draft tokens verified, seconds)
+        self.on_decode: Callable[[int, int, float], None] | None = None
 
     in_flight = property(lambda self: self.flight is not None)
 
@@ -74,9 +75,7 @@ class StepExecutor:
                 tokens = self._repicked = greedy.settle(tokens, flight.logits)
         except Exception as e:  # noqa: BLE001 - the batch forward failed: all of it
             return [Outcome(r, error=error_text(e)) for r in flight.requests]
-        read, self._read_at = self._read_at or flight.started, time.perf_counter()
-        self._timed("decode", len(flight.requests), self._read_at - flight.started,
-                    self._read_at - read if flight.overlapped else None)
+        self._timed("decode", len(flight.requests), time.perf_counter() - flight.started)
         self._last.update((r.request_id, t) for r, t in zip(flight.requests, tokens,
                                                             strict=True))
         return [Outcome(r, 1, t) for r, t in zip(flight.requests, tokens, strict=True)]
@@ -90,7 +89,8 @@ class StepExecutor:
         f = self.flight
         return (f is not None and not plan.prefills
                 and not any(s.copies or r.draft for r, s in plan.decodes)
-                and same_requests([r for r, _ in plan.decodes], f.requests))
+                and len(plan.decodes) == len(f.requests)
+                and all(r is q for (r, _), q in zip(plan.decodes, f.requests, strict=True)))
 
     def fault(self, req: Request, phase: str) -> None:
         if self.fault_hook is not None:
@@ -124,20 +124,18 @@ class StepExecutor:
             return None
 
         def check() -> bool:
-            stop = bool(self.unwanted(reqs))
-            self.recorder.interrupted_forwards += stop
-            return stop
+            if self.unwanted(reqs):
+                self.recorder.interrupted_forwards += 1
+                return True
+            return False
 
         return check
 
-    def _timed(self, kind: str, tokens: int, seconds: float, chained: float | None = None):
-        """``chained``: a step built while the one before it ran costs the time between
-        their reads (its own ``seconds`` overlap that step's)."""
+    def _timed(self, kind: str, tokens: int, seconds: float) -> None:
         self.recorder.time_forward(kind, tokens, seconds)
         self.pacer.observe(tokens, seconds, decode_only=kind == "decode")
         if kind == "decode" and self.on_decode is not None:
-            self.on_decode(tokens, 0, seconds if chained is None else chained,
-                           chained=chained is not None)
+            self.on_decode(tokens, 0, seconds)
 
     def _prepare(self, req: Request, phase: str, copies, out: list[Outcome]) -> bool:
         """The request's own checks and copy-on-write; an error ends it alone."""
@@ -154,7 +152,8 @@ class StepExecutor:
         if not self._prepare(req, "prefill", slots.copies, out):
             return out[0]
         try:
-            ids = mx.array(req.kv_ids[req.num_computed:req.num_computed + n], dtype=mx.int32)
+            start = req.num_computed
+            ids = mx.array(req.kv_ids[start:start + n], dtype=mx.int32)
             batch = build_batch(self.blocks, [req.request_id], ids[None], [slots.slots])
             t = time.perf_counter()
             with prefill_scratch_on_cpu():  # a chunk's scratch: see there
@@ -235,7 +234,7 @@ class StepExecutor:
                     self.recorder.rebuilt_steps += 1
                 del snap  # held, the pool's old arrays would be copied, not written in place
                 mx.async_eval(tokens, *self.kv.arrays)
-                self.flight = Flight(reqs, tokens, t, logits, overlapped=chained)
+                self.flight = Flight(reqs, tokens, t, logits)
                 return out
             picked = self._pick(reqs, logits)
         except Exception as e:  # noqa: BLE001 - the batch forward failed: all of it

@@ -18,8 +18,6 @@ class Flight:
     tokens: mx.array  # (B,) lazy: mlx-lm's argmax, or the extension's pick (-1: unsure)
     started: float
     logits: mx.array | None = None  # for the rows the pick declined
-    # built while the step before it ran: its time from ``started`` includes some of that
-    overlapped: bool = False
 
 
 @dataclass(slots=True)

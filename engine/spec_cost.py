@@ -18,26 +18,15 @@ class SpecCost:
     warmup: int = 3  # the engine's first decode steps (allocation, first calls) are not timed
     plain: dict[int, float] = field(default_factory=dict)  # rows -> seconds of a plain step
     per_draft: float | None = None
-    # rows -> seconds between the tokens of plain steps launched before the last one's were
-    # read (its graph built meanwhile: the engine chains steps that can have no drafts)
-    chained: dict[int, float] = field(default_factory=dict)
 
-    def observe(self, rows: int, drafts: int, seconds: float, chained: bool = False) -> None:
-        """A decode step of ``rows`` sequences that also verified ``drafts`` tokens;
-        ``chained``: a plain step launched ahead, ``seconds`` after the one before it."""
-        if chained:
-            self.chained[rows] = ema(self.chained.get(rows), seconds)
-        elif self.warmup > 0:
+    def observe(self, rows: int, drafts: int, seconds: float) -> None:
+        """A decode step of ``rows`` sequences that also verified ``drafts`` tokens."""
+        if self.warmup > 0:
             self.warmup -= 1
         elif not drafts:
             self.plain[rows] = ema(self.plain.get(rows), seconds)
         elif rows in self.plain:  # noise can make one sample negative: their mean is not
             self.per_draft = ema(self.per_draft, (seconds - self.plain[rows]) / drafts)
-
-    def chained_step(self, rows: int) -> float | None:
-        """Seconds of a chained plain step of ``rows`` (the nearest batch size measured)."""
-        near = min(self.chained, key=lambda r: abs(r - rows), default=None)
-        return None if near is None else self.chained[near]
 
     def fit(self, rows: int) -> tuple[float, float] | None:
         """(seconds of a plain step of ``rows``, seconds per draft token), once measured."""

@@ -88,28 +88,9 @@ class Speculator:
     def active(self) -> bool:
         return self.config.mode != "off"
 
-    def may_draft(self, running: list[Request]) -> bool:
-        """Whether the next step could give any of ``running`` drafts, whatever lookup
-        finds: if not, it is a plain step, which may be launched before the step in flight
-        is read (`assign` with ``lagging``)."""
-        c, ready = self.config, self._ready(running)
-        if not ready or self.draft is not None or c.fixed:
-            return bool(ready)
-        fit = self.cost.fit(len(ready))
-        if fit is None or (self.idle_steps + 1) % PROBE_EVERY == 0:
-            return True  # unmeasured (steps read one at a time measure it), or a probe
-        # as if lookup found max_draft tokens for each: are they worth the chained step?
-        taken, tokens, seconds = self._fill({r.request_id: c.max_draft for r in ready},
-                                            len(ready), fit)
-        chained = self.cost.chained_step(len(ready))
-        return bool(taken) and (chained is None or tokens / seconds > len(ready) / chained)
-
-    def plan(self, decoding: list[tuple[int, list[int], int]], *,
-             lagging: bool = False) -> dict[int, list[int]]:
+    def plan(self, decoding: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """Drafts for sequences given as (id, all token ids, tokens it may still produce
-        after the next one); sequences left out of the result feed no drafts. ``lagging``:
-        the ids lack a token still in flight, so there are no drafts, only each sequence's
-        guess at that token (`shadow`)."""
+        after the next one); sequences left out of the result feed no drafts."""
         self.shadow.clear()
         self.shadow_next.clear()
         if not self.active or not decoding:
@@ -124,15 +105,11 @@ class Speculator:
             return self._plan_draft(decoding)
         cands: dict[int, list[int]] = {}
         for seq, ids, room in decoding:
-            draft = self.states[seq].index.propose(ids, 1 if lagging else min(c.max_draft, room))
+            draft = self.states[seq].index.propose(ids, min(c.max_draft, room))
             if draft:
                 cands[seq] = draft
-        if lagging:
-            self.idle_steps += 1
-            drafts = {}
-        else:
-            drafts = ({s: d[:c.fixed] for s, d in cands.items()} if c.fixed
-                      else self._allot(cands, len(decoding)))
+        drafts = ({s: d[:c.fixed] for s, d in cands.items()} if c.fixed
+                  else self._allot(cands, len(decoding)))
         self.shadow = {s: d[0] for s, d in cands.items() if s not in drafts}
         self.shadow_next = {s: cands[s][len(d)] for s, d in drafts.items()
                             if len(d) < len(cands[s])}
@@ -149,20 +126,9 @@ class Speculator:
         fit = self.cost.fit(rows)
         if not cands or fit is None:  # unmeasured: a plain step measures what it costs
             return {}
-        taken = self._fill({s: len(d) for s, d in cands.items()}, rows, fit)[0]
-        self.idle_steps = 0 if taken else self.idle_steps + 1
-        if not taken and self.idle_steps % PROBE_EVERY == 0:  # keep the cost measured
-            s = max(cands, key=lambda s: self.states[s].accept_rate)
-            taken[s] = 1
-        return {s: cands[s][:n] for s, n in taken.items()}
-
-    def _fill(self, lengths: dict[int, int], rows: int, fit: tuple[float, float]
-              ) -> tuple[dict[int, int], float, float]:
-        """`_allot`'s choice for sequences with ``lengths`` drafts on offer: (drafts taken
-        per sequence, the step's expected tokens, its expected seconds)."""
-        (seconds, per), tokens = fit, float(rows)
-        heap = [(-self.states[s].accept_rate if s in self.states else -self.prior, s, 1)
-                for s in lengths]
+        seconds, per = fit
+        tokens = float(rows)
+        heap = [(-self.states[s].accept_rate, s, 1) for s in cands]
         heapq.heapify(heap)
         taken: dict[int, int] = {}
         while heap:
@@ -172,10 +138,13 @@ class Speculator:
                 break
             tokens, seconds = tokens + p, seconds + per
             taken[s] = i
-            if i < lengths[s]:
-                follow = self.states[s].follow_rate if s in self.states else self.prior_follow
-                heapq.heappush(heap, (-(p * follow), s, i + 1))
-        return taken, tokens, seconds
+            if i < len(cands[s]):
+                heapq.heappush(heap, (-(p * self.states[s].follow_rate), s, i + 1))
+        self.idle_steps = 0 if taken else self.idle_steps + 1
+        if not taken and self.idle_steps % PROBE_EVERY == 0:  # keep the cost measured
+            s = max(cands, key=lambda s: self.states[s].accept_rate)
+            taken[s] = 1
+        return {s: cands[s][:n] for s, n in taken.items()}
 
     def _plan_draft(self, decoding: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
         """One draft length for the batch (the draft model decodes the sequences together):
@@ -227,20 +196,13 @@ class Speculator:
             self.draft.forget(seq)
         return self.states.pop(seq, None)
 
-    @staticmethod
-    def _ready(running: list[Request]) -> list[Request]:
-        """The requests that may verify drafts (none that prefills, or whose grammar or
-        logits processors would have to follow the drafts)."""
-        return [r for r in running if not r.in_prefill and r.decoder.speculable
-                and not r.num_dropped]  # a context-shifted sequence decodes one at a time
-
-    def assign(self, running: list[Request], lagging: bool = False) -> None:
-        """Set the drafts each running request verifies in the next step; ``lagging``:
-        a step is in flight (its tokens unread), so none (`plan`)."""
-        ready = self._ready(running)
+    def assign(self, running: list[Request]) -> None:
+        """Set the drafts each running request verifies in the next step (none for one that
+        prefills, or whose grammar or logits processors would have to follow the drafts)."""
+        ready = [r for r in running if not r.in_prefill and r.decoder.speculable
+                 and not r.num_dropped]  # a context-shifted sequence decodes one at a time
         drafts = self.plan([(r.request_id, r.all_ids,
-                             r.max_new - r.stats.generation_tokens - 1) for r in ready],
-                           lagging=lagging)
+                             r.max_new - r.stats.generation_tokens - 1) for r in ready])
         for r in running:
             r.draft = drafts.get(r.request_id, [])
             end = next((i for i, t in enumerate(r.draft) if t in r.decoder.eos), None)

@@ -15,7 +15,7 @@ from engine.lookup import LookupIndex
 from engine.pacing import StepPacer
 from engine.sampling import SamplingParams
 from engine.spec_cost import SpecCost
-from engine.speculation import PROBE_EVERY, SpecConfig, Speculator
+from engine.speculation import SpecConfig, Speculator
 from engine.verify import accepted_greedy, accepted_sampled, rows, target_logits
 
 
@@ -116,30 +116,6 @@ def test_the_draft_after_the_verified_ones_is_measured_too():
     before = sp.states[0].follow_rate
     sp.observe(0, 1, 0, after=4)  # the first draft failed: nothing is learnt past it
     assert sp.states[0].follow_rate == before
-
-
-def test_a_step_that_can_have_no_drafts_may_run_ahead():
-    """`may_draft` says whether the next step could verify drafts whatever lookup finds:
-    not when no sequence's drafts would pay, nor when they would not beat a plain step
-    launched ahead (chained: its measured cost); yes when unmeasured and for the probes.
-    A lagging plan (the last token still in flight) drafts nothing and guesses that token."""
-    req = SimpleNamespace(request_id=0, in_prefill=False, num_dropped=0,
-                          decoder=SimpleNamespace(speculable=True))
-    assert speculator(None, None).may_draft([req])  # unmeasured: read each step
-    sp = speculator(0.020, 0.002)
-    sp.prior = sp.prior_follow = 0.9
-    assert sp.may_draft([req]) and not sp.may_draft([])
-    sp.prior = sp.prior_follow = 0.5  # two drafts pay: 1.75 tokens in 0.026 s
-    assert sp.may_draft([req])
-    sp.cost.observe(1, 0, 0.022 / 1.5, chained=True)  # but 1 in 0.0147 s chained is more
-    assert sp.cost.chained_step(4) == pytest.approx(0.022 / 1.5)
-    assert not sp.may_draft([req])
-    sp.cost.chained.clear()
-    sp.prior = 0.05  # a 5 % draft does not pay for its 0.002 s on a 0.022 s step
-    assert not sp.may_draft([req])
-    assert sp.plan([(0, copying(), 10)], lagging=True) == {} and sp.shadow == {0: 3}
-    sp.idle_steps = PROBE_EVERY - 1
-    assert sp.may_draft([req])  # the probe's step reads the token first
 
 
 def test_one_token_lookup_and_end_tokens():

@@ -70,32 +70,6 @@ def test_lookup_alone_engages_and_equals_plain(quick_model, plain):
     check_clean(engine)
 
 
-def test_steps_that_can_have_no_drafts_are_chained(quick_model, plain, monkeypatch):
-    """Where drafts are measured not to pay, a lookup engine launches each plain step before
-    the last one's token is read, as plain decoding does; its one-draft probes still come
-    (a step with drafts reads the flight first) and the tokens stay plain decoding's."""
-    ids, ref = plain
-    engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8,
-                                              speculate="lookup"))
-    cost, fit = engine.speculator.cost, type(engine.speculator.cost).fit
-    monkeypatch.setattr(type(cost), "fit", lambda self, rows: None if fit(self, rows) is None
-                        else (fit(self, rows)[0], 10 * fit(self, rows)[0]))  # dear drafts
-    chained = []
-    resolve = engine.executor.resolve
-
-    def read():
-        if engine.executor.flight is not None:
-            chained.append(engine.executor.flight.overlapped)
-        return resolve()
-
-    engine.executor.resolve = read
-    assert run(engine, ids) == ref
-    assert sum(chained) > GEN // 2 and not all(chained)
-    assert 0 < engine.metrics().spec_proposed < GEN // 2  # the probes
-    assert cost.chained  # and what a chained step costs was measured
-    check_clean(engine)
-
-
 def test_batched_every_draft_equals_plain(quick_model, plain, every_draft):
     ids, ref = plain
     engine = Engine(quick_model, EngineConfig(kv_budget_bytes=64 << 20, max_running=8,
