@@ -211,8 +211,8 @@ class Speculator:
             g = r.decoder.grammar
             if r.draft and g is not None:  # only what the grammar takes can be verified
                 r.draft = r.draft[:g.accepts(r.draft)]
-            if len(r.draft) < len(drafts.get(r.request_id, ())):  # not what was planned
-                self.shadow_next.pop(r.request_id, None)
+            if end is not None or len(r.draft) < len(drafts.get(r.request_id, ())):
+                self.shadow_next.pop(r.request_id, None)  # cut, or nothing after its end
 
     def settle(self, req: Request, tokens: list[int]) -> None:
         """A step of ``req`` gave ``tokens``: its drafts that held, then one of its own."""
