@@ -33,7 +33,7 @@ from engine.prompts import PromptMixin
 from engine.request import Priority, Request, RequestHandle, RequestState
 from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
-from engine.speculation import SpecCost, build_speculator
+from engine.speculation import build_speculator
 from engine.thinking import ThinkBudget, close_ids
 from engine.validation import check_ids, check_params, check_scope, check_ttl
 from engine.wiring import EngineParts, build_kv
@@ -70,8 +70,8 @@ class Engine(PromptMixin, EngineLoop):
         self.executor = StepExecutor(self.runner, self.kv, self.blocks, self.recorder, pacer,
                                      pipeline=pipeline, fast_greedy=loaded.cpu_ext,
                                      unwanted=self._unwanted)
-        self.speculator = build_speculator(config.speculate, SpecCost(pacer), self.recorder,
-                                           self.blocks, self.vocab_size, self.notices, draft)
+        self.speculator = build_speculator(config.speculate, pacer, self.recorder, self.blocks,
+                                           self.vocab_size, self.notices, loaded, draft)
         self.executor.on_decode = self.speculator.cost.observe
         self._ids = itertools.count()
         self.grammars = Grammars(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids,

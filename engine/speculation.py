@@ -21,9 +21,10 @@ from engine.kvcache.block_manager import BlockManager
 from engine.lookup import LookupIndex
 from engine.metrics import MetricsRecorder
 from engine.model.loader import LoadedModel, load_model
-from engine.pacing import ema
+from engine.pacing import StepPacer, ema
 from engine.request import Request
 from engine.spec_cost import SpecCost
+from engine.token_classes import BREAK, JOIN, OTHER, TokenClasses, in_context
 
 MODES = ("off", "lookup", "draft")
 PROBE_EVERY = 8  # steps between one-draft probes while drafts are measured not to pay
@@ -83,6 +84,13 @@ class Speculator:
     # token says whether it would have too, so the follow rate stays measured while one
     # draft a step is all that pays (else a low estimate is never tried again)
     shadow_next: dict[int, int] = field(default_factory=dict)
+    # each draft's class (`engine.token_classes`; None: all OTHER): a JOIN's or a BREAK's
+    # odds are the engine-wide rate of its class, not the sequence's own rates
+    classes: TokenClasses | None = None
+    class_rates: dict[int, float] = field(default_factory=lambda: {JOIN: 0.9, BREAK: 0.3})
+    # per sequence: the class of each draft it verifies this step and of its `shadow_next`
+    # draft, or of its `shadow` draft
+    after: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -93,6 +101,7 @@ class Speculator:
         after the next one); sequences left out of the result feed no drafts."""
         self.shadow.clear()
         self.shadow_next.clear()
+        self.after.clear()
         if not self.active or not decoding:
             return {}
         c = self.config
@@ -108,18 +117,35 @@ class Speculator:
             draft = self.states[seq].index.propose(ids, min(c.max_draft, room))
             if draft:
                 cands[seq] = draft
+        last = {seq: ids[-1] for seq, ids, _ in decoding}
         drafts = ({s: d[:c.fixed] for s, d in cands.items()} if c.fixed
-                  else self._allot(cands, len(decoding)))
+                  else self._allot(cands, len(decoding), last))
         self.shadow = {s: d[0] for s, d in cands.items() if s not in drafts}
         self.shadow_next = {s: cands[s][len(d)] for s, d in drafts.items()
                             if len(d) < len(cands[s])}
+        self.after = {s: [self._class([last[s], *d], j) for j in range(
+            1, min(len(drafts.get(s, ())) + 1, len(d)) + 1)] for s, d in cands.items()}
         return drafts
 
-    def _allot(self, cands: dict[int, list[int]], rows: int) -> dict[int, list[int]]:
+    def _class(self, draft: list[int], j: int) -> int:
+        """The class of ``draft[j]`` (``draft[0]``: the token it follows)."""
+        return OTHER if self.classes is None else self.classes(draft[j - 1], draft[j])
+
+    def _odds(self, st: SpecState, draft: list[int], j: int) -> float:
+        """How likely ``draft[j]`` holds once the drafts before it did: its class's rate
+        for a JOIN or a BREAK, else the sequence's own (``draft[0]``: the last token)."""
+        k = self._class(draft, j)
+        if k != OTHER:
+            return self.class_rates[k]
+        return st.accept_rate if j == 1 else st.follow_rate
+
+    def _allot(self, cands: dict[int, list[int]], rows: int,
+               last: dict[int, int]) -> dict[int, list[int]]:
         """Keep the draft tokens whose expected yield per second beats the step's.
 
-        Draft i of a sequence is accepted with probability ~ first x follow^(i - 1) (all
-        before it must be, and a span once matched tends to go on); a step's yield is its
+        Draft i of a sequence is accepted with probability ~ the product of the odds
+        (`_odds`) of it and each draft before it (all must hold; a span once matched tends
+        to go on, so the first draft's odds differ from the later ones'); a step's yield is its
         rows plus the accepted drafts, its cost fixed + per-token x tokens. Greedily add the
         draft with the highest acceptance while that raises the step's expected tokens per
         second."""
@@ -128,7 +154,8 @@ class Speculator:
             return {}
         seconds, per = fit
         tokens = float(rows)
-        heap = [(-self.states[s].accept_rate, s, 1) for s in cands]
+        chains = {s: [last[s], *d] for s, d in cands.items()}
+        heap = [(-self._odds(self.states[s], chains[s], 1), s, 1) for s in cands]
         heapq.heapify(heap)
         taken: dict[int, int] = {}
         while heap:
@@ -139,7 +166,8 @@ class Speculator:
             tokens, seconds = tokens + p, seconds + per
             taken[s] = i
             if i < len(cands[s]):
-                heapq.heappush(heap, (-(p * self.states[s].follow_rate), s, i + 1))
+                heapq.heappush(heap, (-(p * self._odds(self.states[s], chains[s], i + 1)),
+                                      s, i + 1))
         self.idle_steps = 0 if taken else self.idle_steps + 1
         if not taken and self.idle_steps % PROBE_EVERY == 0:  # keep the cost measured
             s = max(cands, key=lambda s: self.states[s].accept_rate)
@@ -175,20 +203,29 @@ class Speculator:
     def observe(self, seq: int, tried: int, accepted: int, after: int | None = None) -> None:
         """``accepted`` of ``tried`` drafts of ``seq`` held (or would have); drafts are
         tried in order up to the first that fails. ``after``: the token that followed when
-        all of them held, checked against the unverified draft after them (`shadow_next`)."""
+        all of them held, checked against the unverified draft after them (`shadow_next`).
+        A JOIN or a BREAK draft counts for its class's rate alone."""
         st = self.states.get(seq)
         if st is None or tried == 0:
             return
-        first = min(accepted, 1)
-        st.accept_rate = ema(st.accept_rate, first, ACCEPT_WEIGHT)
-        self.prior = ema(self.prior, first, ACCEPT_WEIGHT)
-        held, guess = accepted - first, self.shadow_next.pop(seq, None)
+        held = [j < accepted for j in range(tried)]
+        guess, before = self.shadow_next.pop(seq, None), self.after.pop(seq, [])
         if accepted == tried and after is not None and guess is not None:
-            held, tried = held + (guess == after), tried + 1
-        if tried > 1:  # the drafts after a held first one
-            follow = held / (tried - 1)
-            st.follow_rate = ema(st.follow_rate, follow, ACCEPT_WEIGHT)
-            self.prior_follow = ema(self.prior_follow, follow, ACCEPT_WEIGHT)
+            held.append(guess == after)
+        follow = []
+        for j, h in enumerate(held):
+            k = before[j] if j < len(before) else OTHER
+            if k != OTHER:
+                self.class_rates[k] = ema(self.class_rates[k], float(h), ACCEPT_WEIGHT)
+            elif j == 0:
+                st.accept_rate = ema(st.accept_rate, float(h), ACCEPT_WEIGHT)
+                self.prior = ema(self.prior, float(h), ACCEPT_WEIGHT)
+            else:
+                follow.append(h)
+        if follow:  # the drafts after a held first one
+            rate = sum(follow) / len(follow)
+            st.follow_rate = ema(st.follow_rate, rate, ACCEPT_WEIGHT)
+            self.prior_follow = ema(self.prior_follow, rate, ACCEPT_WEIGHT)
 
     def forget(self, seq: int) -> SpecState | None:
         """Drop a finished sequence's state (and its draft-model blocks); returns it."""
@@ -234,17 +271,21 @@ class Speculator:
         req.draft = []
 
 
-def build_speculator(speculate: str, cost: SpecCost, recorder: MetricsRecorder | None,
+def build_speculator(speculate: str, pacer: StepPacer, recorder: MetricsRecorder | None,
                      blocks: BlockManager, vocab_size: int, notices: list[str],
-                     draft: LoadedModel | None = None) -> Speculator:
+                     target: LoadedModel, draft: LoadedModel | None = None) -> Speculator:
     """The engine's speculator for `EngineConfig.speculate` ("off", "lookup" or
-    "draft:MODEL"); off, with a notice, where the pool cannot give slots back."""
+    "draft:MODEL") and the ``target`` model, its costs measured against ``pacer``'s; off,
+    with a notice, where the pool cannot give slots back. Lookup's drafts are classed by
+    the target's tokenizer's text of them (`engine.token_classes`)."""
     mode, _, name = speculate.partition(":")
     if mode != "off" and blocks.window is not None:
         notices.append("speculative decoding is off: the model has sliding-window layers")
         mode = "off"
-    drafter = None
+    drafter = classes = None
     if mode == "draft":
         drafter = DraftModel(draft or load_model(name), num_blocks=blocks.num_blocks,
                              block_size=blocks.block_size, vocab_size=vocab_size)
-    return Speculator(SpecConfig(mode), cost, recorder, drafter)
+    elif mode == "lookup":
+        classes = TokenClasses(in_context(target.tokenizer))
+    return Speculator(SpecConfig(mode), SpecCost(pacer), recorder, drafter, classes=classes)

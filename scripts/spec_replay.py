@@ -5,7 +5,8 @@ against an oracle, at a fixed cost per verified draft.
 
 1. Greedy answers of the bench's 10 document questions by the plain engine (saved to
    --answers, reused when it exists).
-2. The engine's `Speculator` replayed over them step by step, as the engine runs it: the
+2. The engine's `Speculator` replayed over them step by step, as the engine runs it (and
+   without its draft classes, `engine.token_classes`, for comparison): the
    first answer token comes from the prefill (no drafts there, as in the engine; it is not
    counted, as the bench's decode figures leave it out), drafts are verified against the greedy
    tokens, acceptance is fed back; a step costs 1 + draft cost x drafts verified.
@@ -30,6 +31,7 @@ import engine  # noqa: F401  (OpenBLAS before mlx.core)
 from engine.pacing import StepPacer
 from engine.spec_cost import SpecCost
 from engine.speculation import SpecConfig, Speculator
+from engine.token_classes import TokenClasses, in_context
 
 
 def answers(path: str) -> list[tuple[list[int], list[int]]]:
@@ -52,9 +54,21 @@ def answers(path: str) -> list[tuple[list[int], list[int]]]:
     return data
 
 
-def policy(data, cost: float, max_new: int = 64) -> tuple[float, int, int, int]:
+def token_classes() -> TokenClasses:
+    """The draft classes the engine builds from the default model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from engine.model.gguf import converted_dir
+    from engine.model.loader import default_gguf_path
+
+    return TokenClasses(in_context(AutoTokenizer.from_pretrained(
+        converted_dir(default_gguf_path()))))
+
+
+def policy(data, cost: float, max_new: int = 64,
+           classes: TokenClasses | None = None) -> tuple[float, int, int, int]:
     """(ratio, steps, drafts verified, accepted) of the engine's speculator."""
-    sp = Speculator(SpecConfig("lookup"), SpecCost(StepPacer(4)))
+    sp = Speculator(SpecConfig("lookup"), SpecCost(StepPacer(4)), classes=classes)
     sp.cost.warmup = 0
     sp.cost.observe(1, 0, 1.0)
     sp.cost.observe(1, 1, 1.0 + cost)
@@ -116,11 +130,12 @@ def main() -> None:
     args = p.parse_args()
     data = answers(args.answers)
     c = args.draft_cost
-    ratio, steps, verified, accepted = policy(data, c)
     print(f"{len(data)} answers, {sum(len(a) for _, a in data)} tokens; a draft costs {c} of "
           f"a step")
-    print(f"engine policy: {ratio:.3f}x ({steps} decode steps, {accepted} of {verified} "
-          f"drafts accepted)")
+    for name, classes in (("engine policy", token_classes()), ("without draft classes", None)):
+        ratio, steps, verified, accepted = policy(data, c, classes=classes)
+        print(f"{name}: {ratio:.3f}x ({steps} decode steps, {accepted} of {verified} "
+              f"drafts accepted)")
     print(f"oracle, latest occurrence: {oracle(data, c, False):.3f}x; any occurrence: "
           f"{oracle(data, c, True):.3f}x")
 

@@ -98,7 +98,7 @@ def test_speculation_leaves_greedy_output_unchanged(tiny_model, monkeypatch):
     from engine.speculation import Speculator
 
     # verify every lookup candidate (not only those measured to pay off)
-    monkeypatch.setattr(Speculator, "_allot", lambda self, cands, rows: dict(cands))
+    monkeypatch.setattr(Speculator, "_allot", lambda self, cands, *_: dict(cands))
     ids = list(range(500, 530)) * 2
     runs, proposed = [], []
     for mode in ("off", "lookup", "draft:given"):  # the draft model: the model itself

@@ -85,7 +85,7 @@ def test_rows_helper_sorts_and_breaks_ties_by_id():
 def test_speculative_steps_report_each_accepted_tokens_own_row(default_model, monkeypatch):
     """Lookup drafts accepted in one step get the logprobs of their own verify rows:
     equal to plain decoding's, token for token."""
-    monkeypatch.setattr(Speculator, "_allot", lambda self, cands, rows: dict(cands))
+    monkeypatch.setattr(Speculator, "_allot", lambda self, cands, *_: dict(cands))
     on = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20, speculate="lookup"))
     off = Engine(default_model, EngineConfig(kv_budget_bytes=64 << 20))
     text = ("The lighthouse keeper wrote the weather in a blue notebook every morning, "

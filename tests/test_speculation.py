@@ -16,6 +16,7 @@ from engine.pacing import StepPacer
 from engine.sampling import SamplingParams
 from engine.spec_cost import SpecCost
 from engine.speculation import SpecConfig, Speculator
+from engine.token_classes import BREAK, JOIN, OTHER, TokenClasses
 from engine.verify import accepted_greedy, accepted_sampled, rows, target_logits
 
 
@@ -116,6 +117,30 @@ def test_the_draft_after_the_verified_ones_is_measured_too():
     before = sp.states[0].follow_rate
     sp.observe(0, 1, 0, after=4)  # the first draft failed: nothing is learnt past it
     assert sp.states[0].follow_rate == before
+
+
+def test_draft_classes_steer_the_allotment_and_learn_apart():
+    """A draft after a break (a sentence's end) takes the engine-wide break rate as its
+    odds, one that goes on the word before it the join rate, the rest the sequence's own
+    rates; each outcome teaches only the rate it was judged by."""
+    sp = speculator(0.020, 0.004)
+    # lookup offers 3, 4, 5, 6 after 2: "b" -> "." (other), "." -> " c" (a break),
+    # " c" -> "d" and "d" -> "e" (joins)
+    sp.classes = TokenClasses({1: " a", 2: "b", 3: ".", 4: " c", 5: "d", 6: "e"}.get)
+    sp.prior, sp.prior_follow = 0.9, 0.1
+    sp.class_rates = {JOIN: 0.99, BREAK: 0.95}
+    assert sp.plan([(0, copying(), 10)]) == {0: [3, 4, 5, 6]}  # follow 0.1 never asked
+    assert sp.after[0] == [OTHER, BREAK, JOIN, JOIN]
+    sp.observe(0, 2, 1)  # the draft after the break failed
+    assert sp.class_rates[BREAK] == pytest.approx(0.95 * 0.85)
+    assert sp.states[0].follow_rate == 0.1 and sp.class_rates[JOIN] == 0.99
+    assert sp.states[0].accept_rate == pytest.approx(0.9 + 0.15 * 0.1)
+    sp.class_rates[BREAK] = 0.05
+    assert sp.plan([(0, copying(), 10)]) == {0: [3]}  # nothing past the sentence's end
+    assert sp.shadow_next == {0: 4} and sp.after[0] == [OTHER, BREAK]
+    sp.observe(0, 1, 1, after=4)  # the step's own token went past the break after all
+    assert sp.class_rates[BREAK] == pytest.approx(0.05 + 0.15 * 0.95)
+    assert sp.states[0].follow_rate == 0.1
 
 
 def test_one_token_lookup_and_end_tokens():

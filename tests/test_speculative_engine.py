@@ -34,7 +34,7 @@ def copy_prompt(engine: Engine) -> list[int]:
 def every_draft(monkeypatch):
     """Verify every lookup candidate, whatever it costs: the harshest test of verification
     (the measured allotment alone would verify fewer)."""
-    monkeypatch.setattr(Speculator, "_allot", lambda self, cands, rows: dict(cands))
+    monkeypatch.setattr(Speculator, "_allot", lambda self, cands, *_: dict(cands))
 
 
 def run(engine: Engine, prompts, p=None):
