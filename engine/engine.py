@@ -72,15 +72,12 @@ class Engine(PromptMixin, EngineLoop):
                                      unwanted=self._unwanted)
         self.speculator = build_speculator(config.speculate, pacer, self.recorder, self.blocks,
                                            self.vocab_size, self.notices, loaded, draft)
-        self.executor.on_decode = self.speculator.cost.observe
         self._ids = itertools.count()
         self.grammars = Grammars(self.tokenizer._tokenizer, self.tokenizer.eos_token_ids,
                                  self.vocab_size)  # constrained decoding, built on first use
         self.think_close = close_ids(self.tokenizer)  # forced when a thinking budget runs out
 
-    @property
-    def tokenizer(self):
-        return self.loaded.tokenizer
+    tokenizer = property(lambda self: self.loaded.tokenizer)
 
     # -- requests --------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams | None = None, *,
@@ -172,9 +169,11 @@ class Engine(PromptMixin, EngineLoop):
                                                      and self.scheduler.can_plan_ahead())):
             for outcome in self.executor.resolve():
                 self._apply(outcome)
+        self.speculator.cost.close(going_on=bool(self.scheduler.running))
         if spec:
             self.speculator.assign(self.scheduler.running)
         plan = self.scheduler.schedule()
+        self.speculator.cost.start(plan)
         self._admitted(plan)
         for outcome in self.executor.run(plan):
             self._apply(outcome)

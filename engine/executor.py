@@ -59,8 +59,6 @@ class StepExecutor:
         self.chain_rows = 1 if fast_greedy and not self.fast_chain else None  # 0.6 ms a row
         self._repicked: list[int] | None = None  # the last resolve's tokens, if it settled any
         self._last: dict[int, int] = {}  # tokens read from a flight, not yet applied
-        # times every decode-only step: (sequences, draft tokens verified, seconds)
-        self.on_decode: Callable[[int, int, float], None] | None = None
 
     in_flight = property(lambda self: self.flight is not None)
 
@@ -134,8 +132,6 @@ class StepExecutor:
     def _timed(self, kind: str, tokens: int, seconds: float) -> None:
         self.recorder.time_forward(kind, tokens, seconds)
         self.pacer.observe(tokens, seconds, decode_only=kind == "decode")
-        if kind == "decode" and self.on_decode is not None:
-            self.on_decode(tokens, 0, seconds)
 
     def _prepare(self, req: Request, phase: str, copies, out: list[Outcome]) -> bool:
         """The request's own checks and copy-on-write; an error ends it alone."""
@@ -198,10 +194,8 @@ class StepExecutor:
         seconds, drafts = time.perf_counter() - t, sum(len(r.draft) for r, _ in dec)
         if pre or not drafts:
             self._timed("mixed" if pre else "decode", batch.num_tokens, seconds)
-        else:  # the draft tokens are timed apart from the pacer's measures
+        else:  # the draft tokens are kept out of the pacer's measures
             self.recorder.time_forward("decode", batch.num_tokens, seconds)
-            if self.on_decode is not None:
-                self.on_decode(len(dec), drafts, seconds)
         return out + [Outcome(r, computed=n) for r, n, _ in pre] + picked
 
     def _decode(self, decodes) -> list[Outcome]:

@@ -176,6 +176,34 @@ def test_cost_is_measured_per_batch_size_and_per_draft():
     assert cost.fit(2) == pytest.approx((0.050, 0.010), rel=1e-3)
 
 
+def test_cost_times_each_step_to_the_next_ones_start(monkeypatch):
+    """A decode-only step is timed from its start to the next step's (a plain step and a
+    verify step over the same span); per batch size; a pause counts as 3x the estimate;
+    a step with a prefill, or after which the batch ended, is not timed."""
+    clock = iter([0.0, 0.010, 0.010, 0.024, 0.024, 1.0, 1.0])
+    monkeypatch.setattr("engine.spec_cost.time.perf_counter", lambda: next(clock))
+    cost = SpecCost(StepPacer(4), warmup=0)
+    req = SimpleNamespace(draft=[])
+    drafting = SimpleNamespace(draft=[5, 6])
+    plan = SimpleNamespace(prefills=[], decodes=[(req, None)])
+    cost.start(plan)
+    cost.close(going_on=True)  # 0.010 s, one row, no drafts
+    cost.start(SimpleNamespace(prefills=[], decodes=[(drafting, None)]))
+    cost.close(going_on=True)  # 0.014 s with two drafts: 2 ms each
+    assert cost.fit(1) == pytest.approx((0.010, 0.002))
+    cost.start(plan)
+    cost.close(going_on=True)  # 0.976 s: a pause, counted as 3 x 0.010
+    assert cost.plain[1] == pytest.approx(0.7 * 0.010 + 0.3 * 0.030)
+    cost.start(SimpleNamespace(prefills=[(req, 4, None)], decodes=[(req, None)]))
+    cost.close(going_on=True)  # a prefill chunk rode along: not a decode step's cost
+    cost.start(plan)
+    cost.close(going_on=False)  # the batch ended: the engine may idle before the next
+    assert cost.plain[1] == pytest.approx(0.7 * 0.010 + 0.3 * 0.030)
+    cost.plain[8], cost.per[8] = 0.020, 0.001
+    assert cost.fit(8) == (0.020, 0.001) and cost.fit(6) == (0.020, 0.001)
+    assert cost.fit(2) == pytest.approx((cost.plain[1], 0.002))  # the nearest measured
+
+
 def test_truncate_gives_back_only_what_the_append_took():
     bm = BlockManager(8, 4)
     bm.allocate(0, 6)
