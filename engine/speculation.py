@@ -28,9 +28,10 @@ from engine.token_classes import BREAK, JOIN, OTHER, TokenClasses, in_context
 
 MODES = ("off", "lookup", "draft")
 PROBE_EVERY = 8  # steps between one-draft probes while drafts are measured not to pay
-# EMA weight of a draft's outcome in the acceptance rates: a lone hit in a paraphrase
-# should not turn drafting back on at once (the pacer's 0.3 did: measured in the README)
-ACCEPT_WEIGHT = 0.15
+# EMA weight of a draft's outcome in the acceptance rates: the latest outcomes weigh most
+# (copying comes in runs); with the draft classes judging breaks apart, 0.6 replayed best
+# of 0.1-0.9 (0.15 did before the classes: a lone hit in a paraphrase restarted drafting)
+ACCEPT_WEIGHT = 0.6
 
 
 @dataclass(slots=True)
