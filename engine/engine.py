@@ -171,7 +171,8 @@ class Engine(PromptMixin, EngineLoop):
                 self._apply(outcome)
         self.speculator.cost.close(going_on=bool(self.scheduler.running))
         if spec:
-            self.speculator.assign(self.scheduler.running)
+            self.speculator.assign(self.scheduler.running,
+                                   bool(self.scheduler.waiting or self.scheduler.swapped))
         plan = self.scheduler.schedule()
         self.speculator.cost.start(plan)
         self._admitted(plan)

@@ -64,6 +64,15 @@ class SpecCost:
         return step, max(per, 1e-6)
 
 
+    def row(self, rows: int) -> float | None:
+        """Seconds a sequence adds to a plain step of ``rows``: the slope from the smallest
+        batch measured (None: no smaller batch measured, or one sequence)."""
+        low = min(self.plain, default=rows)
+        if low >= rows:
+            return None
+        return max(_nearest(self.plain, rows) - self.plain[low], 0.0) / (rows - low)
+
+
 def _nearest(measured: dict[int, float], rows: int) -> float | None:
     if not measured:
         return None

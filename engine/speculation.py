@@ -97,9 +97,11 @@ class Speculator:
     def active(self) -> bool:
         return self.config.mode != "off"
 
-    def plan(self, decoding: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+    def plan(self, decoding: list[tuple[int, list[int], int]],
+             queued: bool = True) -> dict[int, list[int]]:
         """Drafts for sequences given as (id, all token ids, tokens it may still produce
-        after the next one); sequences left out of the result feed no drafts."""
+        after the next one); sequences left out of the result feed no drafts. ``queued``:
+        requests wait for a place in the batch (see `_allot`)."""
         self.shadow.clear()
         self.shadow_next.clear()
         self.after.clear()
@@ -120,7 +122,7 @@ class Speculator:
                 cands[seq] = draft
         last = {seq: ids[-1] for seq, ids, _ in decoding}
         drafts = ({s: d[:c.fixed] for s, d in cands.items()} if c.fixed
-                  else self._allot(cands, len(decoding), last))
+                  else self._allot(cands, len(decoding), last, queued))
         self.shadow = {s: d[0] for s, d in cands.items() if s not in drafts}
         self.shadow_next = {s: cands[s][len(d)] for s, d in drafts.items()
                             if len(d) < len(cands[s])}
@@ -140,21 +142,25 @@ class Speculator:
             return self.class_rates[k]
         return st.accept_rate if j == 1 else st.follow_rate
 
-    def _allot(self, cands: dict[int, list[int]], rows: int,
-               last: dict[int, int]) -> dict[int, list[int]]:
-        """Keep the draft tokens whose expected yield per second beats the step's.
+    def _allot(self, cands: dict[int, list[int]], rows: int, last: dict[int, int],
+               queued: bool) -> dict[int, list[int]]:
+        """Keep the draft tokens whose expected worth beats their cost.
 
         Draft i of a sequence is accepted with probability ~ the product of the odds
         (`_odds`) of it and each draft before it (all must hold; a span once matched tends
         to go on, so the first draft's odds differ from the later ones'); a step's yield is its
         rows plus the accepted drafts, its cost fixed + per-token x tokens. Greedily add the
-        draft with the highest acceptance while that raises the step's expected tokens per
-        second."""
+        draft with the highest acceptance while its expected tokens are worth its cost: with
+        requests queued, a token is worth the step's seconds per token (drafts pay while they
+        raise its tokens per second: a sequence that ends sooner lets the next one in);
+        with none, a batch runs until its longest answer ends, and a token that ends a
+        shorter one sooner saves only its row in a later step (`SpecCost.row`; one
+        sequence alone: its steps per second, as queued)."""
         fit = self.cost.fit(rows)
         if not cands or fit is None:  # unmeasured: a plain step measures what it costs
             return {}
         seconds, per = fit
-        tokens = float(rows)
+        tokens, row = float(rows), None if queued else self.cost.row(rows)
         chains = {s: [last[s], *d] for s, d in cands.items()}
         heap = [(-self._odds(self.states[s], chains[s], 1), s, 1) for s in cands]
         heapq.heapify(heap)
@@ -162,7 +168,7 @@ class Speculator:
         while heap:
             neg_p, s, i = heapq.heappop(heap)
             p = -neg_p
-            if (tokens + p) / (seconds + per) <= tokens / seconds:
+            if p * (seconds / tokens if row is None else row) <= per:
                 break
             tokens, seconds = tokens + p, seconds + per
             taken[s] = i
@@ -234,13 +240,15 @@ class Speculator:
             self.draft.forget(seq)
         return self.states.pop(seq, None)
 
-    def assign(self, running: list[Request]) -> None:
+    def assign(self, running: list[Request], queued: bool = True) -> None:
         """Set the drafts each running request verifies in the next step (none for one that
-        prefills, or whose grammar or logits processors would have to follow the drafts)."""
+        prefills, or whose grammar or logits processors would have to follow the drafts);
+        ``queued``: requests wait for a place in the batch."""
         ready = [r for r in running if not r.in_prefill and r.decoder.speculable
                  and not r.num_dropped]  # a context-shifted sequence decodes one at a time
         drafts = self.plan([(r.request_id, r.all_ids,
-                             r.max_new - r.stats.generation_tokens - 1) for r in ready])
+                             r.max_new - r.stats.generation_tokens - 1) for r in ready],
+                           queued)
         for r in running:
             r.draft = drafts.get(r.request_id, [])
             end = next((i for i, t in enumerate(r.draft) if t in r.decoder.eos), None)

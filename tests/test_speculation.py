@@ -83,6 +83,23 @@ def test_allotment_follows_measured_cost_and_acceptance():
     assert speculator(None, None).plan([(0, copying(), 10)]) == {}
 
 
+def test_with_nothing_queued_a_draft_is_worth_the_row_it_saves():
+    """A closed batch runs until its longest answer ends: a draft that ends another one
+    sooner saves only that sequence's row in a later step, so with nothing queued a draft
+    that pays in a queued batch's tokens per second does not; alone, it still pays."""
+    sp = speculator(0.040, 0.004)  # a row and a draft token cost 4 ms each
+    assert sp.cost.row(8) == pytest.approx(0.004) and sp.cost.row(1) is None
+    sp.prior = sp.prior_follow = 0.9
+    batch = [(s, copying(), 10) for s in range(8)]
+    assert sp.plan(batch, queued=True)  # 0.9 of a token at 72 ms / 8 beats 4 ms
+    assert sp.plan(batch, queued=False) == {}  # 0.9 of a 4 ms row does not
+    assert sp.plan([(0, copying(), 10)], queued=False) == sp.plan([(0, copying(), 10)])
+    assert sp.plan([(0, copying(), 10)])
+    only_big = SpecCost(StepPacer(4), warmup=0)
+    only_big.observe(8, 0, 0.050)
+    assert only_big.row(8) is None  # no smaller batch measured: as if queued
+
+
 def test_shadow_measurement_turns_speculation_back_on():
     sp = speculator(0.020, 0.016)  # a draft pays at a rate above 0.016 / 0.036
     sp.prior = 0.1
