@@ -63,7 +63,6 @@ class SpecCost:
             return None
         return step, max(per, 1e-6)
 
-
     def row(self, rows: int) -> float | None:
         """Seconds a sequence adds to a plain step of ``rows``: the slope from the smallest
         batch measured (None: no smaller batch measured, or one sequence)."""
