@@ -31,8 +31,11 @@ def features(text: str) -> tuple[bool, bool, bool]:
 def in_context(tokenizer) -> Callable[[int], str]:
     """A token id -> its text after a word (so a SentencePiece word's leading space, which
     decoding the token alone drops, is kept) by ``tokenizer`` (`decode`, `encode`)."""
-    anchor = list(tokenizer.encode("a", add_special_tokens=False))[-1:]
-    base = tokenizer.decode(anchor)
+    try:
+        anchor = list(tokenizer.encode("a", add_special_tokens=False))[-1:]
+        base = tokenizer.decode(anchor)
+    except Exception:  # noqa: BLE001 - a tokenizer without these: each token's text alone
+        anchor, base = [], ""
     return lambda token: tokenizer.decode([*anchor, token])[len(base):]
 
 

@@ -37,3 +37,15 @@ def test_classes_from_the_default_tokenizer(default_model):
     assert got[(".", " Then")] == got[(",", ' "')] == got[("\"", " he")] == BREAK
     assert got[("ony", " paid")] == got[(" paid", " ")] == got[(" coins", ".")] == OTHER
     assert classes(10**9, ids[0]) == OTHER  # an id the tokenizer cannot decode
+
+
+def test_a_tokenizer_that_cannot_encode_falls_back_to_each_tokens_text():
+    class Plain:
+        def encode(self, text):  # no add_special_tokens: the anchor cannot be had
+            return [1]
+
+        def decode(self, ids):
+            return "".join({1: "Ant", 2: "ony", 3: "."}[i] for i in ids)
+
+    classes = TokenClasses(in_context(Plain()))
+    assert classes(1, 2) == JOIN and classes(3, 1) == BREAK and classes(2, 3) == OTHER
