@@ -121,28 +121,26 @@ class Speculator:
             if draft:
                 cands[seq] = draft
         last = {seq: ids[-1] for seq, ids, _ in decoding}
+        # each draft's class, from the token before it (the first's: the sequence's last)
+        kinds = {s: [OTHER if self.classes is None else self.classes(b, t)
+                     for b, t in zip([last[s], *d[:-1]], d, strict=True)]
+                 for s, d in cands.items()}
         drafts = ({s: d[:c.fixed] for s, d in cands.items()} if c.fixed
-                  else self._allot(cands, len(decoding), last, queued))
+                  else self._allot(cands, kinds, len(decoding), queued))
         self.shadow = {s: d[0] for s, d in cands.items() if s not in drafts}
         self.shadow_next = {s: cands[s][len(d)] for s, d in drafts.items()
                             if len(d) < len(cands[s])}
-        self.after = {s: [self._class([last[s], *d], j) for j in range(
-            1, min(len(drafts.get(s, ())) + 1, len(d)) + 1)] for s, d in cands.items()}
+        self.after = {s: k[:len(drafts.get(s, ())) + 1] for s, k in kinds.items()}
         return drafts
 
-    def _class(self, draft: list[int], j: int) -> int:
-        """The class of ``draft[j]`` (``draft[0]``: the token it follows)."""
-        return OTHER if self.classes is None else self.classes(draft[j - 1], draft[j])
+    def _odds(self, st: SpecState, kind: int, first: bool) -> float:
+        """How likely a draft of class ``kind`` holds once the drafts before it did: its
+        class's rate for a JOIN or a BREAK, else the sequence's own."""
+        if kind != OTHER:
+            return self.class_rates[kind]
+        return st.accept_rate if first else st.follow_rate
 
-    def _odds(self, st: SpecState, draft: list[int], j: int) -> float:
-        """How likely ``draft[j]`` holds once the drafts before it did: its class's rate
-        for a JOIN or a BREAK, else the sequence's own (``draft[0]``: the last token)."""
-        k = self._class(draft, j)
-        if k != OTHER:
-            return self.class_rates[k]
-        return st.accept_rate if j == 1 else st.follow_rate
-
-    def _allot(self, cands: dict[int, list[int]], rows: int, last: dict[int, int],
+    def _allot(self, cands: dict[int, list[int]], kinds: dict[int, list[int]], rows: int,
                queued: bool) -> dict[int, list[int]]:
         """Keep the draft tokens whose expected worth beats their cost.
 
@@ -161,8 +159,7 @@ class Speculator:
             return {}
         seconds, per = fit
         tokens, row = float(rows), None if queued else self.cost.row(rows)
-        chains = {s: [last[s], *d] for s, d in cands.items()}
-        heap = [(-self._odds(self.states[s], chains[s], 1), s, 1) for s in cands]
+        heap = [(-self._odds(self.states[s], kinds[s][0], True), s, 1) for s in cands]
         heapq.heapify(heap)
         taken: dict[int, int] = {}
         while heap:
@@ -173,7 +170,7 @@ class Speculator:
             tokens, seconds = tokens + p, seconds + per
             taken[s] = i
             if i < len(cands[s]):
-                heapq.heappush(heap, (-(p * self._odds(self.states[s], chains[s], i + 1)),
+                heapq.heappush(heap, (-(p * self._odds(self.states[s], kinds[s][i], False)),
                                       s, i + 1))
         self.idle_steps = 0 if taken else self.idle_steps + 1
         if not taken and self.idle_steps % PROBE_EVERY == 0:  # keep the cost measured

@@ -5,7 +5,7 @@ sequence alone (on `kvchat bench spec`'s answers and 15 held-out ones): a draft 
 on the word or number of the token before it (a subword piece, the next digit) held
 238 times of 239; one that follows a sentence's end or a punctuation mark 0-28 % (an
 answer quotes a sentence, then stops or goes its own way where the document goes on);
-others 62-85 %. The speculator keeps an engine-wide acceptance rate for the first two
+others 62-92 %. The speculator keeps an engine-wide acceptance rate for the first two
 classes and each sequence's own rates for the rest (`engine.speculation`).
 """
 
