@@ -80,18 +80,28 @@ def check_rows(q, k, v, tables, lens, scale=None):
         check_kernel(rows, k, v, tab, row_lens, scale)
 
 
+# Float pools of 16-row tiles take `attend_wide` (paged_decode_wide.h): every folded head
+# of a KV head in one task, in chunks of heads for the scores and for the values.
 FOLD_CASES = [
     ([1500], 2, 9, 3, 64, 16),  # one draft at a long context: split-K partitions
-    ([1500, 700], 7, 9, 3, 64, 16),  # 21 folded heads per KV head: three head chunks
+    ([1500, 700], 7, 9, 3, 64, 16),  # 21 folded heads per KV head: 11 + 10 scored, 7 x 3 summed
     ([900], 8, 32, 4, 128, 16),  # the most positions folded, D 128, 64 heads per KV head
     ([20, 3], 3, 4, 4, 16, 4),  # the general kernel (D 16); a sequence of its L only
     ([517], 5, 9, 3, 64, 16),  # the newest block partly filled, positions across two blocks
+    ([301], 4, 9, 3, 64, 32),  # blocks of two tiles, the newest one's second tile partly filled
+    ([70], 6, 9, 3, 64, 8),  # blocks shorter than a tile: attend_plain's chunks of heads
 ]
 
 
 @pytest.mark.parametrize("lens,L,Hq,Hkv,D,bs", FOLD_CASES)
 def test_one_sequence_rows_fold_into_heads(lens, L, Hq, Hkv, D, bs):
     check_rows(*prefill_case(lens, L, Hq, Hkv, D, bs, seed=3 * L + D), lens)
+
+
+@pytest.mark.parametrize("pool_dtype", [mx.float16, mx.bfloat16])
+def test_one_sequence_rows_fold_on_half_pools(pool_dtype):
+    lens = [1300, 45]
+    check_rows(*prefill_case(lens, 7, 9, 3, 64, 16, seed=17, pool_dtype=pool_dtype), lens)
 
 
 @pytest.mark.parametrize("k_quant,v_quant", [((8, 64), (8, 64)), ((4, 32), (4, 32)),
