@@ -80,16 +80,14 @@ def check_rows(q, k, v, tables, lens, scale=None):
         check_kernel(rows, k, v, tab, row_lens, scale)
 
 
-# Float pools of 16-row tiles take `attend_wide` (paged_decode_wide.h): every folded head
-# of a KV head in one task, in chunks of heads for the scores and for the values.
 FOLD_CASES = [
     ([1500], 2, 9, 3, 64, 16),  # one draft at a long context: split-K partitions
-    ([1500, 700], 7, 9, 3, 64, 16),  # 21 folded heads per KV head: 11 + 10 scored, 7 x 3 summed
+    ([1500, 700], 7, 9, 3, 64, 16),  # 21 folded heads per KV head: three head chunks
     ([900], 8, 32, 4, 128, 16),  # the most positions folded, D 128, 64 heads per KV head
     ([20, 3], 3, 4, 4, 16, 4),  # the general kernel (D 16); a sequence of its L only
     ([517], 5, 9, 3, 64, 16),  # the newest block partly filled, positions across two blocks
-    ([301], 4, 9, 3, 64, 32),  # blocks of two tiles, the newest one's second tile partly filled
-    ([70], 6, 9, 3, 64, 8),  # blocks shorter than a tile: attend_plain's chunks of heads
+    ([301], 4, 9, 3, 64, 32),  # blocks of 32 rows, the newest one partly filled
+    ([70], 6, 9, 3, 64, 8),  # blocks of 8 rows: one block a softmax step, no spans
 ]
 
 

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "paged_decode_quant.h"
-#include "paged_decode_wide.h"
 #include "pool.h"
 
 namespace kvchat {
@@ -28,8 +27,6 @@ constexpr int kMinPartitionTokens = 256;  // split-K only for contexts longer th
 constexpr int64_t kParallelMinElements = 1 << 18;  // K/V elements read
 
 void attend(const Problem& pb, int b, int h, int hc, int part, Partial st) {
-  if (wide_applies(pb))  // one task a KV head's whole group (fold_positions)
-    return pb.D == 4 * W ? attend_wide<4>(pb, b, h, part, st) : attend_wide<8>(pb, b, h, part, st);
   const int G = std::min(pb.heads_per_task, pb.Hq / pb.Hkv - hc * pb.heads_per_task);
   if (AttendFn fast = plain_attend(pb, G)) return fast(pb, b, h, hc, part, st);
   const int D = pb.D, BS = pb.BS;
@@ -129,8 +126,7 @@ Problem fold_positions(const Problem& pb) {
   f.Hq = pb.Hq * pb.L;
   f.L = 1;
   const int group = f.Hq / f.Hkv;
-  // the register-resident tasks take up to 8 heads, `attend_wide` a whole group
-  const int chunks = wide_applies(f) ? 1 : (group + 7) / 8;
+  const int chunks = (group + 7) / 8;  // the register-resident tasks take up to 8 heads
   f.heads_per_task = (group + chunks - 1) / chunks;
   f.head_chunks = (group + f.heads_per_task - 1) / f.heads_per_task;
   return f;
