@@ -48,6 +48,25 @@ def test_lookup_incremental_equals_fresh(ids, k):
                        for e in range(n - 1))
 
 
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=80), st.integers(1, 4),
+       st.integers(0, 3), st.integers(1, 5))
+@settings(max_examples=200, deadline=None)
+def test_lookup_matches_a_search_of_the_text(ids, min_n, extra, k):
+    """The proposal is what follows the latest earlier end of the longest suffix n-gram
+    (min_n..max_n tokens), found by searching the text itself; grown in two calls alike."""
+    max_n = min_n + extra
+    expect = []
+    for n in range(min(max_n, len(ids)), min_n - 1, -1):
+        ends = [e for e in range(n - 1, len(ids) - 1) if ids[e - n + 1:e + 1] == ids[-n:]]
+        if ends:
+            expect = ids[ends[-1] + 1:ends[-1] + 1 + k]
+            break
+    assert LookupIndex(min_n, max_n).propose(ids, k) == expect
+    split = LookupIndex(min_n, max_n)
+    split.propose(ids[:len(ids) // 2 + 1], k)
+    assert split.propose(ids, k) == expect
+
+
 def speculator(fixed, per):
     """A lookup speculator whose cost has seen decode steps costing fixed + per x tokens."""
     sp = Speculator(SpecConfig("lookup", max_draft=4, min_ngram=1), SpecCost(StepPacer(4)))
