@@ -33,6 +33,6 @@ class LookupIndex:
         for n in range(self.min_n, self.max_n + 1):
             lo = max(self.indexed, n - 1)  # the first end with n tokens before it
             if lo < end:
-                grams = zip(*(ids[lo - n + 1 + j:end - n + 1 + j] for j in range(n)))
-                self.last_end.update(zip(grams, range(lo, end)))
+                grams = zip(*(ids[lo - n + 1 + j:end - n + 1 + j] for j in range(n)), strict=True)
+                self.last_end.update(zip(grams, range(lo, end), strict=True))
         self.indexed = end
