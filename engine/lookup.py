@@ -3,6 +3,8 @@ can copy what followed the latest earlier occurrence of the sequence's suffix.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class LookupIndex:
     """Where each n-gram of a token list last ended, kept up to date as tokens are added."""
@@ -12,7 +14,7 @@ class LookupIndex:
         self.last_end: dict[tuple[int, ...], int] = {}
         self.indexed = 0  # n-grams ending before this position are in ``last_end``
 
-    def propose(self, ids: list[int], k: int) -> list[int]:
+    def propose(self, ids: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest
         suffix n-gram of ``ids`` (none if no suffix of ``min_n`` tokens occurred)."""
         end = len(ids) - 1
@@ -26,7 +28,7 @@ class LookupIndex:
                 return ids[e + 1:e + 1 + k]
         return []
 
-    def _index(self, ids: list[int], end: int) -> None:
+    def _index(self, ids: Sequence[int], end: int) -> None:
         """Every n-gram ending at positions indexed..end-1 (the later end kept), n by n
         with the tuples built in C: a 2k-token prompt's first call took ~4 ms of Python
         loops, in the first decode step, where a plain engine has no such work."""
