@@ -165,9 +165,9 @@ class Engine(PromptMixin, EngineLoop):
         with self._lock:
             inbox_empty = not self._inbox
         spec = self.speculator.active  # drafts follow the last token: nothing may be in flight
-        if self.executor.in_flight and (spec or not (inbox_empty
-                                                     and self.scheduler.can_plan_ahead())):
-            for outcome in self.executor.resolve():
+        ahead = inbox_empty and self.scheduler.can_plan_ahead()
+        if self.executor.in_flight and (spec or not ahead):
+            for outcome in self.executor.resolve(build_ahead=spec and ahead):
                 self._apply(outcome)
         self.speculator.cost.close(going_on=bool(self.scheduler.running))
         if spec:

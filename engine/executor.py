@@ -21,7 +21,7 @@ from itertools import accumulate
 
 import mlx.core as mx
 
-from engine import greedy, logprobs, verify
+from engine import ahead, greedy, logprobs, verify
 from engine.constraint import mask_rows
 from engine.kvcache.block_manager import BlockManager
 from engine.kvcache.kv_cache import PagedKVCache
@@ -59,11 +59,14 @@ class StepExecutor:
         self.chain_rows = 1 if fast_greedy and not self.fast_chain else None  # 0.6 ms a row
         self._repicked: list[int] | None = None  # the last resolve's tokens, if it settled any
         self._last: dict[int, int] = {}  # tokens read from a flight, not yet applied
+        self.ahead: ahead.Ahead | None = None  # a speculating engine's next step, built early
 
     in_flight = property(lambda self: self.flight is not None)
 
-    def resolve(self) -> list[Outcome]:
-        """Read the launched step's tokens (waits for it) and return its outcomes."""
+    def resolve(self, build_ahead: bool = False) -> list[Outcome]:
+        """Read the launched step's tokens (waits for it) and return its outcomes; with
+        ``build_ahead``, build the next draft-free step on them first (`engine.ahead`)."""
+        self.ahead = ahead.build(self, build_ahead)
         flight, self.flight, self._repicked = self.flight, None, None
         if flight is None:
             return []
@@ -104,6 +107,8 @@ class StepExecutor:
         preempt; a request that finished meanwhile just drops its extra token.
         """
         try:
+            if self.ahead is not None and ahead.launch(self, plan, self._repicked is None):
+                return []
             if self._can_chain(plan):
                 return self._decode(plan.decodes)
             out = self.resolve()

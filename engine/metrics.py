@@ -94,6 +94,8 @@ class EngineMetrics:
     rejections: int = 0
     interrupted_forwards: int = 0  # stopped between layer groups: all their requests cancelled
     rebuilt_steps: int = 0  # pipelined decode steps built again: a token they fed was unsure
+    ahead_launched: int = 0  # a speculating engine's draft-free steps built before the read
+    ahead_dropped: int = 0  # (`engine.ahead`): launched as built, or dropped (drafts came)
     spec_proposed: int = 0  # draft tokens verified (speculative decoding)
     spec_accepted: int = 0  # of which accepted
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
@@ -125,6 +127,7 @@ class MetricsRecorder:
         self.preemptions = 0
         self.rejections = 0
         self.interrupted_forwards = self.rebuilt_steps = 0
+        self.ahead_launched = self.ahead_dropped = 0
         self.spec_proposed = self.spec_accepted = 0
         self.cached_tokens = 0
         self.prompt_tokens = 0
@@ -205,6 +208,7 @@ def snapshot(blocks, recorder: MetricsRecorder, layout, scheduler, prefix,
         preemptions=rec.preemptions,
         rejections=rec.rejections,
         interrupted_forwards=rec.interrupted_forwards, rebuilt_steps=rec.rebuilt_steps,
+        ahead_launched=rec.ahead_launched, ahead_dropped=rec.ahead_dropped,
         spec_proposed=rec.spec_proposed, spec_accepted=rec.spec_accepted,
         finished=dict(rec.finished),
         steps=rec.steps,

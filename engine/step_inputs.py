@@ -10,10 +10,11 @@ from engine.model.model_runner import StepBatch
 
 
 def build_batch(blocks: BlockManager, seq_ids: list[int], input_ids: mx.array,
-                slots: list[list[int]]) -> StepBatch:
-    """The forward's inputs for sequences whose new tokens already have ``slots``."""
+                slots: list[list[int]], unreserved: int = 0) -> StepBatch:
+    """The forward's inputs for sequences whose new tokens already have ``slots``
+    (``unreserved``: that many of them are not counted in the block manager yet)."""
     tables = [blocks.block_tables[i] for i in seq_ids]
-    lens = [blocks.num_tokens[i] for i in seq_ids]
+    lens = [blocks.num_tokens[i] + unreserved for i in seq_ids]
     L = input_ids.shape[1]
     width = max(len(t) for t in tables)
     return StepBatch(
