@@ -167,7 +167,7 @@ class Engine(PromptMixin, EngineLoop):
         spec = self.speculator.active  # drafts follow the last token: nothing may be in flight
         ahead = inbox_empty and self.scheduler.can_plan_ahead()
         if self.executor.in_flight and (spec or not ahead):
-            for outcome in self.executor.resolve(build_ahead=spec and ahead):
+            for outcome in self.executor.resolve(build_ahead=ahead and self.speculator.quiet):
                 self._apply(outcome)
         self.speculator.cost.close(going_on=bool(self.scheduler.running))
         if spec:
