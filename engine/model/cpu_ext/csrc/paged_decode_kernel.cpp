@@ -23,7 +23,6 @@ namespace {
 
 using namespace decode_task;
 
-constexpr int kMinPartitionTokens = 256;  // split-K only for contexts longer than this
 constexpr int64_t kParallelMinElements = 1 << 18;  // K/V elements read
 
 void attend(const Problem& pb, int b, int h, int hc, int part, Partial st) {
@@ -97,13 +96,6 @@ void attend(const Problem& pb, int b, int h, int hc, int part, Partial st) {
   }
 }
 
-int choose_parts(int units, int max_len, int threads) {
-  if (threads <= 1 || units >= 2 * threads) return 1;
-  const int want = (2 * threads + units - 1) / units;
-  const int most = std::max(1, max_len / kMinPartitionTokens);
-  return std::max(1, std::min(want, most));
-}
-
 }  // namespace
 
 // A few positions of one sequence (speculative decoding's verify rows) folded into the
@@ -139,16 +131,16 @@ void run_problem(Problem pb, float* out /* (B, Hq, D) */) {
   // heads) split. Measured: 1x1024 f16 ~110 -> 83 us, 1x4096 266 -> 220 us; a
   // batch of 8 at 300 tokens had left a core idle.
   int64_t rows_read = 0;  // K and V rows of every (sequence, KV head)
-  int max_len = 0;
+  pb.parts = 1;
   for (int b = 0; b < pb.B; ++b) {
     const int seen = pb.lens[b] - pb.first_key(pb.lens[b] - 1);  // keys a window leaves
     rows_read += 2 * int64_t(seen) * pb.Hkv;
-    max_len = std::max(max_len, seen);
+    pb.parts = std::max(pb.parts, partitions_of(pb, b));
   }
   auto& pool = ThreadPool::instance();
   const bool parallel = rows_read * pb.D >= kParallelMinElements && pool.size() > 1;
+  // Split alike on one thread or many, whatever the batch: `partition_span`.
   const int tasks_per_part = pb.B * pb.Hkv * pb.head_chunks;
-  pb.parts = parallel ? choose_parts(tasks_per_part, max_len, pool.size()) : 1;
   const int num_tasks = tasks_per_part * pb.parts;
   const int H = pb.heads_per_task, D = pb.D;
   // Partial results of every task: m, l (H each) and acc (H x D).

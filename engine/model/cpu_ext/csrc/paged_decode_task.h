@@ -64,16 +64,32 @@ inline void mask_folded(const Problem& pb, int b, int q_head0, int G, int tok0, 
   }
 }
 
-// The tokens [t0, t1) of sequence b that context partition `part` covers
-// (whole blocks, so partitions never share one).
-// A sliding window: the partitions cover the blocks from the window's first one on,
-// and the first partition starts at the window's first key.
+// Split-K partitions are fixed spans of this many tokens (whole blocks when the block size
+// divides it), counted from the first block a sequence attends to: a row's result then
+// depends on its own context alone, never on its batch or on the rows folded with it
+// (speculative decoding's verify rows are bit for bit plain decode rows).
+constexpr int kPartitionTokens = 256;
+
+inline int partition_span(const Problem& pb) {
+  return (kPartitionTokens + pb.BS - 1) / pb.BS * pb.BS;
+}
+
+// The partitions sequence b's context takes when split (`Problem::parts` is the most of
+// any sequence's; the rest of its tasks are empty).
+inline int partitions_of(const Problem& pb, int b) {
+  const int len = pb.lens[b], base = pb.first_key(len - 1) / pb.BS * pb.BS;
+  return std::max(1, (len - base + partition_span(pb) - 1) / partition_span(pb));
+}
+
+// The tokens [t0, t1) of sequence b that context partition `part` covers: its
+// `partition_span` tokens from the first block it sees on (whole blocks, so partitions never
+// share one; none past its own `partitions_of`). A sliding window: the first partition
+// starts at the window's first key.
 inline void token_range(const Problem& pb, int b, int part, int& t0, int& t1) {
   const int len = pb.lens[b];
   const int lo = pb.first_key(len - 1);
   const int base = lo / pb.BS * pb.BS;
-  const int span = len - base;
-  const int per_part = ((span + pb.parts - 1) / pb.parts + pb.BS - 1) / pb.BS * pb.BS;
+  const int per_part = partition_span(pb);
   t0 = std::min(len, base + part * per_part);
   t1 = std::min(len, t0 + per_part);
   t0 = std::min(t1, std::max(t0, lo));
