@@ -66,9 +66,10 @@ def build(executor, wanted: bool = True) -> Ahead | None:
     if flight is None or not executor.fast_chain:
         return None
     bs, ids_of, slots = blocks.block_size, [r.request_id for r in flight.requests], []
-    for rid in ids_of:
-        n, table = blocks.num_tokens[rid], blocks.block_tables[rid]
-        if n // bs >= len(table) or blocks.ref_counts[table[-1]] > 1:
+    for r in flight.requests:  # one cancelled since its launch has no blocks any more
+        n, table = blocks.num_tokens.get(r.request_id), blocks.block_tables.get(r.request_id)
+        if (r.finished or n is None or not table or n // bs >= len(table)
+                or blocks.ref_counts[table[-1]] > 1):
             return None
         slots.append(table[n // bs] * bs + n % bs)
     kv = executor.kv

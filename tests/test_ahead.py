@@ -70,6 +70,24 @@ def test_batched_and_cancelled_streams_keep_plain_tokens(default_model_ext, plai
     check_clean(engine)
 
 
+def test_a_request_cancelled_in_flight_fails_no_other(default_model_ext, plain):
+    """A request cancelled while its step runs unread: the step built next (without it:
+    its blocks are gone) must not fail the others (`kvchat bench load`'s cancels did)."""
+    ids, ref = plain
+    engine = lookup(default_model_ext, max_running=8)
+    handles = [engine.submit(i, params()) for i in ids[:3]]
+    for _ in range(3 * GEN):
+        if engine.executor.in_flight and engine.speculator.quiet:
+            break
+        engine.step()
+    assert engine.executor.in_flight and engine.speculator.quiet
+    handles[1].cancel()
+    events = [list(handles[i]) for i in (0, 2)]
+    assert not [e.error for ev in events for e in ev if e.error]
+    assert [[e.token for e in ev if e.token is not None] for ev in events] == [ref[0], ref[2]]
+    check_clean(engine)
+
+
 def test_a_step_fed_an_unsure_token_is_dropped(default_model_ext, plain, monkeypatch):
     """Every pick declined (-1): a step built ahead was fed 0 for it, so it must not launch;
     the tokens are settled by mlx-lm's formula and the next step built again."""
