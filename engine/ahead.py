@@ -45,10 +45,12 @@ class Ahead:
         self.snap = None
 
     def fits(self, plan: StepPlan) -> bool:
-        """``plan`` decodes exactly these requests into these slots, and nothing else."""
+        """``plan`` decodes exactly these requests into these slots, and nothing else, and
+        each one's next token is still the argmax alone (a thinking budget may force one)."""
         return (not (plan.prefills or plan.preempted or plan.admitted or plan.failed)
                 and len(plan.decodes) == len(self.requests)
                 and all(r is q and not r.draft and not s.copies and s.slots == [slot]
+                        and r.decoder.greedy
                         for (r, s), q, slot in zip(plan.decodes, self.requests, self.slots,
                                                    strict=True)))
 
