@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from test_speculative_engine import check_clean as check_released
+from test_speculative_engine import copy_prompt
 
 from engine import Engine, EngineConfig, SamplingParams, greedy
 from engine.ahead import Ahead, stores
@@ -17,13 +19,6 @@ GEN = 32
 
 def params(n=GEN):
     return SamplingParams(max_tokens=n, ignore_eos=True)
-
-
-def copy_prompt(engine: Engine) -> list[int]:
-    """A text and its own beginning again: lookup drafts (and drops steps built ahead)."""
-    text = ("The lighthouse keeper wrote the weather in a blue notebook every morning, "
-            "then climbed the stairs to polish the lamp and count the ships in the bay. ")
-    return engine.encode_prompt(text * 2 + text[:40], raw=True)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +33,7 @@ def lookup(model, **kw) -> Engine:
 
 
 def check_clean(engine: Engine):
-    m = engine.metrics()
-    assert m.blocks_used == 0 and m.blocks_free == m.blocks_total
-    engine.blocks.check_invariants()
+    check_released(engine)  # every block back, no speculator state left
     assert engine.executor.ahead is None
 
 
@@ -59,7 +52,7 @@ def test_batched_and_cancelled_streams_keep_plain_tokens(default_model_ext, plai
     engine = lookup(default_model_ext, max_running=8)
     handles = [engine.submit(i, params()) for i in ids]
     victim = engine.submit(ids[0], params(200))
-    got, seen = [], 0
+    seen = 0
     for e in victim:  # the others step on while it runs, then go on without it
         seen += e.token is not None
         if seen == 10:
