@@ -143,23 +143,30 @@ void run_problem(Problem pb, float* out /* (B, Hq, D) */) {
   const int tasks_per_part = pb.B * pb.Hkv * pb.head_chunks;
   const int num_tasks = tasks_per_part * pb.parts;
   const int H = pb.heads_per_task, D = pb.D;
-  // Partial results of every task: m, l (H each) and acc (H x D).
-  std::vector<float> partials(size_t(num_tasks) * H * (D + 2));
+  // Partial results of every task: m, l (H each) and acc (H x D), each written whole by
+  // its task before the merge reads it: kept per thread and not zeroed (at a long context
+  // and a large batch the fixed-size partitions make thousands of tasks).
+  thread_local std::vector<float> kept;
+  std::vector<float>& partials = kept;
+  partials.resize(size_t(num_tasks) * H * (D + 2));
   auto partial = [&](int task) {
     float* base = partials.data() + size_t(task) * H * (D + 2);
     return Partial{base, base + H, base + 2 * H};
   };
-  auto body = [&](int task) {
-    const int part = task / tasks_per_part;
-    int rest = task % tasks_per_part;
-    const int hc = rest % pb.head_chunks;
-    rest /= pb.head_chunks;
-    attend(pb, rest / pb.Hkv, rest % pb.Hkv, hc, part, partial(task));
+  // A (partition, sequence, KV head)'s head chunks run on one thread, one after the other:
+  // the first reads its K/V from memory, the others from this core's cache (split across
+  // the cores, every chunk of a folded verify step read them from memory again).
+  const int runs = num_tasks / pb.head_chunks;
+  auto body = [&](int run) {
+    const int part = run / (pb.B * pb.Hkv), bh = run % (pb.B * pb.Hkv);
+    for (int hc = 0; hc < pb.head_chunks; ++hc)
+      attend(pb, bh / pb.Hkv, bh % pb.Hkv, hc, part,
+             partial(part * tasks_per_part + bh * pb.head_chunks + hc));
   };
   if (parallel) {
-    pool.run(num_tasks, body);
+    pool.run(runs, body);
   } else {
-    for (int t = 0; t < num_tasks; ++t) body(t);
+    for (int r = 0; r < runs; ++r) body(r);
   }
   // Merge the partitions of each (sequence, head) and normalize.
   const int group = pb.Hq / pb.Hkv;

@@ -74,10 +74,15 @@ inline int partition_span(const Problem& pb) {
   return (kPartitionTokens + pb.BS - 1) / pb.BS * pb.BS;
 }
 
+// The first token of the first block sequence b's last position attends to.
+inline int first_block_token(const Problem& pb, int b) {
+  return pb.first_key(pb.lens[b] - 1) / pb.BS * pb.BS;
+}
+
 // The partitions sequence b's context takes when split (`Problem::parts` is the most of
 // any sequence's; the rest of its tasks are empty).
 inline int partitions_of(const Problem& pb, int b) {
-  const int len = pb.lens[b], base = pb.first_key(len - 1) / pb.BS * pb.BS;
+  const int len = pb.lens[b], base = first_block_token(pb, b);
   return std::max(1, (len - base + partition_span(pb) - 1) / partition_span(pb));
 }
 
@@ -88,7 +93,7 @@ inline int partitions_of(const Problem& pb, int b) {
 inline void token_range(const Problem& pb, int b, int part, int& t0, int& t1) {
   const int len = pb.lens[b];
   const int lo = pb.first_key(len - 1);
-  const int base = lo / pb.BS * pb.BS;
+  const int base = first_block_token(pb, b);
   const int per_part = partition_span(pb);
   t0 = std::min(len, base + part * per_part);
   t1 = std::min(len, t0 + per_part);
