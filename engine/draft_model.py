@@ -23,11 +23,20 @@ from engine.pacing import ema
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share: by slice comparisons (C loops), as a
+    sequence's tokens differ from what was fed at most in the last few (rejected drafts),
+    and a Python loop over a 2k-token context cost ~0.1 ms a sequence and step."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class DraftModel:

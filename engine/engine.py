@@ -165,7 +165,7 @@ class Engine(PromptMixin, EngineLoop):
         with self._lock:
             inbox_empty = not self._inbox
         spec = self.speculator.active  # drafts follow the last token: nothing may be in flight
-        ahead = inbox_empty and self.scheduler.can_plan_ahead()
+        ahead = self.executor.in_flight and inbox_empty and self.scheduler.can_plan_ahead()
         if self.executor.in_flight and (spec or not ahead):
             for outcome in self.executor.resolve(build_ahead=ahead and self.speculator.quiet):
                 self._apply(outcome)

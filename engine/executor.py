@@ -83,7 +83,7 @@ class StepExecutor:
 
     def _last_token(self, req: Request) -> int:
         """The token a decode feeds: read from a flight this step, or the request's last."""
-        return self._last.get(req.request_id, req.all_ids[-1])
+        return self._last.get(req.request_id, req.last_id)
 
     def _can_chain(self, plan: StepPlan) -> bool:
         """The plan decodes exactly the flight's requests: feed its tokens unread."""

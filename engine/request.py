@@ -69,6 +69,11 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def last_id(self) -> int:
+        """``all_ids[-1]`` without building the list (a 2k-token context: ~50 us)."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
     def total_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
