@@ -73,7 +73,7 @@ def build(executor, wanted: bool = True) -> Ahead | None:
         if (r.finished or n is None or not table or n // bs >= len(table)
                 or blocks.ref_counts[table[-1]] > 1):
             return None
-        slots.append(table[n // bs] * bs + n % bs)
+        slots.append(blocks.slots(r.request_id, n, n + 1)[0])
     kv = executor.kv
     snap = kv.snapshot()
     ids = mx.maximum(flight.tokens, 0)[:, None].astype(mx.int32)  # -1 (unsure): dropped
