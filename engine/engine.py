@@ -211,9 +211,10 @@ class Engine(PromptMixin, EngineLoop):
             if o.token is not None and self.speculator.active:
                 self.speculator.settle(req, [o.token, *o.more])
             self.executor.fault(req, "token" if o.token is not None else "computed")
-            # accepted drafts are not in all_ids yet: their blocks register next step
-            self.prefix.on_computed(req.request_id, req.prefix, req.all_ids,
-                                    min(req.num_computed, req.total_len), len(req.prompt_ids))
+            done = min(req.num_computed, req.total_len)  # accepted drafts: registered next step
+            if self.prefix.due(req.prefix, done):  # (building all_ids copies the context)
+                self.prefix.on_computed(req.request_id, req.prefix, req.all_ids, done,
+                                        len(req.prompt_ids))
             if o.token is not None:
                 now = time.perf_counter()
                 for i, token in enumerate([o.token, *o.more]):
@@ -289,8 +290,7 @@ class Engine(PromptMixin, EngineLoop):
         """A snapshot of the pool, the prefix cache, the queues and the latencies."""
         with self._lock:
             inbox = len(self._inbox)
-        return snapshot(self.blocks, self.recorder, self.layout,
-                        self.scheduler, self.prefix, inbox)
+        return snapshot(self.blocks, self.recorder, self.layout, self.scheduler, self.prefix, inbox)
 
     def block_map(self) -> str:
         """One character per block: "." free, "#" in use, "S" shared, "c" cached."""

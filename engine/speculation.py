@@ -246,7 +246,7 @@ class Speculator:
         ``queued``: requests wait for a place in the batch."""
         ready = [r for r in running if not r.in_prefill and r.decoder.speculable
                  and not r.num_dropped]  # a context-shifted sequence decodes one at a time
-        drafts = self.plan([(r.request_id, r.all_ids,
+        drafts = self.plan([(r.request_id, r.ids_view,
                              r.max_new - r.stats.generation_tokens - 1) for r in ready],
                            queued)
         for r in running:

@@ -148,17 +148,19 @@ def test_generation_is_token_for_token_the_same(default_model_ext, monkeypatch, 
 
 def test_the_guard_checks_layer_0_and_a_tripped_guard_stops_the_stack(default_model_ext,
                                                                       stack_calls):
-    """A variant's first launch is layer 0's, checked against the reference by the guard
-    before the stack builds layers 1.. with the same kernel; once the guard has tripped,
-    no step takes the stack (every layer falls to the reference)."""
+    """A variant's first launch is built layer by layer, so the guard checks layer 0's
+    against the reference before the stack builds any step with the same kernel; once the
+    guard has tripped, no step takes the stack (every layer falls to the reference)."""
     eng = Engine(default_model_ext, EngineConfig(kv_budget_bytes=32 << 20, prefix_cache=False))
     try:
         GUARD.reset()
         eng.blocks.allocate(1)
         step(eng, [1], [[11]])
-        assert len(stack_calls) == 1 and GUARD._validated
-        GUARD.switch.trip("a test")
+        assert not stack_calls and GUARD._validated
         step(eng, [1], [[12]])
+        assert len(stack_calls) == 1
+        GUARD.switch.trip("a test")
+        step(eng, [1], [[13]])
         assert len(stack_calls) == 1
     finally:
         GUARD.reset()

@@ -186,7 +186,7 @@ def test_one_token_lookup_and_end_tokens():
     assert LookupIndex(SpecConfig().min_ngram, 4).propose([7, 8, 9, 6, 7], 3) == [8, 9, 6]
     sp = speculator(0.020, 0.002)
     sp.prior = sp.prior_follow = 0.9
-    req = SimpleNamespace(request_id=0, in_prefill=False, num_dropped=0, all_ids=copying(),
+    req = SimpleNamespace(request_id=0, in_prefill=False, num_dropped=0, ids_view=copying(),
                           max_new=20, stats=SimpleNamespace(generation_tokens=1), draft=[],
                           decoder=SimpleNamespace(speculable=True, grammar=None, eos={4}))
     sp.assign([req])

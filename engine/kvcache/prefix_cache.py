@@ -175,15 +175,19 @@ class PrefixCache:
         mx.eval(*self.kv.arrays)  # the batch's host copies can go now
         return len(ids)
 
+    def due(self, seq: SeqPrefix, num_computed: int) -> bool:
+        """Whether `on_computed` has a block to register (one newly full and computed), so
+        that a caller builds its token list only then."""
+        return (self.enabled and not seq.frozen
+                and num_computed // self.blocks.block_size > seq.registered)
+
     def on_computed(self, seq_id: int, seq: SeqPrefix, token_ids: Sequence[int],
                     num_computed: int, prompt_len: int) -> None:
         """Register blocks that just became full and computed; persist prompt blocks."""
-        if not self.enabled or seq.frozen:
+        if not self.due(seq, num_computed):
             return
         bs = self.blocks.block_size
         full = num_computed // bs
-        if full <= seq.registered:
-            return
         hashes = self._hashes(seq, token_ids)
         table = self.blocks.block_tables[seq_id]
         persist = []

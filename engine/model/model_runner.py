@@ -212,7 +212,7 @@ class PagedModel:
     def _block(self, i: int, layer, h: mx.array, batch: StepBatch | PackedBatch,
                kv: PagedKVCache) -> mx.array:
         if self.ext[i] is not None:  # the extension's two ops around attention
-            return self._ext_block(i, h, batch, kv)[0]
+            return self._ext_block(i, h, batch, kv)
         if not self.modules:
             h = h + self._attention(layer.self_attn, layer.input_layernorm(h), i, batch, kv)
             return h + self._mlp(layer.mlp, layer.post_attention_layernorm(h), self.fused[i])
@@ -226,12 +226,12 @@ class PagedModel:
         return layer(h, None, step)
 
     def _ext_block(self, i: int, h: mx.array, batch: StepBatch | PackedBatch,
-                   kv: PagedKVCache) -> tuple[mx.array, mx.array]:
-        """An `ExtLayer`'s output and its attention's queries."""
+                   kv: PagedKVCache) -> mx.array:
+        """An `ExtLayer`'s output."""
         rows = h.reshape(h.shape[1], 1, -1) if isinstance(batch, PackedBatch) else h
         q, k, v = self.ext[i].head(rows, self._offset(batch, rows.shape[1]))
         kv.write(i, batch.slots, k, v)
-        return self.ext[i].tail(h, self._paged(q, i, batch, kv, self.attention[i])), q
+        return self.ext[i].tail(h, self._paged(q, i, batch, kv, self.attention[i]))
 
     def _layers(self, h: mx.array, batch: StepBatch | PackedBatch, kv: PagedKVCache,
                 interrupt: Interrupt | None = None, group: int = 1) -> mx.array:
@@ -239,13 +239,12 @@ class PagedModel:
         stopped (`StepInterrupted`) when it says so.
 
         The graph of a layer group is built only after the previous group ran, so an
-        interrupted forward leaves no lazy K/V writes behind. Layers 1.. of a step run whole
+        interrupted forward leaves no lazy K/V writes behind. The layers of a step run whole
         (no prefill segments packed) are one C++ call where `layer_stack.stacked` allows."""
         if ((interrupt is None or group >= len(self.layers)) and self.stack_layers
                 and not getattr(batch, "prefills", None)):
-            h, q = self._ext_block(0, h, batch, kv)
-            out = layer_stack.stacked(self, h, q, batch, kv)
-            return out if out is not None else self._layers_from(1, h, batch, kv)
+            out = layer_stack.stacked(self, h, batch, kv)
+            return out if out is not None else self._layers_from(0, h, batch, kv)
         return self._layers_from(0, h, batch, kv, interrupt, group)
 
     def _layers_from(self, start: int, h: mx.array, batch: StepBatch | PackedBatch,

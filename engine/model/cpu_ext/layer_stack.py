@@ -89,11 +89,11 @@ def _put(kv, first: int, kind: int, keys: list, values: list) -> None:
         kv.res_values[first:] = [v[3] for v in values]
 
 
-def _kind(kv, k_pool, slots, decode_rows: int) -> tuple[int, str, dict] | None:
-    """(kind, the attention path it needs, the C++ `StackKV` fields) of ``kv``'s layout
-    (``k_pool``: layer 0's K as `block_view` gives it); None for a layout the stack does not
-    build (windowed layers, a residual step that fills a block and so quantizes it, writers
-    other than the extension's)."""
+def _kind(kv, slots, decode_rows: int) -> tuple[int, str, dict] | None:
+    """(kind, the attention path it needs, the C++ `StackKV` fields) of ``kv``'s layout; None
+    for a layout the stack does not build (windowed layers, a residual step that fills a
+    block and so quantizes it, writers other than the extension's). A residual pool's step
+    is planned here (its map then is this step's), as layer 0's write would."""
     from engine.kvcache import rotation
     from engine.kvcache.residual import ResidualKVCache
     from engine.model.cpu_ext.ops import kv_write, kv_write_quant
@@ -112,30 +112,36 @@ def _kind(kv, k_pool, slots, decode_rows: int) -> tuple[int, str, dict] | None:
     if isinstance(kv, ResidualKVCache):
         if decode_rows != 1 or not L.key_channel or kv._plan(slots)[1]:
             return None  # its prefill kernel is another path; a filled block is quantized
-        return 2, "cpu_residual", fields | {"res_map": k_pool.res_map}
+        return 2, "cpu_residual", fields | {"res_map": kv.block_view(0)[0].res_map}
     if L.residual or L.key_channel or kv.quant_writer is not kv_write_quant:
         return None
     return 1, "cpu", fields | {"k_group": L.k_quant.group_size}
 
 
-def stacked(runner, h: mx.array, q0: mx.array, batch, kv) -> mx.array | None:
-    """Layers 1.. of ``runner``'s step (a `model_runner.StepBatch`, or a `PackedBatch` of
-    decode rows: a verify step's) through its `LayerStack`, given layer 0's output ``h``
-    and queries ``q0``; None where the stack does not apply (the runner then builds them
-    one by one). A packed step's rows go through each layer as (tokens, 1, hidden), as the
-    runner's `_ext_block` gives them to its head and tail; each row's result is the same."""
+def stacked(runner, h: mx.array, batch, kv) -> mx.array | None:
+    """Every layer of ``runner``'s step (a `model_runner.StepBatch`, or a `PackedBatch` of
+    decode rows: a verify step's) on the embeddings ``h`` through its `LayerStack`; None
+    where the stack does not apply (the runner then builds them one by one). A packed
+    step's rows go through each layer as (tokens, 1, hidden), as the runner's `_ext_block`
+    gives them to its head and tail; each row's result is the same. The attention guard is
+    asked with an unevaluated stand-in for layer 0's queries: it reads their shape and
+    dtype only (layer 0 built in Python first cost ~0.18 ms of a verify step's serial path)."""
     from engine.model.attention import validated_kernel
     from engine.model.attention.cpu import lens_array
     from engine.model.cpu_ext.norm_rope import offsets_array
 
-    if len(runner.layers) < 2 or not runner.use_kernels or not enabled():
+    if not runner.layers or not runner.use_kernels or not enabled():
         return None
-    k_pool, v_pool = kv.block_view(0)
-    kind = _kind(kv, k_pool, batch.slots, q0.shape[2])
+    packed = hasattr(batch, "decode_tables")  # a `PackedBatch` of decode rows, one a token
+    rows = h.reshape(h.shape[1], 1, -1) if packed else h  # the packed rows as the runner's
+    first = runner.ext[0]  # its queries' shape and dtype, as `layer_head` makes them
+    q0 = mx.zeros((rows.shape[0], first.heads, rows.shape[1], kv.layout.head_dim),
+                  mx.result_type(rows, first.input_norm[0], first.qkv[0][0][1]))
+    kind = _kind(kv, batch.slots, q0.shape[2])
     if kind is None:
         return None
     kind, path, fields = kind
-    packed = hasattr(batch, "decode_tables")  # a `PackedBatch` of decode rows, one a token
+    k_pool, v_pool = kv.block_view(0)
     tables, lens = ((batch.decode_tables, batch.decode_lens) if packed
                     else (batch.block_tables, batch.context_lens))
     if validated_kernel(q0, k_pool, v_pool, tables, lens, runner.attention[0]) != path:
@@ -145,10 +151,9 @@ def stacked(runner, h: mx.array, q0: mx.array, batch, kv) -> mx.array | None:
     if stack is None or stack.source is not runner.ext:
         stack = runner.stacks[block_size] = LayerStack(runner.ext, runner.attention, block_size)
     slots = kv._plan(batch.slots)[0] if kind == 2 else batch.slots  # residual slots
-    keys, values = _sides(kv, 1, kind)
-    rows = h.reshape(h.shape[1], 1, -1) if packed else h  # the packed rows as the runner's
-    out, keys, values = stack.run(rows, keys, values, 1, slots, tables, lens_array(lens),
+    keys, values = _sides(kv, 0, kind)
+    out, keys, values = stack.run(rows, keys, values, 0, slots, tables, lens_array(lens),
                                   offsets_array(runner._offset(batch, rows.shape[1])),
                                   kind=kind, **fields)
-    _put(kv, 1, kind, keys, values)
+    _put(kv, 0, kind, keys, values)
     return out.reshape(h.shape)
