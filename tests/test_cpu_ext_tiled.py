@@ -122,6 +122,50 @@ def test_tiled_embedding_looks_up_and_projects_like_mlx(tiled, bits, group):
     assert err < 2e-3, err
 
 
+def untiled_lookup(emb, ids: mx.array) -> mx.array:
+    """The lookup built from MLX ops (`ops.untile_rows`, then `mx.dequantize`)."""
+    w, s, b = ops.untile_rows(emb["weight"], emb["scales"], emb["biases"], ids, emb.group_size,
+                              emb.bits)
+    return mx.dequantize(w, scales=s, biases=b, group_size=emb.group_size, bits=emb.bits)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("group", [32, 64])
+def test_the_8_bit_lookup_op_gives_mlx_dequantize_bits_for_every_row(tiled, dtype, group):
+    """`tiled_rows8` (one op) against the MLX-ops build, every row of a table whose scales
+    and biases span many magnitudes (each product and sum rounds)."""
+    import mlx.nn as nn
+
+    emb = nn.QuantizedEmbedding(4096, 192, group_size=group, bits=8)
+    mag = mx.power(2.0, mx.random.randint(-12, 6, emb.scales.shape).astype(mx.float32))
+    emb.update({"scales": (emb.scales * mag).astype(dtype),
+                "biases": (emb.biases * mag * 3.1).astype(dtype)})
+    new = linear.CpuTiledEmbedding.from_quantized(emb)
+    ids = mx.arange(4096, dtype=mx.int32).reshape(64, 64)
+    got = new(ids)
+    assert got.dtype == dtype and got.shape == (64, 64, 192)
+    assert mx.array_equal(got, untiled_lookup(new, ids)).item()
+    assert mx.array_equal(got, emb(ids)).item()
+
+
+def test_the_default_models_lookup_is_the_same_for_every_token(default_model_ext):
+    emb = default_model_ext.model.model.embed_tokens
+    assert isinstance(emb, linear.CpuTiledEmbedding) and emb.bits == 8
+    ids = mx.arange(emb["scales"].shape[0], dtype=mx.int32)
+    assert mx.array_equal(emb(ids), untiled_lookup(emb, ids)).item()
+
+
+def test_the_8_bit_lookup_op_refuses_bad_shapes(tiled):
+    ext = build.require()
+    w, s = mx.zeros((32, 48), mx.uint32), mx.zeros((32, 6), mx.float16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        ext.tiled_rows8(w[:17], s[:17], s[:17], mx.array([0]), 32)
+    with pytest.raises(ValueError, match="one float dtype"):
+        ext.tiled_rows8(w, s, s.astype(mx.float32), mx.array([0]), 32)
+    with pytest.raises(ValueError, match="int32"):
+        ext.tiled_rows8(w, s, s, mx.array([0.5]), 32)
+
+
 def test_tiled_linear_keeps_the_layer_bytes(tiled):
     import mlx.nn as nn
 

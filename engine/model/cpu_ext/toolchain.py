@@ -33,7 +33,7 @@ SOURCES = ("qmm.cpp", "qmm_tiled.cpp", "qmm_tiled_lanes.cpp", "qmm_tiled_int8.cp
            "layer_ops.cpp",
            "layer_parts.cpp", "layer_stack.cpp",
            "gemma_tail.cpp", "switch_qmm.cpp", "tile_rows.cpp",
-           "swiglu.cpp", "greedy.cpp", "hadamard.cpp",
+           "swiglu.cpp", "greedy.cpp", "embed_rows.cpp", "hadamard.cpp",
            "tensor.cpp", "pool.cpp", "bindings.cpp")
 
 

@@ -217,6 +217,10 @@ NB_MODULE(_kvchat_cpu_ext, m) {
   m.def("greedy_pick", &kvchat::greedy_pick, "logits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "Each row's greedy token where it provably equals argmax(logits - logsumexp(logits)),\n"
         "else -1.");
+  m.def("tiled_rows8", &kvchat::tiled_rows8, "w"_a, "scales"_a, "biases"_a, "rows"_a,
+        "group_size"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "Rows of a tiled 8-bit embedding (int32 ids, any shape) dequantized as\n"
+        "mx.dequantize gives them: one op.");
   m.def("simd", &kvchat::build_info, "The SIMD path compiled in.");
   m.def("threads", [] { return kvchat::ThreadPool::instance().size(); },
         "Threads the kernels use (KVCHAT_CPU_THREADS).");

@@ -104,6 +104,27 @@ class GreedyPick : public mx::UnaryPrimitive {
   }
 };
 
+// Rows `rows` (int32, any shape) of a tiled 8-bit embedding (ops.py's `tile`), dequantized
+// as mx.dequantize gives them -> rows.shape + (K,) in the scales' dtype (embed_rows.cpp).
+mx::array tiled_rows8(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                      const mx::array& rows, int group_size, mx::StreamOrDevice s = {});
+
+class TiledRows8 : public mx::UnaryPrimitive {
+ public:
+  TiledRows8(mx::Stream stream, int group) : mx::UnaryPrimitive(stream), group_(group) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  const char* name() const override {
+    return "KvchatTiledRows8";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return group_ == static_cast<const TiledRows8&>(other).group_;
+  }
+
+ private:
+  int group_;
+};
+
 struct QuantSide {
   int bits = 0;  // 0: float rows
   int group = 0;
