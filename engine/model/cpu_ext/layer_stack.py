@@ -93,7 +93,8 @@ def _kind(kv, slots, decode_rows: int) -> tuple[int, str, dict] | None:
     """(kind, the attention path it needs, the C++ `StackKV` fields) of ``kv``'s layout; None
     for a layout the stack does not build (windowed layers, a residual step that fills a
     block and so quantizes it, writers other than the extension's). A residual pool's step
-    is planned here (its map then is this step's), as layer 0's write would."""
+    is planned here, as layer 0's write would: its `block_view` then carries this step's
+    map (the caller adds it, as ``res_map``)."""
     from engine.kvcache import rotation
     from engine.kvcache.residual import ResidualKVCache
     from engine.model.cpu_ext.ops import kv_write, kv_write_quant
@@ -112,7 +113,7 @@ def _kind(kv, slots, decode_rows: int) -> tuple[int, str, dict] | None:
     if isinstance(kv, ResidualKVCache):
         if decode_rows != 1 or not L.key_channel or kv._plan(slots)[1]:
             return None  # its prefill kernel is another path; a filled block is quantized
-        return 2, "cpu_residual", fields | {"res_map": kv.block_view(0)[0].res_map}
+        return 2, "cpu_residual", fields
     if L.residual or L.key_channel or kv.quant_writer is not kv_write_quant:
         return None
     return 1, "cpu", fields | {"k_group": L.k_quant.group_size}
@@ -142,6 +143,8 @@ def stacked(runner, h: mx.array, batch, kv) -> mx.array | None:
         return None
     kind, path, fields = kind
     k_pool, v_pool = kv.block_view(0)
+    if kind == 2:
+        fields["res_map"] = k_pool.res_map
     tables, lens = ((batch.decode_tables, batch.decode_lens) if packed
                     else (batch.block_tables, batch.context_lens))
     if validated_kernel(q0, k_pool, v_pool, tables, lens, runner.attention[0]) != path:

@@ -16,12 +16,11 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "ops.h"
 #include "tensor.h"
+#include "tile_rows.h"
 
 namespace kvchat {
 
 namespace {
-
-constexpr int kTileRows = 16;  // ops.py's TILE_ROWS: weight rows per tile
 
 // Row `r` (of N) into `out` (K values of the scales' type `e`). Tiled bytes: (tile, group,
 // quad, row in tile, byte); scales and biases: (tile, group, row in tile).

@@ -14,8 +14,6 @@ namespace kvchat {
 
 namespace {
 
-constexpr int kTileRows = 16;
-
 // Tile t's bytes: 4 bits, (g, p, i, b) <- row 16t + i's weights g G + 8p + b (low nibble)
 // and g G + 8p + 4 + b (high); 8 bits, (g, j, i, b) <- row 16t + i's weight g G + 4j + b.
 void tile_one(const uint8_t* w, uint8_t* out, int64_t t, int64_t row_bytes, int group,

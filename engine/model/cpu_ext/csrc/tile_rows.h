@@ -9,6 +9,9 @@ namespace kvchat {
 
 namespace mx = mlx::core;
 
+// Weight rows per tile of the layout (ops.py's TILE_ROWS).
+constexpr int kTileRows = 16;
+
 class TileRows : public mx::UnaryPrimitive {
  public:
   TileRows(mx::Stream stream, int group, int bits)
