@@ -159,6 +159,40 @@ def test_padding_blocks_are_never_read():
     np.testing.assert_array_equal(np.array(out1), np.array(out2))
 
 
+@pytest.mark.parametrize("window", [0, 37])
+def test_rows_outside_the_context_never_reach_a_score(window):
+    """The kernel scores 16-row groups whole: rows of a group that lie past a sequence's
+    length, or before its window, are computed and must never be used. NaN in them (a
+    block's unwritten rows hold anything) leaves every output as it was, bit for bit, and
+    verify rows (one sequence's consecutive positions) still equal each position alone."""
+    bs, D = 16, 64
+    lens = [45, 21, 58, 59, 60]  # the last three: one sequence's verify rows
+    q, k, v, tables = make_case(lens[:2] + [60], 9, 3, D, bs, seed=21)
+    tables = mx.concatenate([tables[:2], mx.repeat(tables[2:], 3, axis=0)])
+    q = mx.random.normal((len(lens), 9, 1, D))
+    k_np, v_np = np.array(k), np.array(v)
+    # (table, the shortest context's length, the longest's) of each sequence
+    for table, short, n in zip(np.array(tables)[[0, 1, 2]].tolist(), [45, 21, 58], [45, 21, 60],
+                               strict=True):
+        first = max(0, short - window) if window else 0  # the earliest key any row sees
+        for pos in [*range(first // bs * bs, first), *range(n, -(-n // bs) * bs)]:
+            k_np[:, table[pos // bs], pos % bs] = np.nan
+            v_np[:, table[pos // bs], pos % bs] = np.nan
+    ext, lens_a = build.require(), mx.array(lens, dtype=mx.int32)
+
+    def run(k, v, qs=q, tb=tables, ls=lens_a):
+        return np.array(ext.paged_attention(qs, k, v, tb, ls, scale=0.125, window=window))
+
+    clean = run(k, v)
+    poisoned = run(mx.array(k_np), mx.array(v_np))
+    assert np.isfinite(poisoned).all()
+    np.testing.assert_array_equal(poisoned, clean)
+    for i in range(2, 5):  # each verify row alone: a plain decode of its position
+        np.testing.assert_array_equal(
+            run(mx.array(k_np), mx.array(v_np), q[i:i + 1], tables[i:i + 1], lens_a[i:i + 1])[0],
+            poisoned[i])
+
+
 def test_bad_inputs_raise_or_come_back_nan():
     q, k, v, tables = make_case([9], 2, 2, 16, 4, seed=4)
     with pytest.raises(ValueError, match="queries"):

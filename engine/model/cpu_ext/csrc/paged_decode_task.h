@@ -200,6 +200,32 @@ __attribute__((always_inline)) inline void load_row(const Side& side, int64_t ro
   side.dequantize(row, NV * W, [out](int d, vf v) { out[d / W] = v; });
 }
 
+#if defined(__AVX512F__)
+// The scores of key rows row..row + 15 for the G queries, into out[g * stride + 0..15]:
+// the dot products exactly as the row-by-row loop makes them, reduced key by key
+// (`key_sums16`, the same bits as `hsums`) and stored a vector per query.
+template <int NV, int G>
+__attribute__((always_inline)) inline void scores16(const Side& k_side, int64_t row,
+                                                    const vf (*q)[NV], float* out,
+                                                    int stride) {
+  __m512 pairs[G][8];  // each query's keys halved in pairs (`key_pair`)
+  for (int pr = 0; pr < 8; ++pr) {
+    vf ka[NV], kb[NV];
+    load_row<NV>(k_side, row + 2 * pr, ka);
+    load_row<NV>(k_side, row + 2 * pr + 1, kb);
+    for (int g = 0; g < G; ++g) {
+      vf da{}, db{};
+      for (int j = 0; j < NV; ++j) {
+        da += q[g][j] * ka[j];
+        db += q[g][j] * kb[j];
+      }
+      pairs[g][pr] = key_pair(da, db);
+    }
+  }
+  for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + size_t(g) * stride, key_sums16(pairs[g]));
+}
+#endif
+
 // `attend` with D = NV * W and G query heads per task fixed at compile time, for
 // float and quantized pools alike: the scaled queries and the output accumulators
 // live in registers (the general loop keeps them in memory, and each V row then
@@ -241,6 +267,15 @@ void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st)
     }
     for (int i = 0; i < sp.n; ++i) {
       float* pi = p + i * padded_bs;
+#if defined(__AVX512F__)
+      if (BS % W == 0) {  // whole 16-row groups: rows of a group outside [r0, r1) are scored
+        // too (their K rows lie in the block) and never read
+        for (int r = sp.r0[i] / W * W; r < sp.r1[i]; r += W)
+          scores16<NV, G>(pb.k, sp.row0[i] + r, q, pi + r, stride);
+        mask_folded(pb, b, q_head0, G, sp.blk[i] * BS, sp.r0[i], sp.r1[i], pi, stride);
+        continue;
+      }
+#endif
       for (int r = sp.r0[i]; r < sp.r1[i]; ++r) {
         vf k[NV];
         load_row<NV>(pb.k, sp.row0[i] + r, k);
