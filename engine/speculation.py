@@ -24,7 +24,7 @@ from engine.model.loader import LoadedModel, load_model
 from engine.pacing import StepPacer, ema
 from engine.request import Request
 from engine.spec_cost import SpecCost
-from engine.token_classes import BREAK, JOIN, OTHER, TokenClasses, in_context
+from engine.token_classes import BREAK, JOIN, OTHER, START, TokenClasses, in_context
 
 MODES = ("off", "lookup", "draft")
 PROBE_EVERY = 8  # steps between one-draft probes while drafts are measured not to pay
@@ -81,16 +81,14 @@ class Speculator:
     # the first draft of a sequence that verifies none this step: checked against the
     # token it gets, so a sequence's rate keeps being measured while it does not speculate
     shadow: dict[int, int] = field(default_factory=dict)
-    # the draft after a sequence's last verified one: if all of them hold, the step's own
-    # token says whether it would have too, so the follow rate stays measured while one
-    # draft a step is all that pays (else a low estimate is never tried again)
+    # the draft after a sequence's last verified one: if all of them hold, the step's own token
+    # says whether it would have too (else a low follow rate is never tried again)
     shadow_next: dict[int, int] = field(default_factory=dict)
-    # each draft's class (`engine.token_classes`; None: all OTHER): a JOIN's or a BREAK's
-    # odds are the engine-wide rate of its class, not the sequence's own rates
+    # each draft's class (`engine.token_classes`; None: all OTHER): a JOIN's, a BREAK's or a
+    # START's odds are the engine-wide rate of its class, not the sequence's own rates
     classes: TokenClasses | None = None
-    class_rates: dict[int, float] = field(default_factory=lambda: {JOIN: 0.9, BREAK: 0.3})
-    # per sequence: the class of each draft it verifies this step and of its `shadow_next`
-    # draft, or of its `shadow` draft
+    class_rates: dict[int, float] = field(default_factory=lambda: {JOIN: .9, BREAK: .3, START: .3})
+    # per sequence: the class of each draft it verifies and of its `shadow_next` or `shadow`
     after: dict[int, list[int]] = field(default_factory=dict)
 
     @property
@@ -100,11 +98,11 @@ class Speculator:
     # steps drafted after 27-35 % of two draft-free steps in the replay, 64 % after one
     quiet = property(lambda self: self.active and self.idle_steps >= 2)
 
-    def plan(self, decoding: list[tuple[int, list[int], int]],
-             queued: bool = True) -> dict[int, list[int]]:
-        """Drafts for sequences given as (id, all token ids, tokens it may still produce
-        after the next one); sequences left out of the result feed no drafts. ``queued``:
-        requests wait for a place in the batch (see `_allot`)."""
+    def plan(self, decoding: list[tuple[int, list[int], int]], queued: bool = True,
+             fresh: frozenset[int] | set[int] = frozenset()) -> dict[int, list[int]]:
+        """Drafts for sequences given as (id, all token ids, tokens it may still produce after
+        the next one), none for those left out. ``queued``: requests wait for a place in the
+        batch (see `_allot`); ``fresh``: sequences with no output yet (a START first draft)."""
         self.shadow.clear()
         self.shadow_next.clear()
         self.after.clear()
@@ -128,6 +126,8 @@ class Speculator:
         kinds = {s: [OTHER if self.classes is None else self.classes(b, t)
                      for b, t in zip([last[s], *d[:-1]], d, strict=True)]
                  for s, d in cands.items()}
+        for s in kinds.keys() & fresh:
+            kinds[s][0] = START
         drafts = ({s: d[:c.fixed] for s, d in cands.items()} if c.fixed
                   else self._allot(cands, kinds, len(decoding), queued))
         self.shadow = {s: d[0] for s, d in cands.items() if s not in drafts}
@@ -138,7 +138,7 @@ class Speculator:
 
     def _odds(self, st: SpecState, kind: int, first: bool) -> float:
         """How likely a draft of class ``kind`` holds once the drafts before it did: its
-        class's rate for a JOIN or a BREAK, else the sequence's own."""
+        class's rate for a JOIN, a BREAK or a START, else the sequence's own."""
         if kind != OTHER:
             return self.class_rates[kind]
         return st.accept_rate if first else st.follow_rate
@@ -211,7 +211,7 @@ class Speculator:
         """``accepted`` of ``tried`` drafts of ``seq`` held (or would have); drafts are
         tried in order up to the first that fails. ``after``: the token that followed when
         all of them held, checked against the unverified draft after them (`shadow_next`).
-        A JOIN or a BREAK draft counts for its class's rate alone."""
+        A JOIN, a BREAK or a START draft counts for its class's rate alone."""
         st = self.states.get(seq)
         if st is None or tried == 0:
             return
@@ -248,7 +248,7 @@ class Speculator:
                  and not r.num_dropped]  # a context-shifted sequence decodes one at a time
         drafts = self.plan([(r.request_id, r.ids_view,
                              r.max_new - r.stats.generation_tokens - 1) for r in ready],
-                           queued)
+                           queued, {r.request_id for r in ready if not r.output_ids})
         for r in running:
             r.draft = drafts.get(r.request_id, [])
             end = next((i for i, t in enumerate(r.draft) if t in r.decoder.eos), None)

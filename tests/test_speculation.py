@@ -17,7 +17,7 @@ from engine.sampling import SamplingParams
 from engine.spec_cost import SpecCost
 from engine.speculation import ACCEPT_WEIGHT as W
 from engine.speculation import SpecConfig, Speculator
-from engine.token_classes import BREAK, JOIN, OTHER, TokenClasses
+from engine.token_classes import BREAK, JOIN, OTHER, START, TokenClasses
 from engine.verify import accepted_greedy, accepted_sampled, rows, target_logits
 
 
@@ -179,6 +179,34 @@ def test_draft_classes_steer_the_allotment_and_learn_apart():
     assert sp.states[0].follow_rate == 0.1
 
 
+def test_a_first_draft_from_the_prompt_alone_learns_its_own_rate():
+    """A sequence with no output yet guesses its first token from the prompt alone (a chat
+    prompt's end: the answer's header): that draft is a START, judged by the engine-wide
+    START rate and teaching only it; its later drafts and every other step are as before."""
+    sp = speculator(0.020, 0.004)
+    sp.prior = sp.prior_follow = 0.9
+    sp.class_rates[START] = 0.05
+    assert sp.plan([(0, copying(), 10), (1, copying(), 10)], fresh={0}) == {1: [3, 4, 5, 6]}
+    assert sp.shadow == {0: 3} and sp.after[0] == [START]
+    sp.observe(0, 1, 1)  # it would have held (a multi-turn chat repeating its opening)
+    assert sp.class_rates[START] == pytest.approx(0.05 + W * 0.95)
+    assert sp.states[0].accept_rate == 0.9  # the sequence's own rate learnt nothing
+    assert sp.plan([(0, copying(), 10)], fresh={0})[0][:1] == [3]
+    assert sp.after[0][:2] == [START, OTHER]
+    assert sp.plan([(0, copying(), 10)]) == {0: [3, 4, 5, 6]}  # with output: no START
+    # the engine's requests: one with no output is fresh
+    req = SimpleNamespace(request_id=2, in_prefill=False, num_dropped=0, ids_view=copying(),
+                          max_new=20, stats=SimpleNamespace(generation_tokens=0), draft=[],
+                          output_ids=[], decoder=SimpleNamespace(speculable=True, grammar=None,
+                                                                 eos=set()))
+    sp.class_rates[START] = 0.0
+    sp.assign([req])
+    assert req.draft == [] and sp.after[2] == [START]
+    req.output_ids = [7]
+    sp.assign([req])
+    assert req.draft == [3, 4, 5, 6]
+
+
 def test_one_token_lookup_and_end_tokens():
     """The default lookup matches on the last token alone when nothing longer repeats;
     drafts stop at an end-of-sequence token (nothing after it is ever used)."""
@@ -188,7 +216,8 @@ def test_one_token_lookup_and_end_tokens():
     sp.prior = sp.prior_follow = 0.9
     req = SimpleNamespace(request_id=0, in_prefill=False, num_dropped=0, ids_view=copying(),
                           max_new=20, stats=SimpleNamespace(generation_tokens=1), draft=[],
-                          decoder=SimpleNamespace(speculable=True, grammar=None, eos={4}))
+                          output_ids=[1], decoder=SimpleNamespace(speculable=True, grammar=None,
+                                                                  eos={4}))
     sp.assign([req])
     assert req.draft == [3, 4]
 
