@@ -240,7 +240,7 @@ def lookup_rows(w: mx.array, scales: mx.array, biases: mx.array, rows: mx.array,
     the same values. 5/6-bit codes are scaled as they are gathered (code x scale + bias in
     the scales' dtype: MLX's dequantize, bit for bit), not packed again first: re-packing a
     512-token lookup's codes took ~25 MiB."""
-    if bits == 8 and biases.shape == scales.shape:  # one op, the same bits (embed_rows.cpp)
+    if bits == 8 and biases.shape in (scales.shape, (1, 1)):  # one op, the same bits
         return build.require().tiled_rows8(w, scales, biases, rows.astype(mx.int32), group_size)
     if bits not in bit_planes.BITS:
         w, s, b = untile_rows(w, scales, biases, rows, group_size, bits)
