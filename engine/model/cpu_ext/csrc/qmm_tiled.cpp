@@ -4,7 +4,8 @@
 // llama.cpp's way: qmm_tiled_int8.cpp (`set_activation_bits`).
 //
 // Why: the float GEMV spends ~10 vector instructions per 32 weights
-// dequantizing and multiplying; here 16 rows x 32 weights take ~50, and
+// dequantizing and multiplying; here 16 rows x 32 weights take ~16 byte shuffles
+// (shared by every x row) and 16 vpdpwssd and ~6 others per x row, and
 // decode's matmuls stop being compute-bound on a 2-core machine. Why int16 and
 // not llama.cpp's int8 (vpdpbusd, twice the rate): this model's activations
 // have outliers ~100x their median, and int8 groups of 32 then cost ~2 % of
@@ -125,13 +126,26 @@ void quantize_rows(const float* x, int K, int group, int64_t m0, int64_t m1, Qua
   }
 }
 
-// Lanes (2r, 2r + 1) of lo (rows 0-7) and hi (rows 8-15) summed: one lane per row.
-inline __m512i row_sums(__m512i lo, __m512i hi) {
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                         28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  return _mm512_add_epi32(_mm512_permutex2var_epi32(lo, even, hi),
-                          _mm512_permutex2var_epi32(lo, odd, hi));
+// A quad's 16 rows x 4 bytes (row i in dword i) as two vectors of int16 pairs with row i
+// in lane i: its bytes (0, 1) and (2, 3). vpdpwssd with x's pairs (x0, x1) and (x2, x3)
+// broadcast then sums each weight row in its own lane: no lanes to add across afterwards
+// (a split into rows 0-7 and 8-15 cost 2 permutes and 3 adds a row and group), and one
+// byte shuffle a vector widens it (a zero-extension took 1.5).
+inline void widen_rows(__m512i w, __m512i& w01, __m512i& w23) {
+  // within each 128-bit lane, dword i takes bytes 4i, 4i + 1 (or 4i + 2, 4i + 3) as words
+  const __m512i lo = _mm512_broadcast_i32x4(
+      _mm_setr_epi32(int(0x80018000u), int(0x80058004u), int(0x80098008u), int(0x800D800Cu)));
+  const __m512i hi = _mm512_broadcast_i32x4(
+      _mm_setr_epi32(int(0x80038002u), int(0x80078006u), int(0x800B800Au), int(0x800F800Eu)));
+  w01 = _mm512_shuffle_epi8(w, lo);
+  w23 = _mm512_shuffle_epi8(w, hi);
+}
+
+// acc += w . (the int16 pair at x, broadcast): the broadcast as vpdpwssd's memory operand,
+// a load (the compiler broadcast pairs it had loaded into general registers, a
+// shuffle-port instruction each, and the kernel got slower than before)
+inline void dpwssd_pair(__m512i& acc, __m512i w, const int32_t* x) {
+  asm("vpdpwssd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*x));
 }
 
 // Rows m0..m1 (at most kRowBlock) of y for tile t.
@@ -155,24 +169,33 @@ void tile_rows(const QuantWeights& q, const QuantX& qx, int t, int64_t m0, int64
                      _MM_HINT_T0);
     for (int q0 = 0; q0 < quads; q0 += kQuadsPerChunk) {
       // widened once per chunk, used by every row of x (prefill has hundreds)
-      __m512i wlo[kQuadsPerChunk], whi[kQuadsPerChunk];
+      __m512i w01[kQuadsPerChunk], w23[kQuadsPerChunk];
       for (int j = 0; j < kQuadsPerChunk; ++j)
-        widen(quad_bytes<BITS>(wg, q0 + j), wlo[j], whi[j]);
+        widen_rows(quad_bytes<BITS>(wg, q0 + j), w01[j], w23[j]);
       for (int r = 0; r < rows; ++r) {
-        const int16_t* xq = qx.q.data() + (m0 + r) * K + int64_t(g) * group + q0 * 4;
-        int64_t quad[kQuadsPerChunk];
-        std::memcpy(quad, xq, sizeof(quad));
-        // four chains: vpdpwssd's latency would otherwise serialize the sixteen
-        __m512i lo0 = _mm512_setzero_si512(), hi0 = lo0, lo1 = lo0, hi1 = lo0;
-        for (int j = 0; j < kQuadsPerChunk; j += 2) {
-          const __m512i x0 = _mm512_set1_epi64(quad[j]), x1 = _mm512_set1_epi64(quad[j + 1]);
-          lo0 = _mm512_dpwssd_epi32(lo0, wlo[j], x0);
-          hi0 = _mm512_dpwssd_epi32(hi0, whi[j], x0);
-          lo1 = _mm512_dpwssd_epi32(lo1, wlo[j + 1], x1);
-          hi1 = _mm512_dpwssd_epi32(hi1, whi[j + 1], x1);
+        // quad j's x pairs (x0, x1), (x2, x3) at x[2j], x[2j + 1]
+        const auto* x = reinterpret_cast<const int32_t*>(qx.q.data() + (m0 + r) * K +
+                                                         int64_t(g) * group + q0 * 4);
+        __m512i sum;
+        if (rows == 1) {  // four chains: vpdpwssd's latency would serialize the sixteen
+          __m512i a0 = _mm512_setzero_si512(), b0 = a0, a1 = a0, b1 = a0;
+          for (int j = 0; j < kQuadsPerChunk; j += 2) {
+            dpwssd_pair(a0, w01[j], x + 2 * j);
+            dpwssd_pair(b0, w23[j], x + 2 * j + 1);
+            dpwssd_pair(a1, w01[j + 1], x + 2 * j + 2);
+            dpwssd_pair(b1, w23[j + 1], x + 2 * j + 3);
+          }
+          sum = _mm512_add_epi32(_mm512_add_epi32(a0, b0), _mm512_add_epi32(a1, b1));
+        } else {  // two: the next row's chains overlap these
+          __m512i a = _mm512_setzero_si512(), b = a;
+          for (int j = 0; j < kQuadsPerChunk; ++j) {
+            dpwssd_pair(a, w01[j], x + 2 * j);
+            dpwssd_pair(b, w23[j], x + 2 * j + 1);
+          }
+          sum = _mm512_add_epi32(a, b);
         }
-        // set by the group's first chunk: zeroing isum first was a memset call a group
-        const __m512i sum = row_sums(_mm512_add_epi32(lo0, lo1), _mm512_add_epi32(hi0, hi1));
+        // (exact integer sums in any order) set by the group's first chunk: zeroing isum
+        // first was a memset call a group
         isum[r] = q0 == 0 ? sum : _mm512_add_epi32(isum[r], sum);
       }
     }
