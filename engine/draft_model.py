@@ -12,6 +12,7 @@ function of the context, so the verifier's point-mass rejection rule stays exact
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -22,7 +23,7 @@ from engine.model.packed_batch import pack
 from engine.pacing import ema
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: Sequence[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share: by slice comparisons (C loops), as a
     sequence's tokens differ from what was fed at most in the last few (rejected drafts),
     and a Python loop over a 2k-token context cost ~0.1 ms a sequence and step."""
@@ -62,7 +63,7 @@ class DraftModel:
         self.fed: dict[int, list[int]] = {}  # tokens whose K/V the draft's pool holds
         self.step_s: float | None = None  # measured seconds of one draft forward
 
-    def _sync(self, seq: int, ids: list[int], k: int) -> tuple[list[int], int | None] | None:
+    def _sync(self, seq: int, ids: Sequence[int], k: int) -> tuple[list[int], int | None] | None:
         """Give back slots of tokens ``ids`` no longer has; then (tokens to feed without
         logits, the token to decode from: None while a long prompt is still caught up), or
         None when the pool has no room for them and ``k`` drafts."""
@@ -83,7 +84,7 @@ class DraftModel:
             return None
         return head, last
 
-    def propose(self, seqs: list[tuple[int, list[int]]], k: int) -> dict[int, list[int]]:
+    def propose(self, seqs: list[tuple[int, Sequence[int]]], k: int) -> dict[int, list[int]]:
         """Up to ``k`` greedy draft tokens for each (sequence id, token ids)."""
         t = time.perf_counter()
         prefills, decodes, order = [], [], []

@@ -14,6 +14,7 @@ much as a whole sequence's decode, speculation switches itself off).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from engine.draft_model import DraftModel
@@ -98,14 +99,13 @@ class Speculator:
     # steps drafted after 27-35 % of two draft-free steps in the replay, 64 % after one
     quiet = property(lambda self: self.active and self.idle_steps >= 2)
 
-    def plan(self, decoding: list[tuple[int, list[int], int]], queued: bool = True,
-             fresh: frozenset[int] | set[int] = frozenset()) -> dict[int, list[int]]:
+    def plan(self, decoding: list[tuple[int, Sequence[int], int]], queued: bool = True,
+             fresh: Collection[int] = ()) -> dict[int, list[int]]:
         """Drafts for sequences given as (id, all token ids, tokens it may still produce after
         the next one), none for those left out. ``queued``: requests wait for a place in the
         batch (see `_allot`); ``fresh``: sequences with no output yet (a START first draft)."""
-        self.shadow.clear()
-        self.shadow_next.clear()
-        self.after.clear()
+        for kept in (self.shadow, self.shadow_next, self.after):
+            kept.clear()
         if not self.active or not decoding:
             return {}
         c = self.config
@@ -181,7 +181,7 @@ class Speculator:
             taken[s] = 1
         return {s: cands[s][:n] for s, n in taken.items()}
 
-    def _plan_draft(self, decoding: list[tuple[int, list[int], int]]) -> dict[int, list[int]]:
+    def _plan_draft(self, decoding: list[tuple[int, Sequence[int], int]]) -> dict[int, list[int]]:
         """One draft length for the batch (the draft model decodes the sequences together):
         the k whose expected tokens per second, draft forwards included, is highest."""
         ready = [(s, ids, room) for s, ids, room in decoding if room > 0]

@@ -44,6 +44,13 @@ __attribute__((always_inline)) inline void scores16(const Side& k_side, int64_t 
   }
   for (int g = 0; g < G; ++g) _mm512_storeu_ps(out + size_t(g) * stride, key_sums16(pairs[g]));
 }
+
+constexpr bool kScores16 = true;
+#else
+constexpr bool kScores16 = false;  // never called: callers score row by row
+
+template <int NV, int G>
+inline void scores16(const Side&, int64_t, const vf (*)[NV], float*, int) {}
 #endif
 
 }  // namespace kvchat::decode_task

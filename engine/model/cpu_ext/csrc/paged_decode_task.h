@@ -228,26 +228,23 @@ void attend_plain(const Problem& pb, int b, int h, int hc, int part, Partial st)
     }
     for (int i = 0; i < sp.n; ++i) {
       float* pi = p + i * padded_bs;
-#if defined(__AVX512F__)
-      if (BS % W == 0) {  // whole 16-row groups: rows of a group outside [r0, r1) are scored
-        // too (their K rows lie in the block) and never read
+      if (kScores16 && BS % W == 0) {  // whole 16-row groups: rows of a group outside
+        // [r0, r1) are scored too (their K rows lie in the block) and never read
         for (int r = sp.r0[i] / W * W; r < sp.r1[i]; r += W)
           scores16<NV, G>(pb.k, sp.row0[i] + r, q, pi + r, stride);
-        mask_folded(pb, b, q_head0, G, sp.blk[i] * BS, sp.r0[i], sp.r1[i], pi, stride);
-        continue;
-      }
-#endif
-      for (int r = sp.r0[i]; r < sp.r1[i]; ++r) {
-        vf k[NV];
-        load_row<NV>(pb.k, sp.row0[i] + r, k);
-        vf dot[G];
-        for (int g = 0; g < G; ++g) {
-          dot[g] = vf{};
-          for (int j = 0; j < NV; ++j) dot[g] += q[g][j] * k[j];
+      } else {
+        for (int r = sp.r0[i]; r < sp.r1[i]; ++r) {
+          vf k[NV];
+          load_row<NV>(pb.k, sp.row0[i] + r, k);
+          vf dot[G];
+          for (int g = 0; g < G; ++g) {
+            dot[g] = vf{};
+            for (int j = 0; j < NV; ++j) dot[g] += q[g][j] * k[j];
+          }
+          float s[G];
+          hsums<G>(dot, s);  // the G sums together: ~3 shuffles and adds a head, not ~8
+          for (int g = 0; g < G; ++g) pi[size_t(g) * stride + r] = s[g];
         }
-        float s[G];
-        hsums<G>(dot, s);  // the G sums together: ~3 shuffles and adds a head, not ~8
-        for (int g = 0; g < G; ++g) pi[size_t(g) * stride + r] = s[g];
       }
       mask_folded(pb, b, q_head0, G, sp.blk[i] * BS, sp.r0[i], sp.r1[i], pi, stride);
     }
