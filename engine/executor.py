@@ -253,8 +253,10 @@ class StepExecutor:
         masks, failed = verify.draft_masks([r for r, _ in spec])
         argmax = [r for r, _ in spec if r.decoder.argmax and r.request_id not in failed]
         rows = [j for r, a in spec if r in argmax for j in range(a, a + 1 + len(r.draft))]
+        some = (logits if rows == list(range(len(logits)))  # a lone sequence: no 1 MB gather
+                else logits[mx.array(rows)] if rows else None)
         targets = iter(greedy.tokens(
-            verify.masked(logits[mx.array(rows)], verify.stacked(masks, argmax, logits.shape[-1])),
+            verify.masked(some, verify.stacked(masks, argmax, logits.shape[-1])),
             fast=self.fast_greedy, wait=self.kv.arrays) if rows else [])
         verified: list[Outcome] = []
         for r, a in spec:
