@@ -135,3 +135,27 @@ class EngineConfig:
             raise ValueError("kv_group_size must be 32, 64 or 128")
         if self.kv_dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError("kv_dtype must be float32, float16 or bfloat16")
+
+
+SPEC_MODES = ("off", "lookup", "draft")
+
+
+@dataclass(slots=True)
+class SpecConfig:
+    """Speculative decoding settings (`EngineConfig.speculate`)."""
+
+    mode: str = "off"  # "off", "lookup" or "draft" (a `DraftModel` proposes)
+    max_draft: int = 6  # drafts verified per sequence and step at most
+    # shortest suffix n-gram a lookup matches on: one token (a name's first piece) already
+    # finds spans worth copying; whether its guesses pay is measured like any other's
+    min_ngram: int = 1
+    max_ngram: int = 4
+    fixed: int | None = None  # verify this many drafts every step, unmeasured (A/B, tests)
+
+    def __post_init__(self):
+        if self.mode not in SPEC_MODES:
+            raise ValueError(f"speculate must be one of {', '.join(SPEC_MODES)}")
+        if not 1 <= self.max_draft <= 16:
+            raise ValueError("max_draft must be in 1..16")
+        if not 1 <= self.min_ngram <= self.max_ngram <= 8:
+            raise ValueError("need 1 <= min_ngram <= max_ngram <= 8")

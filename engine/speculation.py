@@ -17,6 +17,7 @@ import heapq
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from engine.config import SpecConfig
 from engine.draft_model import DraftModel
 from engine.kvcache.block_manager import BlockManager
 from engine.lookup import LookupIndex
@@ -27,33 +28,11 @@ from engine.request import Request
 from engine.spec_cost import SpecCost
 from engine.token_classes import BREAK, JOIN, OTHER, START, TokenClasses, in_context
 
-MODES = ("off", "lookup", "draft")
 PROBE_EVERY = 8  # steps between one-draft probes while drafts are measured not to pay
 # EMA weight of a draft's outcome in the acceptance rates: the latest outcomes weigh most
 # (copying comes in runs); with the draft classes judging breaks apart, 0.6 replayed best
 # of 0.1-0.9 (0.15 did before the classes: a lone hit in a paraphrase restarted drafting)
 ACCEPT_WEIGHT = 0.6
-
-
-@dataclass(slots=True)
-class SpecConfig:
-    """Speculative decoding settings (`EngineConfig.speculate`)."""
-
-    mode: str = "off"  # "off", "lookup" or "draft" (a `DraftModel` proposes)
-    max_draft: int = 6  # drafts verified per sequence and step at most
-    # shortest suffix n-gram a lookup matches on: one token (a name's first piece) already
-    # finds spans worth copying; whether its guesses pay is measured like any other's
-    min_ngram: int = 1
-    max_ngram: int = 4
-    fixed: int | None = None  # verify this many drafts every step, unmeasured (A/B, tests)
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"speculate must be one of {', '.join(MODES)}")
-        if not 1 <= self.max_draft <= 16:
-            raise ValueError("max_draft must be in 1..16")
-        if not 1 <= self.min_ngram <= self.max_ngram <= 8:
-            raise ValueError("need 1 <= min_ngram <= max_ngram <= 8")
 
 
 @dataclass(slots=True)
@@ -260,20 +239,27 @@ class Speculator:
             if end is not None or len(r.draft) < len(drafts.get(r.request_id, ())):
                 self.shadow_next.pop(r.request_id, None)  # cut, or nothing after its end
 
+    def judge(self, seq: int, draft: Sequence[int], accepted: int, after: int | None) -> None:
+        """A step of ``seq`` verified ``draft`` (maybe none), ``accepted`` of them held, and
+        its own token was ``after`` (None: not known): the rates learn from it (and from
+        the unverified `shadow` guess of a step without drafts)."""
+        guess = self.shadow.pop(seq, None)
+        if not draft:
+            if guess is not None and after is not None:
+                self.observe(seq, 1, int(guess == after))
+            return
+        # drafts after the first rejected one were never tried: the rate is per tried draft
+        self.observe(seq, accepted + (accepted < len(draft)), accepted, after)
+
     def settle(self, req: Request, tokens: list[int]) -> None:
         """A step of ``req`` gave ``tokens``: its drafts that held, then one of its own."""
-        token, accepted = tokens[0], len(tokens) - 1
-        guess = self.shadow.pop(req.request_id, None)
+        accepted = len(tokens) - 1
+        self.judge(req.request_id, req.draft, accepted, tokens[-1])
         if not req.draft:
-            if guess is not None:
-                self.observe(req.request_id, 1, int(guess == token))
             return
         s = req.stats
         s.spec_proposed += len(req.draft)
         s.spec_accepted += accepted
-        # drafts after the first rejected one were never tried: the rate is per tried draft
-        self.observe(req.request_id, accepted + (accepted < len(req.draft)), accepted,
-                     tokens[-1])
         if self.recorder is not None:
             self.recorder.spec_proposed += len(req.draft)
             self.recorder.spec_accepted += accepted

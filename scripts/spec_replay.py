@@ -80,12 +80,7 @@ def policy(data, cost: float, max_new: int = 64,
             a = 0
             while a < len(draft) and i + a < len(answer) and draft[a] == answer[i + a]:
                 a += 1
-            guess = sp.shadow.pop(seq, None)
-            if draft:  # the engine's `settle`: the token after all-held drafts is known too
-                sp.observe(seq, a + (a < len(draft)), a,
-                           answer[i + a] if i + a < len(answer) else None)
-            elif guess is not None:
-                sp.observe(seq, 1, int(guess == answer[i]))
+            sp.judge(seq, draft, a, answer[i + a] if i + a < len(answer) else None)
             n = min(a + 1, len(answer) - i)
             ids += answer[i:i + n]
             i += n
